@@ -1,0 +1,103 @@
+"""A real uvicorn server on a free port, real profiling child processes, a real SQLite file."""
+
+import httpx
+import pytest
+
+from tula_service.client import TulaClient
+from tula_service.specfile import load_spec_file
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = REPO / "configs" / "example_small_cnn.yaml"
+
+
+@pytest.fixture(scope="module")
+def finished_job(live_server):
+    spec = load_spec_file(EXAMPLE)
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec, timeout=30)
+    assert response.status_code == 202
+    job = response.json()
+    assert response.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["state"] == "queued" and job["progress"] == {"points_done": 0, "points_total": 5, "points_failed": 0}
+    with TulaClient(live_server.url) as client:
+        final = client.wait(job["id"], poll_s=0.5, timeout_s=600)
+        return final, client.recommendation(job["id"]), spec
+
+
+def test_job_finishes_with_every_point_measured(finished_job):
+    job, _, _ = finished_job
+    assert job["state"] == "done", job["error"]
+    assert job["progress"] == {"points_done": 5, "points_total": 5, "points_failed": 0}
+    assert [p["batch_size"] for p in job["points"]] == [8, 16, 32, 64, 128]
+
+
+def test_measured_memory_grows_with_batch_size(finished_job):
+    _, rec, _ = finished_job
+    measured = {
+        row["device_batch"]: row["memory_bytes"]["value"]
+        for row in rec["candidates"]
+        if row["memory_bytes"]["source"] == "measured"
+    }
+    assert sorted(measured) == [8, 16, 32, 64, 128]
+    values = [measured[b] for b in sorted(measured)]
+    assert all(a < b for a, b in zip(values, values[1:]))
+    assert rec["models"]["memory"]["r2"] > 0.999
+
+
+def test_knee_lies_inside_the_profiled_range_and_on_the_front(finished_job):
+    _, rec, spec = finished_job
+    chosen = rec["chosen"]
+    assert rec["objective"] == "knee" and rec["knee"]["global_batch"] == chosen["global_batch"]
+    assert spec["batch_sizes"]["min"] <= chosen["device_batch"] <= spec["batch_sizes"]["max"]
+    assert chosen["pareto"]
+
+
+def test_every_candidate_has_a_time_and_a_cost(finished_job):
+    _, rec, _ = finished_job
+    assert len(rec["candidates"]) == 5 * 4 * 4  # device batches x device counts (1,2,4,8) x accumulation
+    for row in rec["candidates"]:
+        assert row["total_time_s"]["value"] > 0 and row["cost_usd"]["value"] > 0
+
+
+def test_job_list_shows_the_job_and_its_choice(live_server, finished_job):
+    job, rec, _ = finished_job
+    listed = httpx.get(f"{live_server.url}/v1/jobs").json()
+    mine = [j for j in listed["jobs"] if j["id"] == job["id"]][0]
+    assert mine["chosen"]["global_batch"] == rec["chosen"]["global_batch"]
+
+
+def test_bad_spec_is_422_with_the_field_path(live_server):
+    spec = load_spec_file(EXAMPLE)
+    spec["batch_sizes"] = [8, 0]
+    spec["pricing"]["price"] = -1
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec)
+    assert response.status_code == 422
+    locations = {tuple(error["loc"]) for error in response.json()["detail"]}
+    assert ("body", "batch_sizes", 1) in locations and ("body", "pricing", "price") in locations
+
+
+def test_unknown_model_is_422_listing_the_catalog(live_server):
+    spec = {**load_spec_file(EXAMPLE), "model": "resnet5"}
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec)
+    assert response.status_code == 422
+    assert "known: resnet18, small_cnn" in response.json()["detail"][0]["msg"]
+
+
+def test_unknown_job_is_404(live_server):
+    assert httpx.get(f"{live_server.url}/v1/jobs/nope").status_code == 404
+    assert httpx.get(f"{live_server.url}/v1/jobs/nope/recommendation").status_code == 404
+
+
+def test_recommendation_of_an_unfinished_job_is_409_with_progress(make_server):
+    server = make_server()  # its own server, so the job is certainly still queued or profiling
+    spec = load_spec_file(EXAMPLE)
+    job = httpx.post(f"{server.url}/v1/jobs", json=spec).json()
+    response = httpx.get(f"{server.url}/v1/jobs/{job['id']}/recommendation")
+    assert response.status_code == 409 and "/5 points" in response.json()["detail"]
+
+
+def test_first_start_on_an_empty_database_submits_the_example(make_server):
+    server = make_server("--seed-example", str(EXAMPLE))
+    jobs = httpx.get(f"{server.url}/v1/jobs").json()
+    assert jobs["total"] == 1 and jobs["jobs"][0]["name"] == "small-cnn-example"

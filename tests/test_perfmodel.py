@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+
+from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel, NoiseScaleModel, RingAllReduce
+from tula_service.perfmodel.validation import leave_one_out_relative_errors
+
+BATCHES = np.array([8, 16, 32, 64, 128], dtype=float)
+
+
+def test_memory_model_recovers_static_and_per_sample_bytes():
+    model = MemoryModel().fit(BATCHES, 5e8 + 2e6 * BATCHES)
+    assert model.static_bytes_ == pytest.approx(5e8)
+    assert model.act_bytes_per_sample_ == pytest.approx(2e6)
+    assert model.r2_ == pytest.approx(1.0)
+
+
+def test_max_device_batch_respects_capacity_and_margin():
+    model = MemoryModel().fit(BATCHES, 1e9 + 1e7 * BATCHES)
+    # usable = 10 GB * 0.95 - 1 GB = 8.5 GB -> 850 samples
+    assert model.max_device_batch(10e9, margin=0.05) == 850
+    assert model.max_device_batch(0.5e9) == 0
+
+
+def test_compute_model_recovers_line_and_never_goes_negative():
+    model = ComputeModel().fit(BATCHES, 0.02 + 0.003 * BATCHES)
+    assert (model.alpha_s_, model.beta_s_per_sample_) == pytest.approx((0.02, 0.003))
+    falling = ComputeModel().fit(BATCHES, 1.0 - 0.001 * BATCHES)  # noise that "decreases" with batch
+    assert falling.beta_s_per_sample_ >= 0 and falling.alpha_s_ >= 0
+
+
+def test_ring_all_reduce_matches_the_formula():
+    ring = RingAllReduce(gradient_bytes=1e9, bandwidth_gbps=80, latency_s=1e-5)
+    expected = 2 * 7 * 1e-5 + 2 * 7 / 8 * 1e9 / 10e9
+    assert ring.predict(8) == pytest.approx(expected)
+    assert ring.predict(1) == 0.0
+
+
+def test_noise_scale_recovered_from_exact_grad_norms():
+    noise = NoiseScaleModel().fit(BATCHES, 2.0 + 500.0 / BATCHES)
+    assert noise.informative_
+    assert noise.noise_scale_ == pytest.approx(250.0)
+
+
+def test_noise_scale_is_not_informative_when_signal_vanishes():
+    noise = NoiseScaleModel().fit(BATCHES, -0.1 + 500.0 / BATCHES)
+    assert not noise.informative_ and noise.noise_scale_ is None
+
+
+def test_epoch_model_is_calibrated_by_the_reference_run():
+    epochs = EpochModel(reference_batch=256, reference_epochs=30, noise_scale=256)
+    assert epochs.predict(256) == pytest.approx(30)
+    assert epochs.min_epochs == pytest.approx(15)
+    assert epochs.predict(1024) == pytest.approx(15 * 5)
+
+
+def test_epoch_model_without_noise_scale_keeps_reference_steps_beyond_reference_batch():
+    assert list(EpochModel(32, 10, None).predict(np.array([8, 32, 128]))) == [10, 10, 40]
+
+
+def test_leave_one_out_is_zero_on_an_exact_line_and_positive_on_a_curve():
+    assert max(leave_one_out_relative_errors(MemoryModel, BATCHES, 3 + 2 * BATCHES)) < 1e-9
+    assert max(leave_one_out_relative_errors(MemoryModel, BATCHES, BATCHES**2)) > 0.1

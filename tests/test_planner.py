@@ -1,0 +1,131 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tula_service.planner import pareto_mask
+from tula_service.recommend import NotEnoughMeasurements, plan
+from tula_service.spec import JobSpec
+from tests.handmade import measurement, oom, spec_dict
+
+BATCHES = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def _plan(spec_overrides=None, batches=BATCHES, **params):
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=batches, **(spec_overrides or {})))
+    return plan(spec, [measurement(b, **params) for b in batches])
+
+
+def test_known_lines_are_recovered_in_the_report():
+    rec = _plan(static_bytes=2e8, act_bytes_per_sample=3e6, alpha_s=0.05, beta_s_per_sample=0.002)
+    assert rec["models"]["memory"]["static_bytes"] == pytest.approx(2e8)
+    assert rec["models"]["memory"]["act_bytes_per_sample"] == pytest.approx(3e6)
+    assert rec["models"]["compute"]["alpha_s"] == pytest.approx(0.05)
+    assert rec["models"]["compute"]["beta_s_per_sample"] == pytest.approx(0.002)
+    assert rec["models"]["compute"]["leave_one_out"]["max_rel_err"] < 1e-9
+
+
+def test_known_noise_scale_gives_the_known_knee():
+    # T_comp = alpha at any batch (so b = 1024 always), free communication, 64 devices, B_noise = 8192:
+    # along the front B = 1024 n and time ~ 1/B + 1/8192, cost ~ 1 + B/8192 -> knee near B_noise.
+    rec = _plan(
+        {"cluster": {"nodes": 8, "gpus_per_node": 8, "interconnect_gbps": 1000}},
+        batches=[512, 1024],
+        alpha_s=0.1,
+        beta_s_per_sample=0.0,
+        trace_sigma=8192.0,
+        gradient_bytes=4000,
+    )
+    assert rec["models"]["efficiency"]["noise_scale"]["value"] == pytest.approx(8192.0)
+    front = [rec["candidates"][i] for i in rec["pareto_front"]]
+    assert sorted(r["global_batch"] for r in front) == [1024 * n for n in (1, 2, 4, 8, 16, 32, 64)]
+    assert rec["knee"]["method"] == "kneedle"
+    assert 4096 <= rec["chosen"]["global_batch"] <= 16384
+    assert rec["chosen"]["global_batch"] == rec["knee"]["global_batch"] and rec["chosen"]["pareto"]
+
+
+def test_every_candidate_has_time_cost_and_source_labels():
+    rec = _plan({"cluster": {"nodes": 2, "gpus_per_node": 4}})
+    assert len(rec["candidates"]) == len(rec["search_space"]["device_batches"]) * 4 * 4
+    for row in rec["candidates"]:
+        for key in ("memory_bytes", "iter_time_s", "total_time_s", "cost_usd", "epochs"):
+            assert row[key]["value"] > 0
+            assert row[key]["source"] in ("measured", "predicted", "assumed")
+
+
+def test_measured_values_are_marked_measured_only_where_they_were_measured():
+    rec = _plan({"cluster": {"nodes": 1, "gpus_per_node": 2}}, batches=[8, 32, 128])
+    single = [r for r in rec["candidates"] if r["devices"] == 1 and r["accumulation"] == 1 and r["device_batch"] == 32][0]
+    assert single["iter_time_s"]["source"] == "measured" and single["memory_bytes"]["source"] == "measured"
+    unprofiled = [r for r in rec["candidates"] if r["device_batch"] == 16][0]
+    assert unprofiled["memory_bytes"]["source"] == "predicted"
+    multi = [r for r in rec["candidates"] if r["devices"] == 2 and r["device_batch"] == 32][0]
+    assert multi["iter_time_s"]["source"] == "predicted"
+
+
+def test_pareto_front_of_a_multi_gpu_cluster_trades_time_for_cost():
+    rec = _plan({"cluster": {"nodes": 2, "gpus_per_node": 8, "interconnect_gbps": 10}}, gradient_bytes=400_000_000, trace_sigma=1e5)
+    front = sorted((rec["candidates"][i] for i in rec["pareto_front"]), key=lambda r: r["total_time_s"]["value"])
+    assert len(front) >= 3
+    costs = [r["cost_usd"]["value"] for r in front]
+    assert costs == sorted(costs, reverse=True)  # faster costs more along the front
+    assert rec["chosen"]["pareto"]
+
+
+def test_min_time_and_min_cost_bracket_the_knee():
+    overrides = {"cluster": {"nodes": 2, "gpus_per_node": 8, "interconnect_gbps": 10}}
+    picks = {
+        objective: _plan({**overrides, "objective": objective}, gradient_bytes=400_000_000, trace_sigma=1e5)["chosen"]
+        for objective in ("knee", "min_time", "min_cost")
+    }
+    time = {k: v["total_time_s"]["value"] for k, v in picks.items()}
+    cost = {k: v["cost_usd"]["value"] for k, v in picks.items()}
+    assert time["min_time"] <= time["knee"] <= time["min_cost"]
+    assert cost["min_cost"] <= cost["knee"] <= cost["min_time"]
+
+
+def test_memory_limit_and_oom_points_exclude_large_device_batches():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, cluster={"device_memory_gib": 1.0}))
+    measurements = [measurement(b, static_bytes=2e8, act_bytes_per_sample=2e6) for b in BATCHES[:-1]] + [oom(1024)]
+    rec = plan(spec, measurements)
+    # (1 GiB * 0.95 - 0.2 GB) / 2 MB = 410 samples: 512 does not fit; 1024 went out of memory
+    assert rec["search_space"]["max_device_batch"]["value"] == 410
+    assert max(r["device_batch"] for r in rec["candidates"]) == 256
+    assert rec["profiled"]["oom_batches"] == [1024]
+
+
+def test_memory_gb_hour_pricing_charges_for_memory_used():
+    rec = _plan({"pricing": {"kind": "memory_gb_hour", "price": 0.15}})
+    row = rec["candidates"][0]
+    expected = row["total_time_s"]["value"] / 3600 * row["devices"] * row["memory_bytes"]["value"] / 2**30 * 0.15
+    assert row["cost_usd"]["value"] == pytest.approx(expected)
+
+
+def test_without_informative_noise_scale_epochs_are_assumed_and_conservative():
+    rec = _plan(true_grad_sq_norm=-0.5)  # reference run: 10 epochs at batch 32
+    assert rec["models"]["efficiency"]["source"] == "assumed"
+    epochs = {r["global_batch"]: r["epochs"]["value"] for r in rec["candidates"]}
+    assert epochs[16] == 10.0 and epochs[32] == 10.0 and epochs[128] == 40.0
+    assert all(r["epochs"]["source"] == "assumed" for r in rec["candidates"])
+
+
+def test_fewer_than_two_usable_points_is_a_clear_error():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16]))
+    with pytest.raises(NotEnoughMeasurements, match="out of memory at \\[16\\]"):
+        plan(spec, [measurement(8), oom(16)])
+
+
+def test_plan_is_a_pure_function_of_its_inputs():
+    assert _plan() == _plan()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 100), st.floats(0.1, 100)), min_size=1, max_size=60))
+def test_pareto_set_is_non_dominated_and_covers_every_other_point(points):
+    time_s, cost = (np.array(v) for v in zip(*points))
+    mask = pareto_mask(time_s, cost)
+    for i in np.flatnonzero(mask):
+        dominated_by = (time_s <= time_s[i]) & (cost <= cost[i]) & ((time_s < time_s[i]) | (cost < cost[i]))
+        assert not dominated_by.any()
+    for j in np.flatnonzero(~mask):
+        assert ((time_s[mask] <= time_s[j]) & (cost[mask] <= cost[j])).any()

@@ -1,0 +1,56 @@
+import pydantic
+import pytest
+
+from tula_service.spec import JobSpec
+from tests.handmade import spec_dict
+
+
+def _errors(spec: dict) -> dict[tuple, str]:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        JobSpec.model_validate(spec)
+    return {error["loc"]: error["msg"] for error in caught.value.errors()}
+
+
+def test_example_spec_is_valid_and_batches_are_sorted_unique():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[64, 8, 8, 32]))
+    assert spec.batch_sizes == [8, 32, 64]
+
+
+def test_batch_range_expands_to_powers_of_two_and_its_ends():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes={"min": 6, "max": 100}))
+    assert spec.batch_sizes == [6, 8, 16, 32, 64, 100]
+
+
+def test_zero_batch_names_the_list_position():
+    assert ("batch_sizes", 1) in _errors(spec_dict(batch_sizes=[8, 0]))
+
+
+def test_reversed_batch_range_is_rejected():
+    assert "must be <= max" in _errors(spec_dict(batch_sizes={"min": 64, "max": 8}))[("batch_sizes",)]
+
+
+def test_single_batch_size_is_not_enough_to_fit_a_line():
+    assert "at least 2" in _errors(spec_dict(batch_sizes=[32, 32]))[("batch_sizes",)]
+
+
+def test_negative_price_names_the_field():
+    assert ("pricing", "price") in _errors(spec_dict(pricing={"price": -1}))
+
+
+def test_unknown_model_lists_the_known_ones():
+    message = _errors(spec_dict(model="resnet5"))[("model",)]
+    assert "'resnet5' is not in the catalog" in message and "resnet18" in message and "small_cnn" in message
+
+
+def test_unknown_dataset_lists_the_known_ones():
+    message = _errors(spec_dict(dataset={"name": "imagenet"}))[("dataset", "name")]
+    assert "synthetic_images" in message
+
+
+def test_unknown_field_is_rejected_not_ignored():
+    assert ("objectiv",) in _errors({**spec_dict(), "objectiv": "knee"})
+
+
+def test_unknown_objective_and_pricing_kind():
+    errors = _errors(spec_dict(objective="fastest", pricing={"kind": "spot"}))
+    assert ("objective",) in errors and ("pricing", "kind") in errors

@@ -1,0 +1,5 @@
+import sys
+
+from tula_service.cli import main
+
+sys.exit(main())
