@@ -1,36 +1,61 @@
-"""Datasets by catalog name (torch side). Generated on the fly; nothing is downloaded.
-
-`synthetic_images`: x ~ N(0, 1) of shape (channels, size, size); the label is the argmax of a fixed
-random linear "teacher" applied to the 4x4 average-pooled image, so the task is learnable and the
-gradient has a real signal component (the noise scale is finite), not pure label noise.
-"""
+"""Datasets by catalog name (torch side). Generated, bundled in a package, or read from a worker path;
+nothing is downloaded. Every dataset is a `BatchSource`."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import Protocol
 
+import torch
+
+from models.datasets_bundled import MNIST1D, Digits
+from models.datasets_files import ImageFolderSource, TokenFile
+from models.datasets_synthetic import SyntheticImages, SyntheticTokens
 from models.registry import DATASETS, unknown_name_message
 
 
-class SyntheticImages:
-    def __init__(self, *, channels: int, image_size: int, num_classes: int, seed: int = 0):
-        self.channels = channels
-        self.image_size = image_size
-        self.num_classes = num_classes
-        teacher_gen = torch.Generator().manual_seed(10_000 + seed)
-        self._teacher = torch.randn(num_classes, channels * 16, generator=teacher_gen)
+class BatchSource(Protocol):
+    input_kind: str  # "image" | "signal1d" | "tokens"
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """What a model factory needs to fit this data (see `models.zoo`)."""
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        images = torch.randn(
-            batch_size, self.channels, self.image_size, self.image_size, generator=generator
-        )
-        pooled = F.adaptive_avg_pool2d(images, 4).flatten(1)
-        labels = (pooled @ self._teacher.T).argmax(dim=1)
-        return images, labels
+        """(inputs, targets) on the CPU, a deterministic function of the generator's state."""
 
 
-def build_dataset(name: str, *, channels: int, image_size: int, num_classes: int, seed: int = 0):
+def dataset_fields(name: str, given: dict[str, object]) -> dict[str, object]:
+    """The dataset's fields with the catalog defaults filled in; unknown or missing-required fields are errors."""
+    info = DATASETS[name]
+    unknown = sorted(set(given) - set(info.fields))
+    if unknown:
+        accepted = ", ".join(sorted(info.fields)) or "none"
+        raise ValueError(f"fields {unknown} do not apply to dataset '{name}' (it takes: {accepted})")
+    missing = [field for field in info.required if given.get(field) is None]
+    if missing:
+        raise ValueError(f"dataset '{name}' needs the field(s) {', '.join(missing)}")
+    filled = {field: default for field, default in info.fields.items() if default is not None}
+    return {**filled, **{field: value for field, value in given.items() if value is not None}}
+
+
+def build_dataset(name: str, *, seed: int = 0, num_samples: int | None = None, **fields: object) -> BatchSource:
+    """A dataset by catalog name, e.g. `build_dataset("synthetic_images", channels=3, image_size=32, num_classes=10)`.
+
+    `seed` fixes generated structure (teachers, Markov chains); `num_samples` bounds what mnist1d generates.
+    """
     if name not in DATASETS:
         raise KeyError(unknown_name_message("dataset", name, DATASETS))
-    return SyntheticImages(channels=channels, image_size=image_size, num_classes=num_classes, seed=seed)
+    fields = dataset_fields(name, fields)
+    if name == "synthetic_images":
+        return SyntheticImages(**fields, seed=seed)
+    if name == "synthetic_tokens":
+        return SyntheticTokens(**fields, seed=seed)
+    if name == "digits":
+        return Digits(**fields)
+    if name == "mnist1d":
+        return MNIST1D(num_samples=num_samples)
+    if name == "image_folder":
+        return ImageFolderSource(**fields)
+    if name == "token_file":
+        return TokenFile(**fields)
+    raise KeyError(f"dataset '{name}' is in the catalog but has no builder on this worker")

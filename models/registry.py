@@ -1,19 +1,32 @@
-"""The workload catalog as plain data: names, descriptions and defaults.
+"""The workload catalog as plain data: names, descriptions, options, dataset fields and defaults.
 
 This module never imports torch, so the server can validate job specs against the catalog
-without the worker extras installed. The torch factories live in `models.zoo` and `models.data`.
+without the worker extras installed. The torch side lives in `models.zoo` (models), `models.data`
+(datasets) and `models.workload` (the one entry point the profiler calls).
+
+Input kinds (what a dataset gives and a model consumes):
+- "image":    float tensors (batch, channels, image_size, image_size), integer class labels (batch,)
+- "signal1d": float tensors (batch, length), integer class labels (batch,)
+- "tokens":   integer token ids (batch, seq_len), next-token targets (batch, seq_len)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import re
+from dataclasses import dataclass, field
+
+ALLOWED_MODULES_ENV = "TULA_ALLOWED_MODEL_MODULES"
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
     description: str
-    input_kind: str  # what the model consumes; "image" = (channels, size, size) tensors
+    input_kind: str
+    options: dict[str, object] = field(default_factory=dict)  # allowed model_options -> default
+    min_image_size: int = 1  # smallest square input side (pixels) the architecture can take
+    image_size_multiple: int = 1  # e.g. a ViT's patch size: the side must be a multiple of it
 
 
 @dataclass(frozen=True)
@@ -21,22 +34,110 @@ class DatasetInfo:
     name: str
     description: str
     input_kind: str
+    fields: dict[str, object] = field(default_factory=dict)  # spec fields besides name/num_samples -> default (None: none)
+    required: tuple[str, ...] = ()
+    fixed_num_samples: int | None = None  # the data set's own size, when it has one (then num_samples may be omitted)
 
+
+# Classification models built from torchvision by name (random init, `weights=None`). Each name is in
+# `torchvision.models.list_models(module=torchvision.models)` (a worker test checks it). Left out:
+# maxvit_t, whose window partition only fits inputs of 224 x 224 and multiples.
+TORCHVISION_CLASSIFIERS: tuple[str, ...] = (
+    "alexnet",
+    "convnext_tiny", "convnext_small", "convnext_base", "convnext_large",
+    "densenet121", "densenet161", "densenet169", "densenet201",
+    "efficientnet_b0", "efficientnet_b1", "efficientnet_b2", "efficientnet_b3",
+    "efficientnet_b4", "efficientnet_b5", "efficientnet_b6", "efficientnet_b7",
+    "efficientnet_v2_s", "efficientnet_v2_m", "efficientnet_v2_l",
+    "googlenet", "inception_v3",
+    "mnasnet0_5", "mnasnet0_75", "mnasnet1_0", "mnasnet1_3",
+    "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large",
+    "regnet_x_400mf", "regnet_x_800mf", "regnet_x_1_6gf", "regnet_x_3_2gf", "regnet_x_8gf",
+    "regnet_x_16gf", "regnet_x_32gf",
+    "regnet_y_400mf", "regnet_y_800mf", "regnet_y_1_6gf", "regnet_y_3_2gf", "regnet_y_8gf",
+    "regnet_y_16gf", "regnet_y_32gf", "regnet_y_128gf",
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
+    "wide_resnet50_2", "wide_resnet101_2",
+    "shufflenet_v2_x0_5", "shufflenet_v2_x1_0", "shufflenet_v2_x1_5", "shufflenet_v2_x2_0",
+    "squeezenet1_0", "squeezenet1_1",
+    "swin_t", "swin_s", "swin_b", "swin_v2_t", "swin_v2_s", "swin_v2_b",
+    "vgg11", "vgg11_bn", "vgg13", "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn",
+    "vit_b_16", "vit_b_32", "vit_l_16", "vit_l_32", "vit_h_14",
+)  # fmt: skip
+
+# Smallest input side that runs forward, probed on CPU at sides 8, 16, 24, 32, 48, 64, 75 (the first
+# that worked); families not listed take 8 (the probe's floor). Strided stems and floor-pooling make
+# every larger side work too.
+_TORCHVISION_MIN_SIDE = {
+    "alexnet": 64, "vgg": 32, "densenet": 32, "convnext": 32, "squeezenet": 24, "googlenet": 16, "inception_v3": 75,
+}  # fmt: skip
+
+
+def _torchvision_min_side(name: str) -> int:
+    return next((side for family, side in _TORCHVISION_MIN_SIDE.items() if name.startswith(family)), 8)
+
+
+def vit_patch_size(name: str) -> int | None:
+    """Patch side of a torchvision ViT name ("vit_b_16" -> 16), None for other models."""
+    match = re.fullmatch(r"vit_[a-z]_(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def _torchvision_info(name: str) -> ModelInfo:
+    patch = vit_patch_size(name)
+    size_rule = f"image_size a multiple of {patch}" if patch else f"image_size >= {_torchvision_min_side(name)}"
+    return ModelInfo(
+        name,
+        f"torchvision {name}, random init (no weights downloaded); first conv adapted to the channels; {size_rule}.",
+        "image",
+        min_image_size=patch or _torchvision_min_side(name),
+        image_size_multiple=patch or 1,
+    )
+
+
+_OWN_MODELS = (
+    ModelInfo(
+        "small_cnn",
+        "Two conv blocks and a linear head for small (e.g. 32x32) images; ~0.3M parameters.",
+        "image",
+        min_image_size=4,
+    ),
+    ModelInfo(
+        "resnet18_cifar",
+        "ResNet-18 for 32x32 images: 3x3 stride-1 stem, no max-pool (He et al. 2016, CIFAR setup); 11M parameters.",
+        "image",
+        min_image_size=4,
+    ),
+    ModelInfo(
+        "vgg11_cifar",
+        "VGG-11 with batch norm for 32x32 images: conv stack, global average pool, one linear layer; 9M parameters.",
+        "image",
+        min_image_size=32,
+    ),
+    ModelInfo(
+        "mlp1d",
+        "MLP for 1D signals (MNIST-1D baseline): length -> hidden -> hidden -> classes, ReLU.",
+        "signal1d",
+        options={"hidden": 100},
+    ),
+    ModelInfo(
+        "cnn1d",
+        "1D CNN for signals (MNIST-1D baseline): three strided Conv1d layers and a linear head.",
+        "signal1d",
+        options={"channels": 25},
+    ),
+    ModelInfo(
+        "gpt",
+        "GPT-style decoder-only transformer LM (pre-LayerNorm, causal self-attention, tied head);"
+        " seq_len and vocab_size come from the dataset; batch counted in sequences.",
+        "tokens",
+        options={"layers": 2, "width": 128, "heads": 4},
+    ),
+)
 
 MODELS: dict[str, ModelInfo] = {
-    info.name: info
-    for info in (
-        ModelInfo(
-            "small_cnn",
-            "Two conv blocks and a linear head for small (e.g. 32x32) images; ~0.3M parameters.",
-            "image",
-        ),
-        ModelInfo(
-            "resnet18",
-            "torchvision ResNet-18, random init (no weights downloaded), any input size >= 32.",
-            "image",
-        ),
-    )
+    info.name: info for info in (*_OWN_MODELS, *(_torchvision_info(name) for name in TORCHVISION_CLASSIFIERS))
 }
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -44,14 +145,96 @@ DATASETS: dict[str, DatasetInfo] = {
     for info in (
         DatasetInfo(
             "synthetic_images",
-            "Gaussian images with labels from a fixed random teacher (learnable, generated, no download);"
-            " shape from the spec: channels, image_size, num_classes.",
+            "Gaussian images with labels from a fixed random teacher (learnable, generated, no download).",
             "image",
+            fields={"channels": 3, "image_size": 32, "num_classes": 10},
+        ),
+        DatasetInfo(
+            "synthetic_tokens",
+            "Token sequences from a fixed random sparse Markov chain (learnable, generated, no download);"
+            " input = tokens[:-1], target = tokens[1:].",
+            "tokens",
+            fields={"vocab_size": 256, "seq_len": 64},
+        ),
+        DatasetInfo(
+            "digits",
+            "scikit-learn's bundled handwritten digits: 1797 grayscale 8x8 images, 10 classes (real data, no download);"
+            " resized to image_size.",
+            "image",
+            fields={"image_size": 8},
+            fixed_num_samples=1797,
+        ),
+        DatasetInfo(
+            "mnist1d",
+            "MNIST-1D (Greydanus 2020): length-40 signals of 10 classes, generated offline by the mnist1d package"
+            " (at most 5000 generated; more samples are drawn from those).",
+            "signal1d",
+        ),
+        DatasetInfo(
+            "image_folder",
+            "Images on the worker in ImageFolder layout (path/<class>/<image>); one class per folder;"
+            " loaded with PIL and resized to image_size.",
+            "image",
+            fields={"path": None, "image_size": 32, "channels": 3},
+            required=("path",),
+        ),
+        DatasetInfo(
+            "token_file",
+            "Token ids in a file on the worker: a .bin file holds uint16 ids (nanoGPT layout; vocab_size given"
+            " or max id + 1), any other file is raw bytes (vocab 256); random windows of seq_len + 1 tokens.",
+            "tokens",
+            fields={"path": None, "seq_len": 64, "vocab_size": None},
+            required=("path",),
         ),
     )
 }
 
 
 def unknown_name_message(kind: str, name: str, known: dict[str, object]) -> str:
-    """The error a user can act on: what was asked for and what exists."""
-    return f"{kind} '{name}' is not in the catalog; known: {', '.join(sorted(known))}"
+    """The error a user can act on: what was asked for, the nearest names, and what exists."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"{kind} '{name}' is not in the catalog{hint}; known: {', '.join(sorted(known))}"
+
+
+_USER_MODEL_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def is_user_model_ref(name: str) -> bool:
+    """True for a "package.module:factory" reference to a model outside the catalog."""
+    return _USER_MODEL_REF.fullmatch(name) is not None
+
+
+def user_model_allowed(ref: str, allowed_prefixes: list[str]) -> bool:
+    """Whether the module of `ref` is under one of the allowlisted module prefixes.
+
+    A prefix matches whole dotted components: "acme" allows "acme" and "acme.models", not "acme_evil".
+    """
+    module = ref.split(":", 1)[0]
+    for prefix in (p.strip().rstrip(".") for p in allowed_prefixes):
+        if prefix and (module == prefix or module.startswith(prefix + ".")):
+            return True
+    return False
+
+
+def compatible(model_name: str, dataset_name: str) -> bool:
+    """A catalog model fits a dataset when both have the same input kind; user models always may try."""
+    if dataset_name not in DATASETS:
+        raise KeyError(unknown_name_message("dataset", dataset_name, DATASETS))
+    if is_user_model_ref(model_name):
+        return True
+    if model_name not in MODELS:
+        raise KeyError(unknown_name_message("model", model_name, MODELS))
+    return MODELS[model_name].input_kind == DATASETS[dataset_name].input_kind
+
+
+def image_size_problem(model_name: str, image_size: int) -> str | None:
+    """Why a catalog image model cannot take `image_size` x `image_size` inputs, or None when it can."""
+    info = MODELS.get(model_name)
+    if info is None or info.input_kind != "image":
+        return None
+    if image_size % info.image_size_multiple:
+        return f"model '{model_name}' needs image_size to be a multiple of {info.image_size_multiple} (got {image_size})"
+    if image_size < info.min_image_size:
+        return f"model '{model_name}' needs image_size >= {info.min_image_size} (got {image_size})"
+    return None

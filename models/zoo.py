@@ -1,49 +1,86 @@
-"""Model factories by catalog name (torch side; random init, nothing downloaded)."""
+"""Models by catalog name or user reference (torch side; random init, nothing downloaded).
+
+A factory is called as `factory(**model_options, **shape)`, where `shape` is what the dataset gives:
+- image datasets:    in_channels, image_size, num_classes
+- signal1d datasets: length, num_classes
+- token datasets:    vocab_size, seq_len
+User models ("package.module:factory", allowlisted) are called the same way and must return an nn.Module.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+import importlib
+from typing import Callable
+
 from torch import nn
 
-from models.registry import MODELS, unknown_name_message
+from models.gpt import GPT
+from models.registry import (
+    ALLOWED_MODULES_ENV,
+    MODELS,
+    TORCHVISION_CLASSIFIERS,
+    is_user_model_ref,
+    unknown_name_message,
+    user_model_allowed,
+)
+from models.signal1d import CNN1d, MLP1d
+from models.vision import SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
 
+ModelFactory = Callable[..., nn.Module]
 
-class SmallCNN(nn.Module):
-    """conv(32) -> pool -> conv(64) -> pool -> linear: a CIFAR-sized workload that profiles in seconds."""
-
-    def __init__(self, in_channels: int, image_size: int, num_classes: int):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        side = image_size // 4
-        self.head = nn.Linear(64 * side * side, num_classes)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(self.features(images), 1))
-
-
-def _resnet18(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
-    from torchvision.models import resnet18
-
-    model = resnet18(weights=None, num_classes=num_classes)
-    if in_channels != 3:
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-    return model
-
-
-_FACTORIES = {
+_FACTORIES: dict[str, ModelFactory] = {
     "small_cnn": SmallCNN,
-    "resnet18": _resnet18,
+    "resnet18_cifar": resnet18_cifar,
+    "vgg11_cifar": VGG11Cifar,
+    "mlp1d": MLP1d,
+    "cnn1d": CNN1d,
+    "gpt": GPT,
+    **{name: functools.partial(torchvision_classifier, name) for name in TORCHVISION_CLASSIFIERS},
 }
 
 
-def build_model(name: str, *, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+def catalog_options(name: str, given: dict[str, object] | None) -> dict[str, object]:
+    """The model's options with defaults filled in; unknown options or wrong types are errors."""
+    defaults = MODELS[name].options
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        accepted = ", ".join(sorted(defaults)) or "none"
+        raise ValueError(f"model_options {unknown} do not apply to model '{name}' (it takes: {accepted})")
+    for option, value in given.items():
+        if isinstance(defaults[option], int) and isinstance(value, float) and value.is_integer():
+            given[option] = int(value)
+        elif type(value) is not type(defaults[option]):
+            expected = type(defaults[option]).__name__
+            raise ValueError(f"model option '{option}' of '{name}' must be of type {expected} (got {value!r})")
+    return {**defaults, **given}
+
+
+def load_user_factory(ref: str, allowed_prefixes: list[str]) -> ModelFactory:
+    """Import the factory of a "package.module:factory" reference, if its module is allowlisted."""
+    module_name, _, factory_name = ref.partition(":")
+    if not user_model_allowed(ref, allowed_prefixes):
+        raise PermissionError(
+            f"user model module '{module_name}' is not allowlisted (importing it runs its code); the server "
+            f"operator can allow it with {ALLOWED_MODULES_ENV}={module_name} (comma-separated module prefixes)"
+        )
+    module = importlib.import_module(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ValueError(f"module '{module_name}' has no callable '{factory_name}' (from model '{ref}')")
+    return factory
+
+
+def build_model(
+    name: str, *, options: dict[str, object] | None = None, allowed_model_modules: list[str] | None = None, **shape: int
+) -> nn.Module:
+    """A random-init model for a dataset of the given shape (see the module docstring for the keys)."""
+    if is_user_model_ref(name):
+        model = load_user_factory(name, allowed_model_modules or [])(**(options or {}), **shape)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"user model factory '{name}' returned {type(model).__name__}, not a torch.nn.Module")
+        return model
     if name not in _FACTORIES:
         raise KeyError(unknown_name_message("model", name, MODELS))
-    return _FACTORIES[name](in_channels, image_size, num_classes)
+    return _FACTORIES[name](**catalog_options(name, options), **shape)

@@ -1,33 +1,37 @@
-"""One profiling point: a model at one per-device batch size, measured in this process.
+"""One profiling point: a workload at one per-device batch size, measured in this process.
 
-The caller (the server's executor) runs this in a child process (`python -m profiler.run_point`),
-so a crash or an out-of-memory here costs one point, never the server.
+The server's executor runs this in a child process (`python -m profiler.run_point`), so a crash or
+an out-of-memory costs one point, never the server. Measured per point:
 
-What is measured, per point:
-- iteration time of forward + backward + optimizer step: warm-up iterations discarded, then
-  `timed_iters` iterations; median, p10, p90 and coefficient of variation;
-- peak memory, split into static bytes and activation bytes (see `profiler.memory`);
-- squared gradient norms |g_b|^2 at the initial weights on `grad_draws` independent batches.
-  Because E|g_b|^2 = |G|^2 + tr(Sigma)/b (McCandlish et al. 2018, App. A), the server can fit
-  |G|^2 and tr(Sigma) across batch sizes and get the gradient noise scale B_simple = tr(Sigma)/|G|^2.
-  Every point uses the same seed, so the initial weights are the same at every batch size.
+- iteration time of data-to-device + forward + backward + optimizer step, per phase and in all
+  (`profiler.timing`: warm-up until settled, sampling until CV < target or a time cap);
+- memory split into static bytes (weights, gradients, optimizer state) and activation bytes, plus
+  the CUDA allocator's peaks and the device's own view through NVML (`profiler.memory`);
+- gradient noise scale and gradient variability with the two-batch estimator (`profiler.gradstats`),
+  on iterations of their own before timing (from the seeded weights, so they are reproducible),
+  so splitting a batch never distorts the timing;
+- the precision (fp32, bf16 or fp16 autocast) and memory layout (channels-last) it ran with.
+
+Out-of-memory is data: the record says "oom" and the batch is infeasible on this device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
 
-from models.data import build_dataset
-from models.zoo import build_model
-from profiler.memory import SavedActivationCounter, static_bytes
+from models.workload import Workload, build_workload
+from profiler.gradstats import GradientNoiseEstimator
+from profiler.memory import SavedActivationCounter, apply_memory_limit, cuda_memory, nvml_memory, static_bytes
+from profiler.timing import PhaseClock, TimingPolicy, time_iterations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_MICRO_BATCH = 2
 
 
 def pick_device(requested: str) -> torch.device:
@@ -36,140 +40,209 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def squared_grad_norm(model: nn.Module) -> float:
-    return float(sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None))
-
-
-def _summary(values_s: list[float]) -> dict[str, float]:
-    arr = np.asarray(values_s, dtype=float)
-    mean = float(arr.mean())
-    return {
-        "median_s": float(np.median(arr)),
-        "p10_s": float(np.percentile(arr, 10)),
-        "p90_s": float(np.percentile(arr, 90)),
-        "mean_s": mean,
-        "cv": float(arr.std(ddof=1) / mean) if arr.size > 1 and mean > 0 else 0.0,
-        "count": int(arr.size),
-    }
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
         return True
     text = str(error).lower()
-    return "out of memory" in text or "can't allocate" in text or "cannot allocate" in text
+    return any(marker in text for marker in ("out of memory", "can't allocate", "cannot allocate", "std::bad_alloc"))
+
+
+def squared_grad_norm(model: torch.nn.Module, scale: float = 1.0) -> float:
+    total = sum(p.grad.detach().float().pow(2).sum() for p in model.parameters() if p.grad is not None)
+    return float(total) / scale**2
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, sgd")
 
 
 def profile_point(request: dict[str, Any]) -> dict[str, Any]:
-    """Measure one batch size. `request` keys: model, dataset{name, channels, image_size, num_classes},
-    batch_size, warmup_iters, timed_iters, grad_draws, device, seed, lr."""
+    """Measure one batch size; see `tula_service.jobs.point_request` for the request's keys."""
     device = pick_device(request.get("device", "auto"))
-    batch_size = int(request["batch_size"])
+    started = time.perf_counter()
     base = {
         "schema_version": SCHEMA_VERSION,
-        "batch_size": batch_size,
+        "kind": "compute",
+        "batch_size": int(request["batch_size"]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
+        "options": {
+            "dtype": request.get("dtype", "fp32"),
+            "channels_last": bool(request.get("channels_last", False)),
+            "optimizer": request.get("optimizer", "sgd"),
+        },
     }
     try:
-        return {**base, "status": "ok", **_measure(request, device, batch_size)}
+        record = {**base, "status": "ok", **_measure(request, device)}
     except Exception as error:  # noqa: BLE001 - an OOM is data; anything else is re-raised
         if not is_out_of_memory(error):
             raise
-        return {**base, "status": "oom", "error": f"{type(error).__name__}: {str(error)[:500]}"}
+        record = {**base, "status": "oom", "error": f"{type(error).__name__}: {str(error)[:500]}"}
+    record["elapsed_s"] = time.perf_counter() - started
+    return record
 
 
-def _measure(request: dict[str, Any], device: torch.device, batch_size: int) -> dict[str, Any]:
+class _Trainer:
+    """One training step of a workload with the requested precision, layout and optimizer."""
+
+    def __init__(self, workload: Workload, request: dict[str, Any], device: torch.device):
+        self.workload = workload
+        self.device = device
+        self.channels_last = bool(request.get("channels_last", False)) and workload.input_kind == "image"
+        self.model = workload.model.to(device)
+        if self.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.optimizer = make_optimizer(request.get("optimizer", "sgd"), self.model.parameters(), float(request.get("lr", 0.01)))
+        dtype = request.get("dtype", "fp32")
+        self.autocast_dtype = AUTOCAST_DTYPES.get(dtype)
+        self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" and device.type == "cuda" else None
+
+    def to_device(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = inputs.to(self.device, non_blocking=True)
+        if self.channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return inputs, targets.to(self.device, non_blocking=True)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return self.workload.loss_fn(self.model(inputs), targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> None:
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    @property
+    def grad_scale(self) -> float:
+        return float(self.scaler.get_scale()) if self.scaler else 1.0
+
+
+def _timing_policy(request: dict[str, Any]) -> TimingPolicy:
+    policy = TimingPolicy()
+    policy.min_warmup_iters = int(request.get("warmup_iters", policy.min_warmup_iters))
+    policy.min_iters = int(request.get("timed_iters", policy.min_iters))
+    policy.target_cv = float(request.get("target_cv", policy.target_cv))
+    policy.time_cap_s = float(request.get("time_cap_s", policy.time_cap_s))
+    return policy
+
+
+def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    batch_size = int(request["batch_size"])
     seed = int(request.get("seed", 0))
-    dataset_spec = request["dataset"]
-    shape = dict(
-        in_channels=int(dataset_spec["channels"]),
-        image_size=int(dataset_spec["image_size"]),
-        num_classes=int(dataset_spec["num_classes"]),
-    )
     torch.manual_seed(seed)
-    model = build_model(request["model"], **shape).to(device)
-    dataset = build_dataset(
-        dataset_spec["name"],
-        channels=shape["in_channels"],
-        image_size=shape["image_size"],
-        num_classes=shape["num_classes"],
-        seed=seed,
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=float(request.get("lr", 0.01)), momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    workload = build_workload(request)
+    trainer = _Trainer(workload, request, device)
+    limit = apply_memory_limit(request.get("memory_limit_bytes"), device)
     data_gen = torch.Generator().manual_seed(seed + batch_size)
 
-    # Gradient statistics at the initial weights (identical across batch sizes: same seed).
-    grad_sq_norms = []
-    for _ in range(int(request.get("grad_draws", 4))):
-        images, labels = dataset.batch(batch_size, data_gen)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(images.to(device)), labels.to(device)).backward()
-        grad_sq_norms.append(squared_grad_norm(model))
+    # Gradient statistics first: they then start from the seeded weights whatever the timing does.
+    gradient = _gradient_statistics(trainer, workload, batch_size, data_gen, request)
+    host_batches = [workload.data.batch(batch_size, data_gen) for _ in range(2)]
+    iteration = {"index": 0}
 
-    # Two host batches, reused: generating data is not part of the training step being modelled.
-    host_batches = [dataset.batch(batch_size, data_gen) for _ in range(2)]
+    def timed_step(clock: PhaseClock) -> None:
+        inputs, targets = host_batches[iteration["index"] % 2]
+        iteration["index"] += 1
+        clock.mark()
+        inputs, targets = trainer.to_device(inputs, targets)
+        clock.mark()
+        loss = trainer.loss(inputs, targets)
+        clock.mark()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.backward(loss)
+        clock.mark()
+        trainer.step()
+        clock.mark()
 
-    def step(i: int) -> None:
-        images, labels = host_batches[i % 2]
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(images), labels).backward()
-        optimizer.step()
-
-    for i in range(int(request.get("warmup_iters", 3))):
-        step(i)
-    _synchronize(device)
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    timing = time_iterations(timed_step, device, _timing_policy(request))
+    memory = _memory(trainer, host_batches[0], device)
+    memory["limit"] = limit
+    params = list(trainer.model.parameters())
+    return {
+        "iter_time": timing.summary(),
+        "memory": memory,
+        "gradient": gradient,
+        "model": {
+            "parameter_count": int(sum(p.numel() for p in params)),
+            "gradient_bytes": int(sum(p.numel() * p.element_size() for p in params if p.requires_grad)),
+            "input_kind": workload.input_kind,
+            "tokens_per_sample": workload.tokens_per_sample,
+        },
+    }
 
-    iter_times_s = []
-    for i in range(int(request.get("timed_iters", 10))):
-        start = time.perf_counter()
-        step(i)
-        _synchronize(device)
-        iter_times_s.append(time.perf_counter() - start)
 
-    static = static_bytes(model, optimizer)
+def _memory(trainer: _Trainer, host_batch, device: torch.device) -> dict[str, Any]:
+    static = static_bytes(trainer.model, trainer.optimizer)
     static_total = sum(static.values())
-    counter = SavedActivationCounter(model)
-    images, labels = host_batches[0]
+    counter = SavedActivationCounter(trainer.model)
+    inputs, targets = trainer.to_device(*host_batch)
     with counter.hooks():
-        loss = loss_fn(model(images.to(device)), labels.to(device))
+        loss = trainer.loss(inputs, targets)
     del loss
-    memory = {
+    memory: dict[str, Any] = {
         "static_bytes": static_total,
         "static_breakdown_bytes": static,
         "activation_bytes": counter.bytes,
+        "cuda": cuda_memory(device),
+        "nvml": nvml_memory(device),
     }
     if device.type == "cuda":
-        memory["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        memory["peak_source"] = "torch.cuda.max_memory_allocated"
+        memory["peak_bytes"] = memory["cuda"]["max_allocated_bytes"]
+        memory["peak_source"] = "torch.cuda.max_memory_allocated over the timed iterations"
     else:
         memory["peak_bytes"] = static_total + counter.bytes
-        memory["peak_source"] = "static + saved-for-backward activations"
+        memory["peak_source"] = "static + saved-for-backward activations (de-duplicated by storage)"
+    return memory
 
-    param_count = sum(p.numel() for p in model.parameters())
-    return {
-        "iter_time": {**_summary(iter_times_s), "samples_s": iter_times_s},
-        "memory": memory,
-        "gradient": {
-            "grad_sq_norms_at_init": grad_sq_norms,
-            "grad_sq_norm_mean": float(np.mean(grad_sq_norms)),
-            "grad_sq_norm_sem": float(np.std(grad_sq_norms, ddof=1) / np.sqrt(len(grad_sq_norms)))
-            if len(grad_sq_norms) > 1
-            else None,
-        },
-        "model": {
-            "parameter_count": int(param_count),
-            "gradient_bytes": int(sum(p.numel() * p.element_size() for p in model.parameters())),
-        },
-    }
+
+def _gradient_statistics(trainer: _Trainer, workload: Workload, batch_size: int, data_gen, request) -> dict[str, Any] | None:
+    """k micro-batch gradients and their mean (the full-batch gradient) per iteration, then a step.
+
+    Micro-batches keep at least MIN_MICRO_BATCH samples (batch norm needs two values per channel),
+    so small batches use fewer micro-batches; below 2 x MIN_MICRO_BATCH there is no estimate.
+    """
+    iterations = int(request.get("grad_iters", 8))
+    microbatches = min(int(request.get("grad_microbatches", 4)), batch_size // MIN_MICRO_BATCH)
+    if microbatches < 2 or iterations < 1:
+        return None
+    micro_batch = batch_size // microbatches
+    estimator = GradientNoiseEstimator()
+    model = trainer.model
+    for _ in range(iterations):
+        inputs, targets = trainer.to_device(*workload.data.batch(micro_batch * microbatches, data_gen))
+        micro_sq_norms = []
+        summed = None
+        for index in range(microbatches):
+            piece = slice(index * micro_batch, (index + 1) * micro_batch)
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.backward(trainer.loss(inputs[piece], targets[piece]))
+            micro_sq_norms.append(squared_grad_norm(model, trainer.grad_scale))
+            grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
+            summed = grads if summed is None else [a + b if a is not None else None for a, b in zip(summed, grads)]
+        for param, total in zip(model.parameters(), summed):
+            param.grad = None if total is None else total / microbatches
+        full_sq_norm = squared_grad_norm(model, trainer.grad_scale)
+        estimator.update(micro_sq_norms, full_sq_norm, micro_batch, micro_batch * microbatches)
+        trainer.step()
+    return estimator.summary(micro_batch, micro_batch * microbatches)

@@ -51,3 +51,63 @@ class SavedActivationCounter:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+
+def cuda_memory(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's peaks since the last reset (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return {
+        "max_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "max_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+    }
+
+
+def nvml_memory(device: torch.device) -> dict[str, int] | None:
+    """The device's own total/used bytes via NVML: includes the CUDA context and communicators,
+    which the allocator does not see. None off CUDA or when NVML is unavailable."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            return {"total_bytes": int(info.total), "used_bytes": int(info.used)}
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as error:  # noqa: BLE001 - NVML is optional; say why it is missing
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _address_space_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmSize not found in /proc/self/status")
+
+
+def apply_memory_limit(limit_bytes: int | None, device: torch.device) -> dict | None:
+    """Emulate a device with `limit_bytes` of memory for the rest of this process.
+
+    CUDA: `torch.cuda.set_per_process_memory_fraction`. CPU: RLIMIT_AS set to the address space in
+    use now plus `limit_bytes`, so allocations beyond it genuinely fail (MemoryError / "can't
+    allocate"). Call it after the model is built: weights then count outside the limit.
+    """
+    if not limit_bytes:
+        return None
+    limit_bytes = int(limit_bytes)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+        return {"bytes": limit_bytes, "how": "torch.cuda.set_per_process_memory_fraction"}
+    import resource
+
+    in_use = _address_space_bytes()
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft = in_use + limit_bytes if hard == resource.RLIM_INFINITY else min(hard, in_use + limit_bytes)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return {"bytes": limit_bytes, "how": "RLIMIT_AS = address space in use + limit", "address_space_in_use_bytes": in_use}

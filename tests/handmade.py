@@ -38,11 +38,11 @@ def measurement(
     trace_sigma: float = 100.0,
     gradient_bytes: int = 4_000_000,
 ) -> dict[str, Any]:
-    """An exact point of M(b) = static + act b, T(b) = alpha + beta b, E|g_b|^2 = |G|^2 + tr/b."""
+    """An exact point of M(b) = static + act b, T(b) = alpha + beta b, and known |G|^2, tr(Sigma)."""
     iter_time_s = alpha_s + beta_s_per_sample * batch_size
-    grad_sq = true_grad_sq_norm + trace_sigma / batch_size
     return {
-        "schema_version": 1,
+        "schema_version": 2,
+        "kind": "compute",
         "status": "ok",
         "batch_size": batch_size,
         "device": "cpu",
@@ -52,10 +52,21 @@ def measurement(
             "static_bytes": static_bytes,
             "activation_bytes": act_bytes_per_sample * batch_size,
         },
-        "gradient": {"grad_sq_norm_mean": grad_sq, "grad_sq_norm_sem": 0.01 * grad_sq},
+        "gradient": {"true_grad_sq_norm": true_grad_sq_norm, "trace_sigma": trace_sigma, "iterations": 8},
         "model": {"parameter_count": gradient_bytes // 4, "gradient_bytes": gradient_bytes},
     }
 
 
 def oom(batch_size: int) -> dict[str, Any]:
-    return {"schema_version": 1, "status": "oom", "batch_size": batch_size, "error": "out of memory"}
+    return {"schema_version": 2, "kind": "compute", "status": "oom", "batch_size": batch_size, "error": "out of memory"}
+
+
+def comm_record(backend: str, latency_s: float, bandwidth_gbps: float) -> dict[str, Any]:
+    """An exact all-reduce benchmark record of a ring with the given link (profiler.comm's format)."""
+    points = []
+    for world_size in (2, 4):
+        for message_bytes in (1024, 65536, 4 * 2**20):
+            hops = 2 * (world_size - 1)
+            seconds = hops * latency_s + hops / world_size * message_bytes * 8 / (bandwidth_gbps * 1e9)
+            points.append({"world_size": world_size, "message_bytes": message_bytes, "median_s": seconds, "count": 10})
+    return {"schema_version": 1, "kind": "comm", "status": "ok", "backend": backend, "device": "x", "points": points}

@@ -20,7 +20,7 @@ def tula(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
 def test_submit_wait_prints_progress_and_the_recommendation_then_show_repeats_it(live_server):
     result = tula("submit", str(EXAMPLE), "--wait", "--poll-s", "0.5", "--server", live_server.url)
     assert result.returncode == 0, result.stderr
-    assert "5/5 points  done" in result.stdout
+    assert "6/6 points  done" in result.stdout
     assert "chosen: global batch" in result.stdout and "predicted total time" in result.stdout
     job_id = result.stdout.split("submitted job ")[1].split()[0]
     shown = tula("show", job_id, "--server", live_server.url)

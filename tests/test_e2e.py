@@ -19,7 +19,8 @@ def finished_job(live_server):
     assert response.status_code == 202
     job = response.json()
     assert response.headers["location"] == f"/v1/jobs/{job['id']}"
-    assert job["state"] == "queued" and job["progress"] == {"points_done": 0, "points_total": 5, "points_failed": 0}
+    # five batch sizes and, for the 8-device cluster, one all-reduce benchmark
+    assert job["state"] == "queued" and job["progress"] == {"points_done": 0, "points_total": 6, "points_failed": 0}
     with TulaClient(live_server.url) as client:
         final = client.wait(job["id"], poll_s=0.5, timeout_s=600)
         return final, client.recommendation(job["id"]), spec
@@ -28,8 +29,23 @@ def finished_job(live_server):
 def test_job_finishes_with_every_point_measured(finished_job):
     job, _, _ = finished_job
     assert job["state"] == "done", job["error"]
-    assert job["progress"] == {"points_done": 5, "points_total": 5, "points_failed": 0}
-    assert [p["batch_size"] for p in job["points"]] == [8, 16, 32, 64, 128]
+    assert job["progress"] == {"points_done": 6, "points_total": 6, "points_failed": 0}
+    assert [p["batch_size"] for p in job["points"] if p["kind"] == "grid"] == [8, 16, 32, 64, 128]
+    assert [p["kind"] for p in job["points"]].count("comm") == 1
+
+
+def test_all_reduce_benchmark_is_reported_next_to_the_spec_bandwidth(finished_job):
+    _, rec, _ = finished_job
+    network = rec["models"]["network"]
+    assert network["measured_link"]["backend"] == "gloo" and network["measured_link"]["bandwidth_gbps"] > 0
+    assert network["bandwidth_gbps"]["source"] == "spec"
+
+
+def test_noise_scale_was_measured_and_every_point_is_summarized(finished_job):
+    _, rec, _ = finished_job
+    assert rec["models"]["efficiency"]["source"] == "fitted"
+    assert rec["models"]["efficiency"]["noise_scale"]["value"] > 0
+    assert [p["batch_size"] for p in rec["profiled"]["points"]] == [8, 16, 32, 64, 128]
 
 
 def test_measured_memory_grows_with_batch_size(finished_job):
@@ -81,7 +97,8 @@ def test_unknown_model_is_422_listing_the_catalog(live_server):
     spec = {**load_spec_file(EXAMPLE), "model": "resnet5"}
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec)
     assert response.status_code == 422
-    assert "known: resnet18, small_cnn" in response.json()["detail"][0]["msg"]
+    message = response.json()["detail"][0]["msg"]
+    assert "'resnet5' is not in the catalog; did you mean" in message and "small_cnn" in message
 
 
 def test_unknown_job_is_404(live_server):
@@ -94,7 +111,7 @@ def test_recommendation_of_an_unfinished_job_is_409_with_progress(make_server):
     spec = load_spec_file(EXAMPLE)
     job = httpx.post(f"{server.url}/v1/jobs", json=spec).json()
     response = httpx.get(f"{server.url}/v1/jobs/{job['id']}/recommendation")
-    assert response.status_code == 409 and "/5 points" in response.json()["detail"]
+    assert response.status_code == 409 and "/6 points" in response.json()["detail"]
 
 
 def test_first_start_on_an_empty_database_submits_the_example(make_server):

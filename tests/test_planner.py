@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from tula_service.planner import pareto_mask
 from tula_service.recommend import NotEnoughMeasurements, plan
 from tula_service.spec import JobSpec
-from tests.handmade import measurement, oom, spec_dict
+from tests.handmade import comm_record, measurement, oom, spec_dict
 
 BATCHES = [8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -129,3 +129,21 @@ def test_pareto_set_is_non_dominated_and_covers_every_other_point(points):
         assert not dominated_by.any()
     for j in np.flatnonzero(~mask):
         assert ((time_s[mask] <= time_s[j]) & (cost[mask] <= cost[j])).any()
+
+
+def _plan_with_comm(backend: str):
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32], cluster={"gpus_per_node": 8}))
+    return plan(spec, [measurement(b) for b in (8, 16, 32)] + [comm_record(backend, 2e-5, 200.0)])
+
+
+def test_nccl_benchmark_replaces_the_spec_bandwidth():
+    network = _plan_with_comm("nccl")["models"]["network"]
+    assert network["bandwidth_gbps"] == {"value": pytest.approx(200.0), "source": "fitted"}
+    assert network["latency_s"]["value"] == pytest.approx(2e-5)
+
+
+def test_cpu_gloo_benchmark_is_reported_but_the_spec_bandwidth_is_used():
+    network = _plan_with_comm("gloo")["models"]["network"]
+    assert network["bandwidth_gbps"] == {"value": 100.0, "source": "spec"}
+    assert network["measured_link"]["bandwidth_gbps"] == pytest.approx(200.0)
+    assert "not the cluster's GPU interconnect" in network["note"]

@@ -32,18 +32,23 @@ class Job(Base):
     finished_at: Mapped[dt.datetime | None]
 
     points: Mapped[list[Point]] = relationship(
-        back_populates="job", order_by="Point.batch_size", cascade="all, delete-orphan"
+        back_populates="job", order_by="Point.id", cascade="all, delete-orphan"
     )
 
 
 class Point(Base):
-    """One profiling point: the job's model at one per-device batch size."""
+    """One profiling task of a job.
+
+    kind "grid": the model at one of the spec's batch sizes; "search": a probe of the bounded search
+    for the largest batch that fits (after an out-of-memory); "comm": the all-reduce benchmark.
+    """
 
     __tablename__ = "points"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
-    batch_size: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(8), default="grid")
+    batch_size: Mapped[int | None]
     state: Mapped[str] = mapped_column(String(16), index=True)  # queued|running|done|oom|failed
     attempts: Mapped[int] = mapped_column(default=0)
     measurement: Mapped[dict[str, Any] | None] = mapped_column(JSON)

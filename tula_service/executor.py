@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from tula_service.jobs import finish_job, point_request
+from tula_service.jobs import advance, comm_command_args, point_request
+from tula_service.db import Job, Point
 from tula_service.spec import JobSpec
 from tula_service.store import Store
 
@@ -31,6 +32,14 @@ def _kill_group(child: subprocess.Popen) -> None:
         os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _smaller_out_of_memory(job: Job, point: Point) -> int | None:
+    """A smaller batch of the same job that went out of memory: this one would too."""
+    if point.kind == "comm":
+        return None
+    smaller = [p.batch_size for p in job.points if p.state == "oom" and p.batch_size < point.batch_size]
+    return min(smaller) if smaller else None
 
 
 class LocalExecutor:
@@ -50,7 +59,7 @@ class LocalExecutor:
         if requeued:
             log.info("re-queued %d points left running by a previous server", requeued)
         for job_id in self.store.jobs_awaiting_fit():
-            finish_job(self.store, job_id)
+            advance(self.store, job_id)
         for index in range(self.workers):
             thread = threading.Thread(target=self._loop, name=f"tula-worker-{index}", daemon=True)
             thread.start()
@@ -76,25 +85,32 @@ class LocalExecutor:
                 self._wake.wait(self.poll_s)
                 self._wake.clear()
                 continue
-            self._run_point(point.id, point.job_id, point.batch_size)
-            if self.store.job_points_finished(point.job_id):
-                finish_job(self.store, point.job_id)
+            self._run_point(point)
+            advance(self.store, point.job_id)
 
-    def _run_point(self, point_id: int, job_id: str, batch_size: int) -> None:
-        job = self.store.get_job(job_id)
-        spec = JobSpec.model_validate(job.spec)
+    def _command(self, point: Point, job: Job) -> list[str]:
+        if point.kind == "comm":
+            return [self.python, "-m", "profiler.comm", *comm_command_args(job)]
+        request = point_request(JobSpec.model_validate(job.spec), point.batch_size)
+        return [self.python, "-m", "profiler.run_point", "--request", json.dumps(request)]
+
+    def _run_point(self, point: Point) -> None:
+        job = self.store.get_job(point.job_id)
+        smaller_oom = _smaller_out_of_memory(job, point)
+        if smaller_oom is not None:
+            reason = f"not run: batch {smaller_oom} already ran out of memory on this device"
+            record = {"kind": "compute", "status": "oom", "batch_size": point.batch_size, "inferred": True, "error": reason}
+            self.store.finish_point(point.id, "oom", record, reason, 0.0)
+            return
+        timeout_s = JobSpec.model_validate(job.spec).profiling.timeout_s
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="tula-point-") as workdir:
             out_path = Path(workdir) / "measurement.json"
-            command = [
-                self.python, "-m", "profiler.run_point",
-                "--request", json.dumps(point_request(spec, batch_size)),
-                "--out", str(out_path),
-            ]  # fmt: skip
-            state, measurement, error = self._run_child(command, out_path, spec.profiling.timeout_s)
+            command = [*self._command(point, job), "--out", str(out_path)]
+            state, measurement, error = self._run_child(command, out_path, timeout_s)
         if self._stopping.is_set() and state == "failed":
             return  # interrupted by shutdown: left "running", re-queued at the next start
-        self.store.finish_point(point_id, state, measurement, error, time.monotonic() - started)
+        self.store.finish_point(point.id, state, measurement, error, time.monotonic() - started)
 
     def _run_child(self, command: list[str], out_path: Path, timeout_s: float) -> tuple[str, dict | None, str | None]:
         # Own process group, so a kill also reaches anything the child started (data loader workers).
@@ -118,4 +134,6 @@ class LocalExecutor:
         measurement = json.loads(out_path.read_text())
         if measurement.get("status") == "oom":
             return "oom", measurement, measurement.get("error")
+        if measurement.get("status") == "failed":  # e.g. a communication group that could not form
+            return "failed", measurement, measurement.get("error")
         return "done", measurement, None

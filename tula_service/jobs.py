@@ -1,46 +1,116 @@
-"""What happens to a job once its points are measured: fit, plan, store the recommendation."""
+"""A job's life after submission: which task runs next, and fitting once the measurements are in."""
 
 from __future__ import annotations
 
 import logging
 
+from tula_service.db import Job
+from tula_service.maxbatch import next_probe
+from tula_service.perfmodel import MemoryModel
 from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.spec import JobSpec
+from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import Store
 
 log = logging.getLogger(__name__)
 
+GIB = 2**30
+MIN_COMM_MAX_BYTES = 4 * 2**20  # below this, small models' all-reduces are latency-bound: bandwidth unresolved
+
 
 def point_request(spec: JobSpec, batch_size: int) -> dict:
-    """The plain-JSON request a profiling child process receives for one point."""
+    """The plain-JSON request a profiling child process receives for one compute point."""
+    profiling = spec.profiling
     return {
         "model": spec.model,
-        "dataset": spec.dataset.model_dump(mode="json"),
+        "model_options": spec.model_options,
+        "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
+        "allowed_model_modules": allowed_model_modules(),
         "batch_size": batch_size,
-        "warmup_iters": spec.profiling.warmup_iters,
-        "timed_iters": spec.profiling.timed_iters,
-        "grad_draws": spec.profiling.grad_draws,
-        "device": spec.profiling.device,
-        "seed": spec.profiling.seed,
+        "warmup_iters": profiling.warmup_iters,
+        "timed_iters": profiling.timed_iters,
+        "target_cv": profiling.target_cv,
+        "time_cap_s": profiling.time_cap_s,
+        "grad_microbatches": profiling.grad_microbatches,
+        "grad_iters": profiling.grad_iters,
+        "dtype": profiling.dtype,
+        "channels_last": profiling.channels_last,
+        "optimizer": spec.training.optimizer,
+        "lr": spec.training.reference_lr or 0.01,
+        "memory_limit_bytes": int(profiling.memory_limit_gib * GIB) if profiling.memory_limit_gib else None,
+        "device": profiling.device,
+        "seed": profiling.seed,
     }
 
 
-def finish_job(store: Store, job_id: str) -> None:
+def comm_command_args(job: Job) -> list[str]:
+    """Arguments of `python -m profiler.comm` for a job: message sizes up to its gradient size, and
+    at least MIN_COMM_MAX_BYTES so both latency and bandwidth can be fitted (the benchmark caps
+    gloo runs at 4 MiB itself)."""
+    gradient_bytes = [
+        p.measurement["model"]["gradient_bytes"]
+        for p in job.points
+        if p.state == "done" and p.kind != "comm" and p.measurement
+    ]
+    max_bytes = max([MIN_COMM_MAX_BYTES, *gradient_bytes])
+    return ["--max-bytes", str(max_bytes), "--backend", "auto"]
+
+
+def _compute_measurements(job: Job) -> tuple[list[dict], list[int], list[int]]:
+    measured = [p.measurement for p in job.points if p.kind != "comm" and p.state in ("done", "oom") and p.measurement]
+    ok = sorted(m["batch_size"] for m in measured if m["status"] == "ok")
+    oom = sorted(m["batch_size"] for m in measured if m["status"] == "oom")
+    return measured, ok, oom
+
+
+def _predicted_max_batch(spec: JobSpec, measured: list[dict]) -> int | None:
+    """Largest batch the memory model says fits the profiling device's limit (when one is known)."""
+    ok = [m for m in measured if m["status"] == "ok"]
+    limit = spec.profiling.memory_limit_gib * GIB if spec.profiling.memory_limit_gib else None
+    nvml_totals = [m["memory"]["nvml"]["total_bytes"] for m in ok if (m["memory"].get("nvml") or {}).get("total_bytes")]
+    capacity = limit or (min(nvml_totals) if nvml_totals else None)
+    if capacity is None or len({m["batch_size"] for m in ok}) < 2:
+        return None
+    model = MemoryModel().fit([m["batch_size"] for m in ok], [m["memory"]["peak_bytes"] for m in ok])
+    return model.max_device_batch(capacity, margin=0.0)
+
+
+def advance(store: Store, job_id: str) -> bool:
+    """Called when a task of the job ends. Queues the next search probe if one is due (True), or
+    fits and plans once every task is finished."""
+    if not store.job_points_finished(job_id):
+        return False
     job = store.get_job(job_id)
     if job is None or job.state in ("done", "failed"):
-        return
-    store.set_job_state(job_id, "fitting")
+        return False
+    spec = JobSpec.model_validate(job.spec)
+    if spec.profiling.search_max_batch:
+        measured, ok, oom = _compute_measurements(job)
+        probes_done = sum(p.kind == "search" for p in job.points)
+        probe = next_probe(ok, oom, _predicted_max_batch(spec, measured), probes_done, spec.profiling.max_search_probes)
+        if probe is not None:
+            store.add_point(job_id, "search", probe)
+            return True
+    finish_job(store, job)
+    return False
+
+
+def finish_job(store: Store, job: Job) -> None:
+    store.set_job_state(job.id, "fitting")
     spec = JobSpec.model_validate(job.spec)
     measurements = [p.measurement for p in job.points if p.state in ("done", "oom") and p.measurement]
-    failed = [{"batch_size": p.batch_size, "error": p.error, "attempts": p.attempts} for p in job.points if p.state == "failed"]
+    failed = [
+        {"kind": p.kind, "batch_size": p.batch_size, "error": p.error, "attempts": p.attempts}
+        for p in job.points
+        if p.state == "failed"
+    ]
     try:
         recommendation = plan(spec, measurements, failed)
     except NotEnoughMeasurements as error:
-        details = "; ".join(f"batch {f['batch_size']}: {f['error']}" for f in failed)
-        store.set_job_state(job_id, "failed", error=f"{error}" + (f". Failed points: {details}" if details else ""))
+        details = "; ".join(f"{f['kind']} point {f['batch_size'] or ''}: {f['error']}" for f in failed)
+        store.set_job_state(job.id, "failed", error=f"{error}" + (f". Failed points: {details}" if details else ""))
         return
     except Exception as error:  # a bug in fitting fails this job, not the executor
-        log.exception("fitting job %s failed", job_id)
-        store.set_job_state(job_id, "failed", error=f"fitting failed: {type(error).__name__}: {error}")
+        log.exception("fitting job %s failed", job.id)
+        store.set_job_state(job.id, "failed", error=f"fitting failed: {type(error).__name__}: {error}")
         return
-    store.set_job_state(job_id, "done", recommendation=recommendation)
+    store.set_job_state(job.id, "done", recommendation=recommendation)

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel, NoiseScaleModel, RingAllReduce
+from tula_service.perfmodel.comm_fit import fit_comm_record
 from tula_service.perfmodel.validation import error_summary, leave_one_out_relative_errors
+from tula_service.maxbatch import bracket
 from tula_service.planner import ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, sweep
 from tula_service.spec import JobSpec, powers_of_two_between
 
@@ -24,24 +26,64 @@ class NotEnoughMeasurements(ValueError):
 
 
 def _usable(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
-    ok = sorted((m for m in measurements if m.get("status") == "ok"), key=lambda m: m["batch_size"])
-    oom_batches = sorted(m["batch_size"] for m in measurements if m.get("status") == "oom")
-    return ok, oom_batches
+    """Successful compute points (one per batch size: the last taken) and the batches that ran out of memory."""
+    compute = [m for m in measurements if m.get("kind", "compute") == "compute"]
+    ok_by_batch = {m["batch_size"]: m for m in compute if m.get("status") == "ok"}
+    oom_batches = sorted({m["batch_size"] for m in compute if m.get("status") == "oom"})
+    return [ok_by_batch[b] for b in sorted(ok_by_batch)], oom_batches
 
 
-def fit_models(spec: JobSpec, ok: list[dict[str, Any]]) -> tuple[FittedModels, dict[str, Any]]:
+def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) -> tuple[RingAllReduce, dict[str, Any]]:
+    """The ring all-reduce model: a measured link when the benchmark ran on the GPUs' own collective
+    library (NCCL), else the spec's interconnect with an assumed per-hop latency."""
+    report: dict[str, Any] = {
+        "formula": "T_net(n) = 2(n-1) latency_s + 2(n-1)/n gradient_bytes / bandwidth",
+        "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
+    }
+    measured = None
+    if comm is not None:
+        try:
+            fit = fit_comm_record(comm)
+            measured = fit if comm.get("backend") == "nccl" and np.isfinite(fit.bandwidth_gbps_) else None
+            report["measured_link"] = {**fit.quality(), "backend": comm.get("backend"), "device": comm.get("device")}
+            if not np.isfinite(fit.bandwidth_gbps_):
+                report["measured_link"]["bandwidth_gbps"] = None
+                report["measured_link"]["note"] = "time did not grow with message size: latency-bound, bandwidth unresolved"
+        except ValueError as error:
+            report["measured_link"] = {"error": str(error)}
+    if measured is not None:
+        report["bandwidth_gbps"] = {"value": measured.bandwidth_gbps_, "source": "fitted"}
+        report["latency_s"] = {"value": measured.latency_s_, "source": "fitted"}
+        return measured.to_ring_all_reduce(gradient_bytes), report
+    network = RingAllReduce(gradient_bytes=gradient_bytes, bandwidth_gbps=spec.cluster.interconnect_gbps)
+    report["bandwidth_gbps"] = {"value": spec.cluster.interconnect_gbps, "source": "spec"}
+    report["latency_s"] = {"value": network.latency_s, "source": "assumed"}
+    if comm is not None:
+        report["note"] = (
+            "the all-reduce benchmark ran with gloo on CPU processes of the profiling host: it measures that "
+            "host's memory copies and loopback, not the cluster's GPU interconnect, so the spec's bandwidth is used"
+        )
+    return network, report
+
+
+def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None) -> tuple[FittedModels, dict[str, Any]]:
     batch = np.array([m["batch_size"] for m in ok], dtype=float)
     peak_bytes = np.array([m["memory"]["peak_bytes"] for m in ok], dtype=float)
     iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
-    grad_sq = np.array([m["gradient"]["grad_sq_norm_mean"] for m in ok], dtype=float)
-    grad_sem = np.array([m["gradient"]["grad_sq_norm_sem"] or np.nan for m in ok], dtype=float)
+    with_stats = [m["gradient"] for m in ok if m.get("gradient")]
 
     memory = MemoryModel().fit(batch, peak_bytes)
     compute = ComputeModel().fit(batch, iter_time_s)
     gradient_bytes = ok[0]["model"]["gradient_bytes"]
-    network = RingAllReduce(gradient_bytes=gradient_bytes, bandwidth_gbps=spec.cluster.interconnect_gbps)
-    noise = NoiseScaleModel().fit(batch, grad_sq, None if np.isnan(grad_sem).any() else grad_sem)
-    epochs = EpochModel(spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_)
+    network, network_report = _network(spec, gradient_bytes, comm)
+    noise = NoiseScaleModel().fit(
+        [g["true_grad_sq_norm"] for g in with_stats],
+        [g["trace_sigma"] for g in with_stats],
+        [g["iterations"] for g in with_stats],
+    ) if with_stats else None
+    epochs = EpochModel(
+        spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None
+    )
 
     report = {
         "memory": {
@@ -59,26 +101,21 @@ def fit_models(spec: JobSpec, ok: list[dict[str, Any]]) -> tuple[FittedModels, d
             "leave_one_out": error_summary(leave_one_out_relative_errors(ComputeModel, batch, iter_time_s)),
             "source": "fitted",
         },
-        "network": {
-            "formula": "T_net(n) = 2(n-1) latency_s + 2(n-1)/n gradient_bytes / bandwidth",
-            "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
-            "bandwidth_gbps": {"value": spec.cluster.interconnect_gbps, "source": "spec"},
-            "latency_s": {"value": network.latency_s, "source": "assumed"},
-        },
+        "network": network_report,
         "overlap": {"g": {"value": 1.0, "source": "assumed", "note": "no compute/communication overlap (conservative)"}},
         "efficiency": _efficiency_report(noise, epochs),
     }
     return FittedModels(memory, compute, network, epochs), report
 
 
-def _efficiency_report(noise: NoiseScaleModel, epochs: EpochModel) -> dict[str, Any]:
-    if not noise.informative_:
+def _efficiency_report(noise: NoiseScaleModel | None, epochs: EpochModel) -> dict[str, Any]:
+    if noise is None or not noise.informative_:
         return {
             "formula": "E(B) = reference_epochs * max(1, B / reference_batch)",
             "noise_scale": None,
             "source": "assumed",
-            "note": "the |g_b|^2 vs 1/b fit was not informative (|G|^2 or tr(Sigma) not positive: the noise "
-            "scale is beyond what the profiled batches resolve, or the gradients are too noisy); assumed: "
+            "note": "no informative noise-scale measurement (none taken, or the pooled |G|^2 or tr(Sigma) "
+            "is not positive: the gradient signal is below what the profiled batches resolve); assumed: "
             "epochs constant up to the reference batch, and no fewer optimizer steps than the reference "
             "run beyond it",
         }
@@ -89,7 +126,9 @@ def _efficiency_report(noise: NoiseScaleModel, epochs: EpochModel) -> dict[str, 
         "trace_sigma": noise.trace_sigma_,
         "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
         "source": "fitted",
-        "note": "noise scale measured at the initial weights; it grows as the loss falls (McCandlish et al. 2018)",
+        "points": noise.points_,
+        "note": "noise scale measured in the first iterations of training; it grows as the loss falls "
+        "(McCandlish et al. 2018), so E(B) is anchored to the reference run",
     }
 
 
@@ -109,7 +148,8 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             f"need at least 2 successfully profiled batch sizes, got {len(ok)}"
             + (f" (out of memory at {oom_batches})" if oom_batches else "")
         )
-    models, report = fit_models(spec, ok)
+    comm = next((m for m in measurements if m.get("kind") == "comm" and m.get("status") == "ok"), None)
+    models, report = fit_models(spec, ok, comm)
     inputs = PlanInputs(
         device_batches=candidate_device_batches([m["batch_size"] for m in ok], oom_batches),
         total_devices=spec.cluster.total_devices,
@@ -155,8 +195,36 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         "profiled": {
             "ok_batches": sorted(measured),
             "oom_batches": oom_batches,
+            "memory_limit": _measured_limit(sorted(measured), oom_batches),
             "failed": failed_points or [],
+            "points": [_point_summary(m) for m in ok],
         },
+    }
+
+
+def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, Any] | None:
+    """The largest batch that ran and the smallest that did not, on the profiling device."""
+    limits = bracket(ok_batches, oom_batches)
+    if limits is None:
+        return None
+    return {"largest_ok_batch": limits[0], "smallest_oom_batch": limits[1], "source": "measured"}
+
+
+def _point_summary(m: dict[str, Any]) -> dict[str, Any]:
+    gradient = m.get("gradient") or {}
+    return {
+        "batch_size": m["batch_size"],
+        "iter_time_median_s": m["iter_time"]["median_s"],
+        "iter_time_p10_s": m["iter_time"].get("p10_s"),
+        "iter_time_p90_s": m["iter_time"].get("p90_s"),
+        "iter_time_cv": m["iter_time"].get("cv"),
+        "samples": m["iter_time"].get("count"),
+        "peak_bytes": m["memory"]["peak_bytes"],
+        "activation_bytes": m["memory"].get("activation_bytes"),
+        "noise_scale": gradient.get("noise_scale"),
+        "variability_median": gradient.get("variability_median"),
+        "options": m.get("options"),
+        "source": "measured",
     }
 
 

@@ -17,7 +17,8 @@ class Progress(BaseModel):
 
 
 class PointView(BaseModel):
-    batch_size: int
+    kind: str
+    batch_size: int | None
     state: str
     attempts: int
     duration_s: float | None

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
-from models.registry import DATASETS, MODELS, unknown_name_message
+from models.registry import (
+    ALLOWED_MODULES_ENV,
+    DATASETS,
+    MODELS,
+    compatible,
+    image_size_problem,
+    is_user_model_ref,
+    unknown_name_message,
+    user_model_allowed,
+)
+
+
+def allowed_model_modules() -> list[str]:
+    """Module prefixes whose `module:factory` user models may be imported (it is code execution)."""
+    return [p.strip() for p in os.environ.get(ALLOWED_MODULES_ENV, "").split(",") if p.strip()]
 
 
 def in_catalog(kind: str, name: str, catalog: dict[str, object]) -> str:
@@ -19,14 +34,40 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+DATASET_FIELDS = ("channels", "image_size", "num_classes", "seq_len", "vocab_size", "path")
+
+
 class DatasetSpec(_Strict):
+    """A catalog dataset; which of the optional fields apply depends on the dataset (see the catalog)."""
+
     name: str = Field(description="dataset catalog name")
-    num_samples: PositiveInt = Field(description="training-set size D: samples per epoch")
-    channels: int = Field(3, ge=1, le=16)
-    image_size: int = Field(32, ge=8, le=1024, description="square image side in pixels")
-    num_classes: int = Field(10, ge=2, le=100_000)
+    num_samples: PositiveInt | None = Field(None, description="training-set size D: samples per epoch")
+    channels: int | None = Field(None, ge=1, le=16)
+    image_size: int | None = Field(None, ge=4, le=1024, description="square image side in pixels")
+    num_classes: int | None = Field(None, ge=2, le=100_000)
+    seq_len: int | None = Field(None, ge=2, le=65_536, description="tokens per sequence")
+    vocab_size: int | None = Field(None, ge=2, le=1_000_000)
+    path: str | None = Field(None, max_length=4096, description="data on the worker's file system")
 
     _known_dataset = field_validator("name")(lambda name: in_catalog("dataset", name, DATASETS))
+
+    @model_validator(mode="after")
+    def _fields_fit_the_dataset(self) -> DatasetSpec:
+        info = DATASETS[self.name]
+        for field in DATASET_FIELDS:
+            given = getattr(self, field)
+            if given is not None and field not in info.fields:
+                accepted = ", ".join(sorted(info.fields)) or "none"
+                raise ValueError(f"field '{field}' does not apply to dataset '{self.name}' (it takes: {accepted})")
+            if given is None and field in info.required:
+                raise ValueError(f"dataset '{self.name}' needs the field '{field}'")
+            if given is None and info.fields.get(field) is not None:
+                setattr(self, field, info.fields[field])
+        if self.num_samples is None:
+            if info.fixed_num_samples is None:
+                raise ValueError(f"dataset '{self.name}' needs 'num_samples' (samples per epoch)")
+            self.num_samples = info.fixed_num_samples
+        return self
 
 
 def powers_of_two_between(low: int, high: int) -> list[int]:
@@ -72,20 +113,32 @@ class PricingSpec(_Strict):
 class TrainingSpec(_Strict):
     reference_batch: PositiveInt = Field(description="global batch of the user's reference run")
     reference_epochs: float = Field(gt=0, description="epochs the reference run needs to reach its target")
+    reference_lr: float | None = Field(None, gt=0, description="learning rate of the reference run")
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
 
 
 class ProfilingSpec(_Strict):
-    warmup_iters: int = Field(3, ge=0, le=100)
-    timed_iters: int = Field(10, ge=2, le=1000)
-    grad_draws: int = Field(4, ge=2, le=64, description="independent batches for |g_b|^2 at init")
+    warmup_iters: int = Field(3, ge=0, le=1000, description="least warm-up iterations (more until time settles)")
+    timed_iters: int = Field(10, ge=2, le=100_000, description="least timed iterations")
+    target_cv: float = Field(0.03, gt=0, le=1, description="stop sampling once std/mean of iteration time is below")
+    time_cap_s: float = Field(5.0, gt=0, le=3600, description="...or once this much time was spent sampling")
+    grad_microbatches: int = Field(4, ge=2, le=64, description="k: the batch is split in k for the noise scale")
+    grad_iters: int = Field(8, ge=0, le=1000, description="iterations of gradient statistics per point")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision")
+    channels_last: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    memory_limit_gib: float | None = Field(None, gt=0, description="emulate a device with this much memory")
+    search_max_batch: bool = Field(True, description="after an out-of-memory, search the largest batch that fits")
+    max_search_probes: int = Field(4, ge=1, le=32)
+    measure_comm: bool | None = Field(None, description="all-reduce benchmark; default: when the cluster has > 1 device")
     seed: int = 0
     timeout_s: float = Field(600, gt=0, le=86_400, description="per point, then the point fails")
 
 
 class JobSpec(_Strict):
     name: str | None = Field(None, max_length=200)
-    model: str = Field(description="model catalog name")
+    model: str = Field(description="model catalog name, or 'package.module:factory' when allowlisted")
+    model_options: dict[str, int | float | str | bool] = Field(default_factory=dict)
     dataset: DatasetSpec
     batch_sizes: list[PositiveInt] = Field(
         description="per-device batch sizes to profile: a list, or {min, max} for the powers of two between"
@@ -96,7 +149,43 @@ class JobSpec(_Strict):
     training: TrainingSpec
     profiling: ProfilingSpec = ProfilingSpec()
 
-    _known_model = field_validator("model")(lambda name: in_catalog("model", name, MODELS))
+    @field_validator("model")
+    @classmethod
+    def _known_or_allowed_model(cls, name: str) -> str:
+        if not is_user_model_ref(name):
+            return in_catalog("model", name, MODELS)
+        allowed = allowed_model_modules()
+        if not user_model_allowed(name, allowed):
+            module = name.split(":", 1)[0]
+            raise ValueError(
+                f"user model module '{module}' is not allowlisted (importing it runs its code); the server "
+                f"operator can allow it with {ALLOWED_MODULES_ENV}={module} (comma-separated prefixes)"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _model_fits_dataset(self) -> JobSpec:
+        if is_user_model_ref(self.model):
+            return self
+        options = MODELS[self.model].options
+        unknown = sorted(set(self.model_options) - set(options))
+        if unknown:
+            accepted = ", ".join(sorted(options)) or "none"
+            raise ValueError(f"model_options {unknown} do not apply to model '{self.model}' (it takes: {accepted})")
+        if not compatible(self.model, self.dataset.name):
+            raise ValueError(
+                f"model '{self.model}' takes {MODELS[self.model].input_kind} inputs but dataset "
+                f"'{self.dataset.name}' gives {DATASETS[self.dataset.name].input_kind}"
+            )
+        problem = image_size_problem(self.model, self.dataset.image_size) if self.dataset.image_size else None
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def measures_communication(self) -> bool:
+        if self.profiling.measure_comm is None:
+            return self.cluster.total_devices > 1
+        return self.profiling.measure_comm
 
     @field_validator("batch_sizes", mode="before")
     @classmethod

@@ -28,7 +28,8 @@ class Store:
             name=spec.name,
             state="queued",
             spec=spec.model_dump(mode="json"),
-            points=[Point(batch_size=b, state="queued") for b in spec.batch_sizes],
+            points=[Point(kind="grid", batch_size=b, state="queued") for b in spec.batch_sizes]
+            + ([Point(kind="comm", state="queued")] if spec.measures_communication() else []),
         )
         with self.session() as session, session.begin():
             session.add(job)
@@ -75,6 +76,10 @@ class Store:
                 update(Job).where(Job.id == point.job_id, Job.state == "queued").values(state="profiling")
             )
         return self.get_point(point.id)
+
+    def add_point(self, job_id: str, kind: str, batch_size: int | None) -> None:
+        with self.session() as session, session.begin():
+            session.add(Point(job_id=job_id, kind=kind, batch_size=batch_size, state="queued"))
 
     def get_point(self, point_id: int) -> Point:
         with self.session() as session:

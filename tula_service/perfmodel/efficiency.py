@@ -1,18 +1,15 @@
 """Statistical efficiency: how many epochs a global batch B needs to reach the user's target.
 
 Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"):
-the expected squared norm of a batch-b gradient is
-
-    E|g_b|^2 = |G|^2 + tr(Sigma) / b,
-
-so a weighted least-squares line of mean |g_b|^2 against 1/b gives |G|^2 (intercept) and tr(Sigma)
-(slope), and B_noise = tr(Sigma) / |G|^2 (the "simple" noise scale). Epochs then follow
+B_simple = tr(Sigma) / |G|^2. Each profiling point estimates |G|^2 and tr(Sigma) with the unbiased
+two-batch estimator (profiler.gradstats); here the points are pooled: numerator and denominator are
+averaged separately (weighted by the iterations behind each), and only then divided. Epochs follow
 
     E(B) = E_min (1 + B / B_noise),
 
 with E_min calibrated so that E(reference_batch) = reference_epochs (the user's reference run).
 
-Without an informative noise-scale fit the assumption is conservative: epochs stay at the reference
+Without an informative noise scale the assumption is conservative: epochs stay at the reference
 value up to the reference batch, and beyond it the run needs as many optimizer steps as the reference
 (E(B) = E_ref * B / B_ref): no speed-up from a larger batch is promised without evidence for it.
 """
@@ -23,32 +20,28 @@ import numpy as np
 
 
 class NoiseScaleModel:
-    def fit(self, device_batch: np.ndarray, grad_sq_norm: np.ndarray, grad_sq_norm_sem: np.ndarray | None = None):
-        b = np.asarray(device_batch, dtype=float)
-        y = np.asarray(grad_sq_norm, dtype=float)
-        sem = np.ones_like(y) if grad_sq_norm_sem is None else np.asarray(grad_sq_norm_sem, dtype=float)
-        weight = 1.0 / np.maximum(sem, 1e-12 * np.abs(y).max())
-        design = np.column_stack([np.ones_like(b), 1.0 / b]) * weight[:, None]
-        coef, *_ = np.linalg.lstsq(design, y * weight, rcond=None)
-        self.true_grad_sq_norm_, self.trace_sigma_ = (float(c) for c in coef)
-        self.informative_ = b.size >= 2 and self.true_grad_sq_norm_ > 0 and self.trace_sigma_ > 0
+    """Pools per-point (|G|^2, tr Sigma) estimates into one B_noise with a delta-method std. error."""
+
+    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray, iterations: np.ndarray) -> "NoiseScaleModel":
+        g = np.asarray(true_grad_sq_norm, dtype=float)
+        s = np.asarray(trace_sigma, dtype=float)
+        w = np.asarray(iterations, dtype=float) / np.sum(iterations)
+        self.true_grad_sq_norm_ = float(w @ g)
+        self.trace_sigma_ = float(w @ s)
+        self.points_ = int(g.size)
+        self.informative_ = self.true_grad_sq_norm_ > 0 and self.trace_sigma_ > 0
         self.noise_scale_ = self.trace_sigma_ / self.true_grad_sq_norm_ if self.informative_ else None
-        self.noise_scale_stderr_ = self._stderr(design, y * weight, coef) if self.informative_ else None
+        self.noise_scale_stderr_ = self._stderr(g, s, w) if self.informative_ else None
         return self
 
-    def predict(self, device_batch: np.ndarray | float) -> np.ndarray:
-        return self.true_grad_sq_norm_ + self.trace_sigma_ / np.asarray(device_batch, dtype=float)
-
-    def _stderr(self, design: np.ndarray, target: np.ndarray, coef: np.ndarray) -> float | None:
-        """Delta-method standard error of B = tr/G2 from the coefficient covariance."""
-        dof = design.shape[0] - design.shape[1]
-        if dof <= 0:
+    def _stderr(self, g: np.ndarray, s: np.ndarray, w: np.ndarray) -> float | None:
+        if g.size < 3:
             return None
-        residual = target - design @ coef
-        covariance = np.linalg.inv(design.T @ design) * float(residual @ residual) / dof
-        g2, tr = coef
-        gradient = np.array([-tr / g2**2, 1.0 / g2])
-        return float(np.sqrt(max(gradient @ covariance @ gradient, 0.0)))
+        n_eff = 1.0 / np.sum(w**2)
+        cov = np.cov(np.vstack([s, g]), aweights=w) / n_eff
+        mean_s, mean_g = self.trace_sigma_, self.true_grad_sq_norm_
+        rel_var = cov[0, 0] / mean_s**2 + cov[1, 1] / mean_g**2 - 2 * cov[0, 1] / (mean_s * mean_g)
+        return float(self.noise_scale_ * np.sqrt(max(rel_var, 0.0)))
 
 
 class EpochModel:

@@ -1,0 +1,54 @@
+"""Classifiers for 1D signals of shape (batch, length), the MNIST-1D baselines (Greydanus 2020, sec. 3).
+
+Every factory takes `length` and `num_classes` (the shape a dataset gives) plus its own options.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP1d(nn.Module):
+    """length -> hidden -> hidden -> classes with ReLU (the paper's MLP baseline has hidden = 100)."""
+
+    def __init__(self, length: int, num_classes: int, hidden: int = 100):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(length, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        return self.layers(signals)
+
+
+def _strided_length(length: int, kernel: int, stride: int = 2, padding: int = 1) -> int:
+    """Output length of a Conv1d: floor((L + 2p - k) / s) + 1."""
+    return (length + 2 * padding - kernel) // stride + 1
+
+
+class CNN1d(nn.Module):
+    """Three stride-2 Conv1d layers (kernels 5, 3, 3) with ReLU, then a linear head over the flattened
+    feature map (the paper's CNN baseline has 25 channels: 40 -> 19 -> 10 -> 5 positions)."""
+
+    def __init__(self, length: int, num_classes: int, channels: int = 25):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(1, channels, kernel_size=5, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(),
+        )
+        positions = _strided_length(_strided_length(_strided_length(length, 5), 3), 3)
+        if positions < 1:
+            raise ValueError(f"cnn1d needs signals of length >= 4 (got {length})")
+        self.head = nn.Linear(channels * positions, num_classes)
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.features(signals.unsqueeze(1)), 1))

@@ -1,0 +1,70 @@
+"""The one entry point the profiler calls: a profiling request -> model, data and loss.
+
+Request keys: `model` (catalog name or allowlisted "package.module:factory"), `model_options` (dict),
+`dataset` (dict: `name`, `num_samples` and the dataset's own fields), `seed` (default 0),
+`allowed_model_modules` (module prefixes user models may come from; default none).
+
+Same seed => the same initial weights; the batch sequence is a function of the generator passed to
+`data.batch` (and, for generated data, of the seed). The global torch RNG is left as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from models.data import BatchSource, build_dataset
+from models.registry import DATASETS, MODELS, compatible
+from models.zoo import build_model
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch: (1/B) sum_i -log softmax(logits_i)[y_i]."""
+    return F.cross_entropy(logits, labels)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all B * T tokens of logits (B, T, V) against targets (B, T). Every sequence
+    has T tokens, so the mean over a split batch is the mean of its parts' means (the noise estimator's need)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module  # random init, on CPU
+    data: BatchSource  # .batch(batch_size, generator) -> (inputs, targets), CPU tensors
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar mean loss
+    input_kind: str  # "image" | "signal1d" | "tokens"
+    tokens_per_sample: int | None  # sequence length for token workloads, else None
+
+
+def build_workload(request: dict[str, Any]) -> Workload:
+    """Build the request's dataset, then its model sized for that data, with weights seeded by `seed`."""
+    seed = int(request.get("seed", 0))
+    dataset = dict(request["dataset"])
+    dataset_name, model_name = dataset.pop("name"), request["model"]
+    if not compatible(model_name, dataset_name):
+        raise ValueError(
+            f"model '{model_name}' takes {MODELS[model_name].input_kind} inputs but dataset "
+            f"'{dataset_name}' gives {DATASETS[dataset_name].input_kind}"
+        )
+    data = build_dataset(dataset_name, seed=seed, **dataset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model(
+            model_name,
+            options=request.get("model_options") or {},
+            allowed_model_modules=list(request.get("allowed_model_modules") or []),
+            **data.shape,
+        )
+    is_tokens = data.input_kind == "tokens"
+    return Workload(
+        model=model,
+        data=data,
+        loss_fn=next_token_loss if is_tokens else classification_loss,
+        input_kind=data.input_kind,
+        tokens_per_sample=data.shape["seq_len"] if is_tokens else None,
+    )

@@ -1,0 +1,142 @@
+"""Iteration timing that a performance model can trust.
+
+- Warm-up runs until iteration time settles: the medians of the last two windows of
+  `SETTLE_WINDOW` iterations differ by less than `SETTLE_REL_CHANGE`, bounded in count and seconds.
+- Sampling continues until the coefficient of variation (std / mean) is under a target or a time
+  cap is hit; the median is what the model fits, p10/p90/CV/count say how far to trust it.
+- Phases (data to device, forward, backward, optimizer step) are timed separately: with CUDA events
+  on a GPU (one synchronize per iteration, so the phases do not serialize the stream), with
+  perf_counter on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s")
+SETTLE_WINDOW = 3
+SETTLE_REL_CHANGE = 0.10
+
+
+class PhaseClock:
+    """Marks phase boundaries inside one iteration; `finish()` returns seconds per phase and in all."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def finish(self) -> dict[str, float]:
+        if self.cuda:
+            self._marks[-1].synchronize()
+            deltas = [a.elapsed_time(b) / 1000.0 for a, b in zip(self._marks, self._marks[1:])]
+        else:
+            deltas = [b - a for a, b in zip(self._marks, self._marks[1:])]
+        self._marks = []
+        phases = dict(zip(PHASES, deltas))
+        phases["iter_s"] = float(sum(deltas))
+        return phases
+
+
+@dataclass
+class TimingPolicy:
+    min_warmup_iters: int = 3
+    max_warmup_iters: int = 50
+    max_warmup_s: float = 5.0
+    min_iters: int = 10
+    max_iters: int = 1000
+    target_cv: float = 0.03
+    time_cap_s: float = 5.0
+
+
+@dataclass
+class TimingResult:
+    samples: list[dict[str, float]] = field(default_factory=list)
+    warmup_iters: int = 0
+    warmup_s: float = 0.0
+    stopped_by: str = ""  # "cv_target" | "time_cap" | "max_iters"
+
+    def summary(self) -> dict:
+        iter_s = np.array([s["iter_s"] for s in self.samples])
+        return {
+            **summarize(iter_s),
+            "phases": {phase: summarize(np.array([s[phase] for s in self.samples])) for phase in PHASES},
+            "warmup_iters": self.warmup_iters,
+            "warmup_s": self.warmup_s,
+            "stopped_by": self.stopped_by,
+            "samples_s": iter_s.tolist(),
+        }
+
+
+def summarize(values_s: np.ndarray) -> dict[str, float]:
+    mean = float(values_s.mean())
+    median = float(np.median(values_s))
+    mad = float(np.median(np.abs(values_s - median)))
+    return {
+        "median_s": median,
+        "p10_s": float(np.percentile(values_s, 10)),
+        "p90_s": float(np.percentile(values_s, 90)),
+        "mean_s": mean,
+        "cv": coefficient_of_variation(values_s),
+        "robust_cv": 1.4826 * mad / median if median > 0 else 0.0,
+        "count": int(values_s.size),
+    }
+
+
+def coefficient_of_variation(values: np.ndarray) -> float:
+    if values.size < 2 or values.mean() <= 0:
+        return 0.0
+    return float(values.std(ddof=1) / values.mean())
+
+
+def _settled(times_s: list[float]) -> bool:
+    if len(times_s) < 2 * SETTLE_WINDOW:
+        return False
+    previous = np.median(times_s[-2 * SETTLE_WINDOW : -SETTLE_WINDOW])
+    last = np.median(times_s[-SETTLE_WINDOW:])
+    return abs(last - previous) / previous < SETTLE_REL_CHANGE
+
+
+def time_iterations(step: Callable[[PhaseClock], None], device: torch.device, policy: TimingPolicy) -> TimingResult:
+    """Warm up until settled, then sample until CV < target or the time cap; `step` marks its phases."""
+    clock = PhaseClock(device)
+    result = TimingResult()
+    warmup_times_s: list[float] = []
+    started = time.perf_counter()
+    while result.warmup_iters < policy.max_warmup_iters:
+        step(clock)
+        warmup_times_s.append(clock.finish()["iter_s"])
+        result.warmup_iters += 1
+        enough = result.warmup_iters >= policy.min_warmup_iters
+        if enough and (_settled(warmup_times_s) or time.perf_counter() - started > policy.max_warmup_s):
+            break
+    result.warmup_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    while True:
+        step(clock)
+        result.samples.append(clock.finish())
+        count = len(result.samples)
+        if count < policy.min_iters:
+            continue
+        if coefficient_of_variation(np.array([s["iter_s"] for s in result.samples])) <= policy.target_cv:
+            result.stopped_by = "cv_target"
+        elif time.perf_counter() - started >= policy.time_cap_s:
+            result.stopped_by = "time_cap"
+        elif count >= policy.max_iters:
+            result.stopped_by = "max_iters"
+        else:
+            continue
+        return result
