@@ -26,7 +26,14 @@ import torch
 
 from models.workload import Workload, build_workload
 from profiler.gradstats import GradientNoiseEstimator
-from profiler.memory import SavedActivationCounter, apply_memory_limit, cuda_memory, nvml_memory, static_bytes
+from profiler.memory import (
+    SavedActivationCounter,
+    apply_memory_limit,
+    cuda_memory,
+    nvml_memory,
+    peak_rss_bytes,
+    static_bytes,
+)
 from profiler.timing import PhaseClock, TimingPolicy, time_iterations
 
 SCHEMA_VERSION = 2
@@ -150,6 +157,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     torch.manual_seed(seed)
     workload = build_workload(request)
     trainer = _Trainer(workload, request, device)
+    rss_before_bytes = peak_rss_bytes()
     limit = apply_memory_limit(request.get("memory_limit_bytes"), device)
     data_gen = torch.Generator().manual_seed(seed + batch_size)
 
@@ -178,6 +186,8 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     timing = time_iterations(timed_step, device, _timing_policy(request))
     memory = _memory(trainer, host_batches[0], device)
     memory["limit"] = limit
+    if device.type == "cpu":  # the process's real peak, allocator slack and backward temporaries included
+        memory["process_rss"] = {"peak_bytes": peak_rss_bytes(), "peak_before_training_bytes": rss_before_bytes}
     params = list(trainer.model.parameters())
     return {
         "iter_time": timing.summary(),

@@ -111,3 +111,10 @@ def apply_memory_limit(limit_bytes: int | None, device: torch.device) -> dict | 
     soft = in_use + limit_bytes if hard == resource.RLIM_INFINITY else min(hard, in_use + limit_bytes)
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     return {"bytes": limit_bytes, "how": "RLIMIT_AS = address space in use + limit", "address_space_in_use_bytes": in_use}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

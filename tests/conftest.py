@@ -20,12 +20,13 @@ def free_port() -> int:
 class LiveServer:
     """A real `tula serve` (uvicorn) process on a free loopback port with its own SQLite file."""
 
-    def __init__(self, database_path: Path, log_path: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, database_path: Path, log_path: Path, extra_args: tuple[str, ...] = (), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.database_url = f"sqlite:///{database_path}"
         self.log_path = log_path
         self.extra_args = extra_args
+        self.env = env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0) -> "LiveServer":
@@ -34,7 +35,7 @@ class LiveServer:
             "--port", str(self.port), "--database-url", self.database_url, *self.extra_args,
         ]  # fmt: skip
         self.process = subprocess.Popen(
-            command, cwd=REPO, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env={**os.environ}
+            command, cwd=REPO, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, **self.env}
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -70,8 +71,8 @@ def live_server(tmp_path_factory):
 def make_server(tmp_path):
     servers = []
 
-    def _make(*extra_args: str, database_path: Path | None = None) -> LiveServer:
-        server = LiveServer(database_path or tmp_path / "tula.db", tmp_path / "server.log", extra_args)
+    def _make(*extra_args: str, database_path: Path | None = None, env: dict | None = None) -> LiveServer:
+        server = LiveServer(database_path or tmp_path / "tula.db", tmp_path / "server.log", extra_args, env)
         servers.append(server)
         return server.start()
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Response, status
 
+from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.db import make_engine, make_session_factory
 from tula_service.executor import LocalExecutor
 from tula_service.schemas import JobList, JobView
-from tula_service.spec import JobSpec
+from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.specfile import load_spec_file
 from tula_service.store import Store
 
@@ -63,6 +64,15 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/v1/catalog/models")
+    def catalog_models() -> dict[str, Any]:
+        return {"models": [asdict(info) for info in sorted(MODELS.values(), key=lambda i: i.name)],
+                "user_models": {"allowed_module_prefixes": allowed_model_modules(), "env": ALLOWED_MODULES_ENV}}
+
+    @app.get("/v1/catalog/datasets")
+    def catalog_datasets() -> dict[str, Any]:
+        return {"datasets": [asdict(info) for info in sorted(DATASETS.values(), key=lambda i: i.name)]}
 
     @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED, response_model=JobView)
     def submit_job(spec: JobSpec, response: Response) -> JobView:

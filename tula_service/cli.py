@@ -134,6 +134,22 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _catalog(args: argparse.Namespace) -> int:
+    with TulaClient(args.server) as client:
+        listing = client.catalog(args.kind)
+    if args.json:
+        print(json.dumps(listing, indent=2))
+        return 0
+    for entry in listing[args.kind]:
+        extras = entry.get("options") or entry.get("fields") or {}
+        settings = ", ".join(f"{k}={v}" for k, v in extras.items())
+        print(f"{entry['name']:<22} {entry['input_kind']:<9} {settings}")
+    if args.kind == "models":
+        allowed = listing["user_models"]["allowed_module_prefixes"]
+        print(f"\nuser models 'module:factory': allowed prefixes {allowed or 'none'} (server env {listing['user_models']['env']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tula", description="Tula batch-size optimizer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1, help="profiling points run at once")
     serve.add_argument("--seed-example", help="spec file submitted when the database is empty")
     serve.set_defaults(func=_serve)
+
+    catalog = sub.add_parser("catalog", help="list the models or datasets the server knows")
+    catalog.add_argument("kind", choices=["models", "datasets"])
+    catalog.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
+    catalog.add_argument("--json", action="store_true")
+    catalog.set_defaults(func=_catalog)
 
     for name, helptext, func in (("submit", "submit a job spec (YAML or JSON)", _submit), ("show", "show a job and its recommendation", _show)):
         command = sub.add_parser(name, help=helptext)

@@ -57,6 +57,10 @@ class TulaClient:
     def recommendation(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}/recommendation")
 
+    def catalog(self, kind: str) -> dict[str, Any]:
+        """kind: "models" or "datasets"."""
+        return self._request("GET", f"/v1/catalog/{kind}")
+
     def wait(
         self,
         job_id: str,

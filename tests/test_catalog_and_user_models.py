@@ -1,0 +1,64 @@
+"""What exists (catalog endpoints and CLI) and user models behind the allowlist, on a real server."""
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tula_service.client import TulaClient
+from tula_service.spec import JobSpec
+from tests.conftest import REPO
+from tests.handmade import spec_dict
+
+USER_MODEL = "tests.user_models_fixture:tiny_classifier"
+FAST = {"time_cap_s": 0.2, "grad_iters": 2, "timed_iters": 2, "warmup_iters": 1}
+
+
+def test_catalog_lists_models_and_datasets_with_their_fields(live_server):
+    models = httpx.get(f"{live_server.url}/v1/catalog/models").json()
+    names = {m["name"]: m for m in models["models"]}
+    assert {"small_cnn", "resnet18", "resnet50", "vgg11", "gpt", "cnn1d"} <= set(names)
+    assert names["gpt"]["input_kind"] == "tokens" and names["gpt"]["options"]["layers"] == 2
+    datasets = {d["name"]: d for d in httpx.get(f"{live_server.url}/v1/catalog/datasets").json()["datasets"]}
+    assert {"synthetic_images", "synthetic_tokens", "digits", "mnist1d", "image_folder", "token_file"} <= set(datasets)
+    assert datasets["image_folder"]["required"] == ["path"] and datasets["digits"]["fixed_num_samples"] == 1797
+
+
+def test_cli_lists_the_catalog(live_server):
+    result = subprocess.run(
+        [sys.executable, "-m", "tula_service", "catalog", "datasets", "--server", live_server.url],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0 and "mnist1d" in result.stdout and "token_file" in result.stdout
+
+
+def test_dataset_field_that_does_not_apply_is_refused_naming_it():
+    with pytest.raises(ValueError, match="field 'seq_len' does not apply to dataset 'synthetic_images'"):
+        JobSpec.model_validate(spec_dict(dataset={"seq_len": 64}))
+
+
+def test_model_and_dataset_of_different_kinds_are_refused():
+    with pytest.raises(ValueError, match="model 'gpt' takes tokens inputs but dataset 'synthetic_images' gives image"):
+        JobSpec.model_validate(spec_dict(model="gpt"))
+
+
+def test_image_size_the_model_cannot_take_is_refused():
+    with pytest.raises(ValueError, match="alexnet' needs image_size >= 64"):
+        JobSpec.model_validate(spec_dict(model="alexnet"))
+
+
+def test_user_model_outside_the_allowlist_is_422_with_the_fix(live_server):
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec_dict(model=USER_MODEL))
+    assert response.status_code == 422
+    assert "TULA_ALLOWED_MODEL_MODULES=tests.user_models_fixture" in response.json()["detail"][0]["msg"]
+
+
+@pytest.mark.e2e
+def test_allowlisted_user_model_is_profiled_and_planned(make_server):
+    server = make_server(env={"TULA_ALLOWED_MODEL_MODULES": "tests.user_models_fixture"})
+    spec = spec_dict(model=USER_MODEL, model_options={"hidden": 16}, batch_sizes=[8, 16, 32], profiling=FAST)
+    with TulaClient(server.url) as client:
+        job = client.wait(client.submit(spec)["id"], poll_s=0.3, timeout_s=300)
+        assert job["state"] == "done", job["error"]
+        assert client.recommendation(job["id"])["chosen"]["total_time_s"]["value"] > 0
