@@ -52,7 +52,7 @@ def measurement(
             "static_bytes": static_bytes,
             "activation_bytes": act_bytes_per_sample * batch_size,
         },
-        "gradient": {"true_grad_sq_norm": true_grad_sq_norm, "trace_sigma": trace_sigma, "iterations": 8},
+        "gradient": {"true_grad_sq_norm": true_grad_sq_norm, "trace_sigma": trace_sigma, "iterations": 8, "batch": batch_size},
         "model": {"parameter_count": gradient_bytes // 4, "gradient_bytes": gradient_bytes},
     }
 

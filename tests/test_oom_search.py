@@ -41,7 +41,7 @@ def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(tmp_pa
     assert skipped.state == "oom" and "already ran out of memory" in skipped.error  # not run at all
     assert 1 <= len(by_kind["search"]) <= 8
     limit = finished.recommendation["profiled"]["memory_limit"]
-    assert 256 <= limit["largest_ok_batch"] < limit["smallest_oom_batch"] <= 4096
+    assert 64 <= limit["largest_ok_batch"] < limit["smallest_oom_batch"] <= 4096
     tight = limit["smallest_oom_batch"] - limit["largest_ok_batch"] <= max(1, int(0.05 * limit["largest_ok_batch"]))
     assert tight or len(by_kind["search"]) == 8
     assert max(r["device_batch"] for r in finished.recommendation["candidates"]) <= limit["largest_ok_batch"]

@@ -41,7 +41,7 @@ def test_noise_scale_pools_numerators_and_denominators_before_dividing():
     assert noise.informative_ and noise.noise_scale_ == pytest.approx(200.0)
 
 
-def test_noise_scale_weights_points_by_their_iterations():
+def test_noise_scale_weights_points_by_the_samples_behind_them():
     noise = NoiseScaleModel().fit([1.0, 1.0], [100.0, 400.0], [30, 10])
     assert noise.noise_scale_ == pytest.approx(175.0)
 

@@ -79,7 +79,7 @@ def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | N
     noise = NoiseScaleModel().fit(
         [g["true_grad_sq_norm"] for g in with_stats],
         [g["trace_sigma"] for g in with_stats],
-        [g["iterations"] for g in with_stats],
+        [g["iterations"] * g["batch"] for g in with_stats],
     ) if with_stats else None
     epochs = EpochModel(
         spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None

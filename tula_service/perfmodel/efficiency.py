@@ -3,7 +3,8 @@
 Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"):
 B_simple = tr(Sigma) / |G|^2. Each profiling point estimates |G|^2 and tr(Sigma) with the unbiased
 two-batch estimator (profiler.gradstats); here the points are pooled: numerator and denominator are
-averaged separately (weighted by the iterations behind each), and only then divided. Epochs follow
+averaged separately, each point weighted by the samples behind it (iterations x batch: a small
+batch barely resolves |G|^2 when the noise dominates), and only then divided. Epochs follow
 
     E(B) = E_min (1 + B / B_noise),
 
@@ -22,10 +23,10 @@ import numpy as np
 class NoiseScaleModel:
     """Pools per-point (|G|^2, tr Sigma) estimates into one B_noise with a delta-method std. error."""
 
-    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray, iterations: np.ndarray) -> "NoiseScaleModel":
+    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray, samples: np.ndarray) -> "NoiseScaleModel":
         g = np.asarray(true_grad_sq_norm, dtype=float)
         s = np.asarray(trace_sigma, dtype=float)
-        w = np.asarray(iterations, dtype=float) / np.sum(iterations)
+        w = np.asarray(samples, dtype=float) / np.sum(samples)
         self.true_grad_sq_norm_ = float(w @ g)
         self.trace_sigma_ = float(w @ s)
         self.points_ = int(g.size)
