@@ -147,3 +147,13 @@ def test_cpu_gloo_benchmark_is_reported_but_the_spec_bandwidth_is_used():
     assert network["bandwidth_gbps"] == {"value": 100.0, "source": "spec"}
     assert network["measured_link"]["bandwidth_gbps"] == pytest.approx(200.0)
     assert "not the cluster's GPU interconnect" in network["note"]
+
+
+def test_language_model_batches_are_also_counted_in_tokens():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32]))
+    points = [measurement(b) for b in (8, 16, 32)]
+    for point in points:
+        point["model"]["tokens_per_sample"] = 128
+    rec = plan(spec, points)
+    assert rec["batch_unit"] == {"unit": "sequences", "tokens_per_sample": 128}
+    assert all(r["global_batch_tokens"] == 128 * r["global_batch"] for r in rec["candidates"])

@@ -168,8 +168,13 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     chosen, knee, front = choose(candidates, spec.objective)
     measured = {m["batch_size"]: m for m in ok}
     rows = [_candidate_row(candidates, i, front, measured, report) for i in range(candidates["global_batch"].size)]
+    tokens_per_sample = ok[0]["model"].get("tokens_per_sample")
+    if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
+        for row in rows:
+            row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
     return {
         "objective": spec.objective,
+        "batch_unit": {"unit": "sequences" if tokens_per_sample else "samples", "tokens_per_sample": tokens_per_sample},
         "chosen": rows[chosen],
         "knee": None
         if knee is None
