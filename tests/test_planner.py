@@ -20,8 +20,9 @@ def test_known_lines_are_recovered_in_the_report():
     rec = _plan(static_bytes=2e8, act_bytes_per_sample=3e6, alpha_s=0.05, beta_s_per_sample=0.002)
     assert rec["models"]["memory"]["static_bytes"] == pytest.approx(2e8)
     assert rec["models"]["memory"]["act_bytes_per_sample"] == pytest.approx(3e6)
-    assert rec["models"]["compute"]["alpha_s"] == pytest.approx(0.05)
-    assert rec["models"]["compute"]["beta_s_per_sample"] == pytest.approx(0.002)
+    assert rec["models"]["compute"]["name"] == "linear"
+    assert rec["models"]["compute"]["params"]["alpha_s"] == pytest.approx(0.05)
+    assert rec["models"]["compute"]["params"]["beta_s_per_sample"] == pytest.approx(0.002)
     assert rec["models"]["compute"]["leave_one_out"]["max_rel_err"] < 1e-9
 
 
@@ -138,15 +139,44 @@ def _plan_with_comm(backend: str):
 
 def test_nccl_benchmark_replaces_the_spec_bandwidth():
     network = _plan_with_comm("nccl")["models"]["network"]
-    assert network["bandwidth_gbps"] == {"value": pytest.approx(200.0), "source": "fitted"}
-    assert network["latency_s"]["value"] == pytest.approx(2e-5)
+    assert network["intra_node"]["bandwidth_gbps"] == {"value": pytest.approx(200.0), "source": "fitted"}
+    assert network["intra_node"]["latency_s"]["value"] == pytest.approx(2e-5)
 
 
 def test_cpu_gloo_benchmark_is_reported_but_the_spec_bandwidth_is_used():
     network = _plan_with_comm("gloo")["models"]["network"]
-    assert network["bandwidth_gbps"] == {"value": 100.0, "source": "spec"}
+    assert network["intra_node"]["bandwidth_gbps"] == {"value": 100.0, "source": "spec"}
     assert network["measured_link"]["bandwidth_gbps"] == pytest.approx(200.0)
     assert "not the cluster's GPU interconnect" in network["note"]
+
+
+def test_links_named_in_the_spec_come_from_the_catalog_and_say_so():
+    cluster = {"nodes": 4, "gpus_per_node": 8, "interconnect_gbps": None, "intra_node_link": "nvlink4", "inter_node_link": "infiniband_ndr"}
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32], cluster=cluster))
+    network = plan(spec, [measurement(b) for b in (8, 16, 32)])["models"]["network"]
+    assert network["intra_node"]["name"] == "nvlink4" and network["inter_node"]["name"] == "infiniband_ndr"
+    assert network["intra_node"]["bandwidth_gbps"]["source"] == "catalog-assumed"
+
+
+def test_without_any_link_the_conservative_defaults_are_assumed_and_named():
+    cluster = {"nodes": 2, "gpus_per_node": 4, "interconnect_gbps": None}
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32], cluster=cluster))
+    network = plan(spec, [measurement(b) for b in (8, 16, 32)])["models"]["network"]
+    assert (network["intra_node"]["name"], network["inter_node"]["name"]) == ("pcie4_x16", "ethernet_100g")
+
+
+def test_multi_node_all_reduce_is_slower_than_one_node_of_the_same_size():
+    def iter_time(nodes, gpus):
+        cluster = {"nodes": nodes, "gpus_per_node": gpus, "interconnect_gbps": None, "intra_node_link": "nvlink4", "inter_node_link": "ethernet_10g"}
+        spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16], cluster=cluster, objective="min_time"))
+        rows = plan(spec, [measurement(b, gradient_bytes=10**8) for b in (8, 16)])["candidates"]
+        return [r for r in rows if r["devices"] == 8 and r["device_batch"] == 16 and r["accumulation"] == 1][0]["iter_time_s"]["value"]
+    assert iter_time(2, 4) > iter_time(1, 8)
+
+
+def test_unknown_link_names_the_catalog():
+    with pytest.raises(ValueError, match="interconnect 'nvlink9' is not in the catalog; did you mean nvlink4"):
+        JobSpec.model_validate(spec_dict(cluster={"intra_node_link": "nvlink9"}))
 
 
 def test_language_model_batches_are_also_counted_in_tokens():

@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Response, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.db import make_engine, make_session_factory
 from tula_service.executor import LocalExecutor
+from tula_service.jobs import plan_inputs
+from tula_service.recommend import NotEnoughMeasurements, plan
 from tula_service.schemas import JobList, JobView
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.specfile import load_spec_file
 from tula_service.store import Store
+from tula_service.whatif import WhatIf, merged_spec
 
 log = logging.getLogger(__name__)
 
@@ -108,5 +113,23 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
                 "the recommendation exists once it is done",
             )
         return {"job_id": job.id, **job.recommendation}
+
+    @app.post("/v1/jobs/{job_id}/plan")
+    def what_if(job_id: str, what_if: WhatIf) -> dict[str, Any]:
+        """Re-plan the job's stored measurements for another cluster, pricing or objective (no profiling)."""
+        job = _job_or_404(job_id)
+        if job.state != "done":
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is {job.state}: what-if needs its measurements")
+        try:
+            spec = merged_spec(job.spec, what_if)
+        except ValidationError as error:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
+            ) from None
+        measurements, failed = plan_inputs(job)
+        try:
+            return {"job_id": job.id, "what_if": what_if.model_dump(exclude_none=True), **plan(spec, measurements, failed)}
+        except NotEnoughMeasurements as error:
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
 
     return app

@@ -89,6 +89,20 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f"  predicted total time {chosen['total_time_s']['value'] / 3600:.3f} h,"
         f" cost ${chosen['cost_usd']['value']:.2f}, memory {chosen['memory_bytes']['value'] / GIB:.3f} GiB"
         f" ({chosen['memory_bytes']['source']}), epochs {chosen['epochs']['value']:.2f} ({chosen['epochs']['source']})",
+    ]
+    if rec.get("constraint"):
+        lines.append(f"  {rec['constraint']['message']}")
+    advice = rec.get("training_advice")
+    if advice:
+        lr, ags, ramp = advice["lr_rule"], advice["ags"], advice["batch_ramp"]
+        lines.append(
+            f"  LR x{lr['multiplier']['value']:.2f} ({lr['recommended']}, {lr['multiplier']['source']})"
+            + (f" = {lr['lr']['value']:.4g}" if lr.get("lr") else "")
+            + f"; warm-up {advice['warmup']['steps']} steps; AGS delta={ags['delta']['value']:.3g} s={ags['s']['value']:.3g}"
+        )
+        if len(ramp["stages"]) > 1:
+            lines.append("  batch ramp: " + ", ".join(f"{st['global_batch']} from {st['from_epoch_fraction']:.0%}" for st in ramp["stages"]))
+    lines += [
         "",
         f"{'batch':>7} {'dev_b':>6} {'dev':>4} {'acc':>4} {'mem GiB':>9} {'iter s':>9} {'total h':>9} {'cost $':>9} pareto",
     ]

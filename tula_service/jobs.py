@@ -94,15 +94,21 @@ def advance(store: Store, job_id: str) -> bool:
     return False
 
 
-def finish_job(store: Store, job: Job) -> None:
-    store.set_job_state(job.id, "fitting")
-    spec = JobSpec.model_validate(job.spec)
+def plan_inputs(job: Job) -> tuple[list[dict], list[dict]]:
+    """A job's measurements (points done or out of memory) and its failed points, for planning."""
     measurements = [p.measurement for p in job.points if p.state in ("done", "oom") and p.measurement]
     failed = [
         {"kind": p.kind, "batch_size": p.batch_size, "error": p.error, "attempts": p.attempts}
         for p in job.points
         if p.state == "failed"
     ]
+    return measurements, failed
+
+
+def finish_job(store: Store, job: Job) -> None:
+    store.set_job_state(job.id, "fitting")
+    spec = JobSpec.model_validate(job.spec)
+    measurements, failed = plan_inputs(job)
     try:
         recommendation = plan(spec, measurements, failed)
     except NotEnoughMeasurements as error:

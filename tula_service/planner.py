@@ -2,24 +2,26 @@
 
 Per candidate (per-device batch b, devices n, accumulation steps a; global batch B = b n a):
 
-    T_iter  = T_comp(b) + T_net(n)              (overlap exponent g = 1: no overlap, conservative)
-    T_step  = (a - 1) T_comp(b) + T_iter        (design.md; AdaptDL goodput model)
+    T_iter  = (T_comp(b)^g + T_net(n)^g)^(1/g)   (overlap; g = 1 is no overlap, the conservative default)
+    T_step  = (a - 1) T_comp(b) + T_iter          (design.md; AdaptDL's goodput model)
     steps   = ceil(D / B) per epoch
     time    = E(B) * steps * T_step
-    cost    = time_h * n * price                      (pricing kind gpu_hour)
-            = time_h * n * M(b) / GiB * price         (pricing kind memory_gb_hour; memory actually used)
+    cost    = overhead + time_h * price * { n                (gpu_hour)
+                                          { ceil(n / gpus_per_node)   (node_hour: whole nodes are rented)
+                                          { n * M(b) / GiB   (memory_gb_hour: memory actually used)
 
 Vectorized over all candidates with numpy broadcasting; memory-infeasible candidates are dropped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tula_service.knee import Knee, find_knee
-from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel, RingAllReduce
+from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel
+from tula_service.perfmodel.overlap import OverlapModel
 
 GIB = 2**30
 ACCUMULATION_STEPS = (1, 2, 4, 8)
@@ -30,8 +32,9 @@ MEMORY_MARGIN = 0.05
 class FittedModels:
     memory: MemoryModel
     compute: ComputeModel
-    network: RingAllReduce
+    network: object  # anything with predict(devices) -> seconds (RingAllReduce, HierarchicalAllReduce)
     epochs: EpochModel
+    overlap: OverlapModel = field(default_factory=OverlapModel)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,15 @@ class PlanInputs:
     num_samples: int
     pricing_kind: str
     price: float
-    objective: str
+    gpus_per_node: int = 1
+    fixed_overhead_usd: float = 0.0
+    device_counts: np.ndarray | None = None  # default: powers of two up to the cluster, and the cluster
+    accumulation_steps: tuple[int, ...] = ACCUMULATION_STEPS
+
+
+def max_device_batch(memory: MemoryModel, capacity_bytes: float) -> int:
+    """Largest per-device batch whose memory, at the upper end of its 95% prediction interval, fits."""
+    return memory.max_device_batch(capacity_bytes, MEMORY_MARGIN, upper=True)
 
 
 def device_counts(total_devices: int) -> np.ndarray:
@@ -55,27 +66,35 @@ def device_counts(total_devices: int) -> np.ndarray:
     return np.array(sorted(counts))
 
 
+def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
+    if inputs.pricing_kind == "gpu_hour":
+        billed = devices
+    elif inputs.pricing_kind == "node_hour":
+        billed = np.ceil(devices / inputs.gpus_per_node)
+    elif inputs.pricing_kind == "memory_gb_hour":
+        billed = devices * memory_bytes / GIB
+    else:
+        raise ValueError(f"pricing kind '{inputs.pricing_kind}' is unknown; known: gpu_hour, memory_gb_hour, node_hour")
+    return inputs.fixed_overhead_usd + hours * billed * inputs.price
+
+
 def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
-    max_batch = models.memory.max_device_batch(inputs.device_memory_bytes, MEMORY_MARGIN)
+    max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
     batches = inputs.device_batches[inputs.device_batches <= max_batch]
+    counts = device_counts(inputs.total_devices) if inputs.device_counts is None else inputs.device_counts
     b, n, a = (
         grid.ravel()
-        for grid in np.meshgrid(batches, device_counts(inputs.total_devices), np.array(ACCUMULATION_STEPS), indexing="ij")
+        for grid in np.meshgrid(batches, counts, np.array(inputs.accumulation_steps), indexing="ij")
     )
     global_batch = b * n * a
     memory_bytes = models.memory.predict(b)
     compute_s = models.compute.predict(b)
-    iter_time_s = compute_s + models.network.predict(n)
+    iter_time_s = models.overlap.combine(compute_s, models.network.predict(n))
     step_time_s = (a - 1) * compute_s + iter_time_s
     steps_per_epoch = np.ceil(inputs.num_samples / global_batch)
     epochs = models.epochs.predict(global_batch)
     epoch_time_s = steps_per_epoch * step_time_s
     total_time_s = epochs * epoch_time_s
-    hours = total_time_s / 3600.0
-    if inputs.pricing_kind == "gpu_hour":
-        cost_usd = hours * n * inputs.price
-    else:
-        cost_usd = hours * n * memory_bytes / GIB * inputs.price
     return {
         "device_batch": b,
         "devices": n,
@@ -87,36 +106,73 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
         "epochs": epochs,
         "epoch_time_s": epoch_time_s,
         "total_time_s": total_time_s,
-        "cost_usd": cost_usd,
-        "max_device_batch": np.full(b.shape, max_batch),
+        "cost_usd": cost_usd(inputs, total_time_s / 3600.0, n, memory_bytes),
     }
 
 
 def pareto_mask(time_s: np.ndarray, cost_usd: np.ndarray) -> np.ndarray:
     """True where no other candidate is at least as fast and as cheap, and strictly better in one."""
     order = np.lexsort((cost_usd, time_s))
+    sorted_cost = cost_usd[order]
+    best_before = np.concatenate([[np.inf], np.minimum.accumulate(sorted_cost)[:-1]])
     mask = np.zeros(time_s.size, dtype=bool)
-    best_cost = np.inf
-    for index in order:
-        if cost_usd[index] < best_cost:
-            mask[index] = True
-            best_cost = cost_usd[index]
+    mask[order] = sorted_cost < best_before
     return mask
 
 
-def choose(candidates: dict[str, np.ndarray], objective: str) -> tuple[int, Knee | None, np.ndarray]:
-    """Index of the chosen candidate, the knee (for objective "knee") and the Pareto mask.
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    front: np.ndarray
+    knee: Knee | None = None
+    constraint: dict | None = None  # deadline/budget: {"kind", "limit", "met", "message"}
 
-    The knee is always a point of the (time, cost) Pareto front: Kneedle runs over the front's
-    points ordered by global batch (see `tula_service.knee`), and at the knee batch the fastest
-    front point is chosen.
+
+def _fastest(time_s: np.ndarray, cost_usd: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    order = np.lexsort((cost_usd, time_s))
+    return int(order[0] if allowed is None else order[allowed[order]][0])
+
+
+def _cheapest(time_s: np.ndarray, cost_usd: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    order = np.lexsort((time_s, cost_usd))
+    return int(order[0] if allowed is None else order[allowed[order]][0])
+
+
+def choose(
+    candidates: dict[str, np.ndarray], objective: str, deadline_h: float | None = None, budget_usd: float | None = None
+) -> Choice:
+    """The chosen candidate for an objective.
+
+    knee: always a point of the (time, cost) Pareto front: Kneedle over the front's points ordered
+    by global batch (see `tula_service.knee`), and at the knee batch the fastest front point.
+    deadline: the cheapest candidate finishing within the deadline; budget: the fastest within the
+    budget. An impossible constraint is an answer, not an error: the closest candidate (the fastest,
+    or the cheapest) is returned with met=False and a message saying by how much it misses.
     """
-    time_s, cost_usd = candidates["total_time_s"], candidates["cost_usd"]
-    front = pareto_mask(time_s, cost_usd)
+    time_s, cost = candidates["total_time_s"], candidates["cost_usd"]
+    front = pareto_mask(time_s, cost)
     if objective == "min_time":
-        return int(np.lexsort((cost_usd, time_s))[0]), None, front
+        return Choice(_fastest(time_s, cost), front)
     if objective == "min_cost":
-        return int(np.lexsort((time_s, cost_usd))[0]), None, front
+        return Choice(_cheapest(time_s, cost), front)
+    if objective == "deadline":
+        return _within(time_s / 3600.0, deadline_h, "deadline", time_s, cost, front)
+    if objective == "budget":
+        return _within(cost, budget_usd, "budget", time_s, cost, front)
     knee = find_knee(candidates["global_batch"][front], time_s[front])
     at_knee = np.flatnonzero(front & (candidates["global_batch"] == knee.global_batch))
-    return int(at_knee[np.argmin(time_s[at_knee])]), knee, front
+    return Choice(int(at_knee[np.argmin(time_s[at_knee])]), front, knee)
+
+
+def _within(value: np.ndarray, limit: float, kind: str, time_s, cost, front) -> Choice:
+    allowed = value <= limit
+    unit = "h" if kind == "deadline" else "USD"
+    if allowed.any():
+        index = _cheapest(time_s, cost, allowed) if kind == "deadline" else _fastest(time_s, cost, allowed)
+        message = f"meets the {kind} of {limit:g} {unit} ({value[index]:.3g} {unit})"
+        return Choice(index, front, constraint={"kind": kind, "limit": limit, "met": True, "message": message})
+    index = _fastest(time_s, cost) if kind == "deadline" else _cheapest(time_s, cost)
+    closest = "fastest" if kind == "deadline" else "cheapest"
+    verb = "finishes within" if kind == "deadline" else "costs at most"
+    message = f"no configuration {verb} {limit:g} {unit}; the {closest} needs {value[index]:.3g} {unit}"
+    return Choice(index, front, constraint={"kind": kind, "limit": limit, "met": False, "message": message})

@@ -13,11 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel, NoiseScaleModel, RingAllReduce
-from tula_service.perfmodel.comm_fit import fit_comm_record
-from tula_service.perfmodel.validation import error_summary, leave_one_out_relative_errors
+from tula_service.advice import ags_config, batch_ramp, lr_rule, runner_ups, warmup
+from tula_service.fitting import fit_models
 from tula_service.maxbatch import bracket
-from tula_service.planner import ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, sweep
+from tula_service.planner import ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, PlanInputs, choose, max_device_batch, sweep
 from tula_service.spec import JobSpec, powers_of_two_between
 
 
@@ -31,105 +30,6 @@ def _usable(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
     ok_by_batch = {m["batch_size"]: m for m in compute if m.get("status") == "ok"}
     oom_batches = sorted({m["batch_size"] for m in compute if m.get("status") == "oom"})
     return [ok_by_batch[b] for b in sorted(ok_by_batch)], oom_batches
-
-
-def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) -> tuple[RingAllReduce, dict[str, Any]]:
-    """The ring all-reduce model: a measured link when the benchmark ran on the GPUs' own collective
-    library (NCCL), else the spec's interconnect with an assumed per-hop latency."""
-    report: dict[str, Any] = {
-        "formula": "T_net(n) = 2(n-1) latency_s + 2(n-1)/n gradient_bytes / bandwidth",
-        "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
-    }
-    measured = None
-    if comm is not None:
-        try:
-            fit = fit_comm_record(comm)
-            measured = fit if comm.get("backend") == "nccl" and np.isfinite(fit.bandwidth_gbps_) else None
-            report["measured_link"] = {**fit.quality(), "backend": comm.get("backend"), "device": comm.get("device")}
-            if not np.isfinite(fit.bandwidth_gbps_):
-                report["measured_link"]["bandwidth_gbps"] = None
-                report["measured_link"]["note"] = "time did not grow with message size: latency-bound, bandwidth unresolved"
-        except ValueError as error:
-            report["measured_link"] = {"error": str(error)}
-    if measured is not None:
-        report["bandwidth_gbps"] = {"value": measured.bandwidth_gbps_, "source": "fitted"}
-        report["latency_s"] = {"value": measured.latency_s_, "source": "fitted"}
-        return measured.to_ring_all_reduce(gradient_bytes), report
-    network = RingAllReduce(gradient_bytes=gradient_bytes, bandwidth_gbps=spec.cluster.interconnect_gbps)
-    report["bandwidth_gbps"] = {"value": spec.cluster.interconnect_gbps, "source": "spec"}
-    report["latency_s"] = {"value": network.latency_s, "source": "assumed"}
-    if comm is not None:
-        report["note"] = (
-            "the all-reduce benchmark ran with gloo on CPU processes of the profiling host: it measures that "
-            "host's memory copies and loopback, not the cluster's GPU interconnect, so the spec's bandwidth is used"
-        )
-    return network, report
-
-
-def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None) -> tuple[FittedModels, dict[str, Any]]:
-    batch = np.array([m["batch_size"] for m in ok], dtype=float)
-    peak_bytes = np.array([m["memory"]["peak_bytes"] for m in ok], dtype=float)
-    iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
-    with_stats = [m["gradient"] for m in ok if m.get("gradient")]
-
-    memory = MemoryModel().fit(batch, peak_bytes)
-    compute = ComputeModel().fit(batch, iter_time_s)
-    gradient_bytes = ok[0]["model"]["gradient_bytes"]
-    network, network_report = _network(spec, gradient_bytes, comm)
-    noise = NoiseScaleModel().fit(
-        [g["true_grad_sq_norm"] for g in with_stats],
-        [g["trace_sigma"] for g in with_stats],
-        [g["iterations"] * g["batch"] for g in with_stats],
-    ) if with_stats else None
-    epochs = EpochModel(
-        spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None
-    )
-
-    report = {
-        "memory": {
-            "formula": "M(b) = static_bytes + act_bytes_per_sample * b",
-            "static_bytes": float(memory.static_bytes_),
-            "act_bytes_per_sample": float(memory.act_bytes_per_sample_),
-            "r2": memory.r2_,
-            "leave_one_out": error_summary(leave_one_out_relative_errors(MemoryModel, batch, peak_bytes)),
-            "source": "fitted",
-        },
-        "compute": {
-            "formula": "T_comp(b) = alpha_s + beta_s_per_sample * b (non-negative least squares)",
-            "alpha_s": float(compute.alpha_s_),
-            "beta_s_per_sample": float(compute.beta_s_per_sample_),
-            "leave_one_out": error_summary(leave_one_out_relative_errors(ComputeModel, batch, iter_time_s)),
-            "source": "fitted",
-        },
-        "network": network_report,
-        "overlap": {"g": {"value": 1.0, "source": "assumed", "note": "no compute/communication overlap (conservative)"}},
-        "efficiency": _efficiency_report(noise, epochs),
-    }
-    return FittedModels(memory, compute, network, epochs), report
-
-
-def _efficiency_report(noise: NoiseScaleModel | None, epochs: EpochModel) -> dict[str, Any]:
-    if noise is None or not noise.informative_:
-        return {
-            "formula": "E(B) = reference_epochs * max(1, B / reference_batch)",
-            "noise_scale": None,
-            "source": "assumed",
-            "note": "no informative noise-scale measurement (none taken, or the pooled |G|^2 or tr(Sigma) "
-            "is not positive: the gradient signal is below what the profiled batches resolve); assumed: "
-            "epochs constant up to the reference batch, and no fewer optimizer steps than the reference "
-            "run beyond it",
-        }
-    return {
-        "formula": "E(B) = E_min (1 + B / B_noise), E_min from the reference run",
-        "noise_scale": {"value": noise.noise_scale_, "stderr": noise.noise_scale_stderr_, "source": "fitted"},
-        "true_grad_sq_norm": noise.true_grad_sq_norm_,
-        "trace_sigma": noise.trace_sigma_,
-        "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
-        "source": "fitted",
-        "points": noise.points_,
-        "note": "noise scale measured in the first iterations of training; it grows as the loss falls "
-        "(McCandlish et al. 2018), so E(B) is anchored to the reference run",
-    }
 
 
 def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> np.ndarray:
@@ -157,7 +57,8 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         num_samples=spec.dataset.num_samples,
         pricing_kind=spec.pricing.kind,
         price=spec.pricing.price,
-        objective=spec.objective,
+        gpus_per_node=spec.cluster.gpus_per_node,
+        fixed_overhead_usd=spec.pricing.fixed_overhead_usd,
     )
     candidates = sweep(models, inputs)
     if candidates["global_batch"].size == 0:
@@ -165,15 +66,27 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             f"no profiled batch fits in {spec.cluster.device_memory_gib} GiB per device "
             f"(static memory alone is {models.memory.static_bytes_ / GIB:.2f} GiB)"
         )
-    chosen, knee, front = choose(candidates, spec.objective)
+    choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
+    chosen, knee, front = choice.index, choice.knee, choice.front
     measured = {m["batch_size"]: m for m in ok}
     rows = [_candidate_row(candidates, i, front, measured, report) for i in range(candidates["global_batch"].size)]
     tokens_per_sample = ok[0]["model"].get("tokens_per_sample")
     if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
         for row in rows:
             row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
+    max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
+    noise = report["efficiency"] if report["efficiency"]["source"] == "fitted" else None
+    variability = [v for m in ok for v in (m.get("gradient") or {}).get("variability_series", [])]
     return {
         "objective": spec.objective,
+        "constraint": choice.constraint,
+        "training_advice": {
+            "lr_rule": lr_rule(spec, rows[chosen]["global_batch"], noise),
+            "warmup": warmup(spec, rows[chosen]),
+            "batch_ramp": batch_ramp(rows[chosen], noise and noise["noise_scale"]["value"], int(inputs.device_batches.min()), max_batch),
+            "ags": ags_config(rows[chosen]["global_batch"], spec, noise, variability),
+        },
+        "runner_ups": runner_ups(rows, chosen, _objective_order(candidates, spec.objective, front, rows[chosen])),
         "batch_unit": {"unit": "sequences" if tokens_per_sample else "samples", "tokens_per_sample": tokens_per_sample},
         "chosen": rows[chosen],
         "knee": None
@@ -189,10 +102,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         "models": report,
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],
-            "max_device_batch": {
-                "value": models.memory.max_device_batch(inputs.device_memory_bytes, MEMORY_MARGIN),
-                "source": "predicted",
-            },
+            "max_device_batch": {"value": max_batch, "source": "predicted"},
             "memory_margin": {"value": MEMORY_MARGIN, "source": "assumed"},
             "devices": sorted({int(n) for n in candidates["devices"]}),
             "accumulation_steps": list(ACCUMULATION_STEPS),
@@ -205,6 +115,17 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "points": [_point_summary(m) for m in ok],
         },
     }
+
+
+def _objective_order(candidates: dict[str, np.ndarray], objective: str, front: np.ndarray, chosen: dict[str, Any]) -> np.ndarray:
+    """Candidates from best to worst for the objective (for the runner-ups)."""
+    time_s, cost = candidates["total_time_s"], candidates["cost_usd"]
+    if objective in ("min_time", "budget"):
+        return np.lexsort((cost, time_s))
+    if objective in ("min_cost", "deadline"):
+        return np.lexsort((time_s, cost))
+    distance = np.abs(np.log2(candidates["global_batch"]) - np.log2(chosen["global_batch"]))
+    return np.lexsort((time_s, distance, ~front))  # front points nearest the knee first
 
 
 def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, Any] | None:

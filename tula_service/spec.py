@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from tula_service.catalogs import load_interconnects
 from models.registry import (
     ALLOWED_MODULES_ENV,
     DATASETS,
@@ -98,7 +99,16 @@ class ClusterSpec(_Strict):
     nodes: PositiveInt = 1
     gpus_per_node: PositiveInt = 1
     device_memory_gib: float = Field(gt=0, description="memory per device in GiB")
-    interconnect_gbps: float = Field(gt=0, description="all-reduce link bandwidth in Gbit/s")
+    interconnect_gbps: float | None = Field(
+        None, gt=0, description="all-reduce bandwidth in Gbit/s for links the spec does not name (latency assumed)"
+    )
+    intra_node_link: str | None = Field(None, description="interconnect catalog name, e.g. nvlink4, pcie4_x16")
+    inter_node_link: str | None = Field(None, description="interconnect catalog name, e.g. infiniband_ndr")
+
+    @field_validator("intra_node_link", "inter_node_link")
+    @classmethod
+    def _known_link(cls, name: str | None) -> str | None:
+        return None if name is None else in_catalog("interconnect", name, load_interconnects())
 
     @property
     def total_devices(self) -> int:
@@ -106,8 +116,9 @@ class ClusterSpec(_Strict):
 
 
 class PricingSpec(_Strict):
-    kind: Literal["gpu_hour", "memory_gb_hour"]
-    price: float = Field(gt=0, description="USD per GPU-hour, or per GB-hour of device memory used")
+    kind: Literal["gpu_hour", "node_hour", "memory_gb_hour"]
+    price: float = Field(gt=0, description="USD per GPU-hour, per node-hour, or per GiB-hour of device memory used")
+    fixed_overhead_usd: float = Field(0.0, ge=0, description="per-job cost on top (e.g. start-up, storage)")
 
 
 class TrainingSpec(_Strict):
@@ -145,7 +156,9 @@ class JobSpec(_Strict):
     )
     cluster: ClusterSpec
     pricing: PricingSpec
-    objective: Literal["knee", "min_time", "min_cost"] = "knee"
+    objective: Literal["knee", "min_time", "min_cost", "deadline", "budget"] = "knee"
+    deadline_h: float | None = Field(None, gt=0, description="objective deadline: the cheapest plan finishing within")
+    budget_usd: float | None = Field(None, gt=0, description="objective budget: the fastest plan costing at most")
     training: TrainingSpec
     profiling: ProfilingSpec = ProfilingSpec()
 
@@ -162,6 +175,14 @@ class JobSpec(_Strict):
                 f"operator can allow it with {ALLOWED_MODULES_ENV}={module} (comma-separated prefixes)"
             )
         return name
+
+    @model_validator(mode="after")
+    def _constraint_given(self) -> JobSpec:
+        if self.objective == "deadline" and self.deadline_h is None:
+            raise ValueError("objective 'deadline' needs deadline_h (hours)")
+        if self.objective == "budget" and self.budget_usd is None:
+            raise ValueError("objective 'budget' needs budget_usd")
+        return self
 
     @model_validator(mode="after")
     def _model_fits_dataset(self) -> JobSpec:

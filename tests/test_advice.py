@@ -1,0 +1,86 @@
+"""Training advice that comes with a recommendation: LR rule, warm-up, batch ramp, AGS, runner-ups."""
+
+import math
+
+import pytest
+
+from tula_service.advice import AGS_MAX_SCALE, adascale_gain
+from tula_service.recommend import plan
+from tula_service.spec import JobSpec
+from tests.handmade import measurement, spec_dict
+
+BATCHES = [8, 16, 32, 64, 128]
+
+
+def _plan(params=None, **overrides):
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, **overrides))
+    return plan(spec, [measurement(b, **(params or {})) for b in BATCHES])
+
+
+def test_adascale_gain_runs_from_one_to_k():
+    assert adascale_gain(8, true_grad_sq_norm=1.0, trace_sigma=1e-9, reference_batch=32) == pytest.approx(1.0)
+    assert adascale_gain(8, true_grad_sq_norm=1e-9, trace_sigma=1.0, reference_batch=32) == pytest.approx(8.0)
+    assert 1 < adascale_gain(8, 1.0, 32.0, 32) < 8
+
+
+def test_lr_rule_uses_the_measured_adascale_gain_for_sgd():
+    rec = _plan(objective="min_time", training={"reference_lr": 0.1})
+    rule = rec["training_advice"]["lr_rule"]
+    k = rec["chosen"]["global_batch"] / 32
+    assert rule["batch_ratio_k"] == pytest.approx(k)
+    assert rule["multipliers"]["linear"] == pytest.approx(k) and rule["multipliers"]["sqrt"] == pytest.approx(math.sqrt(k))
+    assert rule["recommended"] == "adascale" and rule["multiplier"]["source"] == "fitted"
+    assert rule["lr"]["value"] == pytest.approx(0.1 * rule["multipliers"]["adascale"])
+
+
+def test_lr_rule_for_adam_takes_square_roots():
+    rule = _plan(objective="min_time", training={"optimizer": "adam"})["training_advice"]["lr_rule"]
+    k = rule["batch_ratio_k"]
+    assert rule["multipliers"]["adascale"] == pytest.approx(math.sqrt(adascale_gain(k, 1.0, 100.0, 32)))
+
+
+def test_without_noise_measurement_lr_rule_is_linear_and_assumed():
+    rule = _plan({"true_grad_sq_norm": -1.0}, objective="min_time")["training_advice"]["lr_rule"]
+    assert rule["recommended"] == "linear" and rule["multiplier"]["source"] == "assumed"
+
+
+def test_warmup_is_bounded_by_five_epochs_and_a_tenth_of_training():
+    rec = _plan(objective="min_time")
+    advice, chosen = rec["training_advice"]["warmup"], rec["chosen"]
+    if chosen["global_batch"] > 32:
+        assert advice["epochs"] == pytest.approx(min(5.0, 0.1 * chosen["epochs"]["value"]))
+        assert advice["steps"] > 0
+    else:
+        assert advice["steps"] == 0
+
+
+def test_batch_ramp_starts_near_the_noise_scale_and_ends_at_the_chosen_batch():
+    # B_noise = 100 (tr 100 / |G|^2 1); 16 devices make large global batches
+    rec = _plan(objective="min_time", cluster={"gpus_per_node": 16, "interconnect_gbps": 1000})
+    ramp, chosen = rec["training_advice"]["batch_ramp"], rec["chosen"]
+    stages = ramp["stages"]
+    assert stages[-1]["global_batch"] == chosen["global_batch"]
+    if len(stages) > 1:
+        assert [s["global_batch"] for s in stages] == [stages[0]["global_batch"] * 2**i for i in range(len(stages))]
+        assert stages[0]["from_epoch_fraction"] == 0.0 and all(s["device_batch"] <= 128 for s in stages)
+
+
+def test_ags_delta_is_the_median_measured_variability_and_s_is_capped():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", cluster={"gpus_per_node": 16, "interconnect_gbps": 1000}))
+    points = [measurement(b, trace_sigma=1e5) for b in BATCHES]
+    for point, series in zip(points, ([0.1, 0.3], [0.2], [0.4, 0.5], [0.6], [0.7])):
+        point["gradient"]["variability_series"] = series
+    ags = plan(spec, points)["training_advice"]["ags"]
+    assert ags["delta"] == {"value": pytest.approx(0.4), "source": "measured", "why": ags["delta"]["why"]}
+    assert ags["s"]["value"] <= AGS_MAX_SCALE and ags["s"]["source"] == "fitted"
+
+
+def test_ags_defaults_to_the_studys_delta_without_measurements():
+    assert _plan()["training_advice"]["ags"]["delta"]["value"] == 0.5
+
+
+def test_runner_ups_come_with_their_deltas():
+    rec = _plan(objective="min_time", cluster={"gpus_per_node": 4})
+    ups = rec["runner_ups"]
+    assert len(ups) == 3
+    assert all(u["time_delta_pct"] >= 0 for u in ups)  # min_time: nothing is faster than the chosen

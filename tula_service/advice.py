@@ -1,0 +1,142 @@
+"""How to train at the chosen configuration: learning rate, warm-up, batch ramp, AGS, runner-ups.
+
+- LR rule for a batch k = B / B_ref times the reference: linear scaling for SGD (Goyal et al. 2017),
+  square root for Adam/AdamW, and the AdaScale gain (Johnson et al. 2020), from the measured noise:
+      r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2),  sigma^2 = tr(Sigma) / B_ref,
+  which lies in [1, k]: near k when the gradient is noise-dominated, near 1 when it is not
+  (Pollux/AdaptDL use it as is for SGD and its square root for Adam).
+- Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
+  batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
+- Batch ramp: the noise scale grows as the loss falls (McCandlish et al. 2018), so start at the
+  measured noise scale (rounded down to a power of two, never below what was profiled) and double
+  the batch at stated epoch fractions until the chosen batch, with devices and accumulation kept
+  within the device memory.
+- AGS (Tula): scale the update by s on iterations whose gradient variability is below delta. delta is
+  the median of the measured variability (about half the updates scaled, the study's balanced
+  setting; 0.5 when nothing was measured); s is the AdaScale gain at the chosen batch, capped at
+  AGS_MAX_SCALE because too large an s hurts convergence (Tula seed paper, Fig. 7).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+AGS_DEFAULT_DELTA = 0.5
+AGS_MAX_SCALE = 2.0
+WARMUP_MAX_EPOCHS = 5.0
+WARMUP_MAX_FRACTION = 0.10
+RAMP_EPOCH_FRACTIONS = (0.0, 0.2, 0.4, 0.6)
+
+
+def adascale_gain(k: float, true_grad_sq_norm: float, trace_sigma: float, reference_batch: int) -> float:
+    variance = trace_sigma / reference_batch
+    return (variance + true_grad_sq_norm) / (variance / k + true_grad_sq_norm)
+
+
+def lr_rule(spec, global_batch: int, noise: dict[str, Any] | None) -> dict[str, Any]:
+    k = global_batch / spec.training.reference_batch
+    rules = {"linear": k, "sqrt": math.sqrt(k)}
+    if noise:
+        gain = adascale_gain(k, noise["true_grad_sq_norm"], noise["trace_sigma"], spec.training.reference_batch)
+        rules["adascale"] = gain if spec.training.optimizer == "sgd" else math.sqrt(gain)
+    recommended = "adascale" if noise else ("linear" if spec.training.optimizer == "sgd" else "sqrt")
+    factor = rules[recommended]
+    result = {
+        "batch_ratio_k": k,
+        "optimizer": spec.training.optimizer,
+        "multipliers": rules,
+        "recommended": recommended,
+        "multiplier": {"value": factor, "source": "fitted" if noise else "assumed"},
+        "why": (
+            "AdaScale gain from the measured |G|^2 and tr(Sigma)"
+            + (" (square root for Adam)" if spec.training.optimizer != "sgd" else "")
+            if noise
+            else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else "square-root scaling for Adam")
+            + "; no noise measurement for AdaScale"
+        ),
+    }
+    if spec.training.reference_lr:
+        result["lr"] = {"value": spec.training.reference_lr * factor, "reference_lr": spec.training.reference_lr, "source": "predicted"}
+    return result
+
+
+def warmup(spec, chosen: dict[str, Any]) -> dict[str, Any]:
+    epochs = chosen["epochs"]["value"]
+    if chosen["global_batch"] <= spec.training.reference_batch:
+        return {"epochs": 0.0, "steps": 0, "why": "batch not larger than the reference: no warm-up needed"}
+    warmup_epochs = min(WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION * epochs)
+    steps = int(math.ceil(warmup_epochs * spec.dataset.num_samples / chosen["global_batch"]))
+    return {
+        "epochs": warmup_epochs,
+        "steps": steps,
+        "schedule": "linear from the reference LR to the scaled LR",
+        "why": f"min({WARMUP_MAX_EPOCHS:g} epochs, {WARMUP_MAX_FRACTION:.0%} of training), after Goyal et al. 2017",
+    }
+
+
+def batch_ramp(chosen: dict[str, Any], noise_scale: float | None, smallest_batch: int, max_device_batch: int) -> dict[str, Any]:
+    target = chosen["global_batch"]
+    if not noise_scale or noise_scale >= target:
+        return {"stages": [{"from_epoch_fraction": 0.0, "global_batch": target}],
+                "why": "no ramp: the measured noise scale is not below the chosen batch" if noise_scale
+                else "no ramp: no noise-scale measurement"}  # fmt: skip
+    start = max(smallest_batch, 2 ** int(math.floor(math.log2(noise_scale))))
+    doublings = max(0, int(math.ceil(math.log2(target / start))))
+    doublings = min(doublings, len(RAMP_EPOCH_FRACTIONS) - 1)
+    start = max(1, target // 2**doublings)
+    stages = []
+    for stage, fraction in enumerate(RAMP_EPOCH_FRACTIONS[: doublings + 1]):
+        batch = start * 2**stage
+        devices = chosen["devices"]
+        per_device = max(1, batch // devices)
+        accumulation = max(1, int(math.ceil(per_device / max(1, max_device_batch))))
+        stages.append({
+            "from_epoch_fraction": fraction, "global_batch": batch,
+            "device_batch": per_device // accumulation, "devices": devices, "accumulation": accumulation,
+        })  # fmt: skip
+    return {
+        "stages": stages,
+        "why": f"the noise scale ({noise_scale:.0f} measured early) grows as the loss falls: start near it and double "
+        f"the batch at the stated fractions of training until the chosen {target}",
+    }
+
+
+def ags_config(global_batch: int, spec, noise: dict[str, Any] | None, variability: list[float]) -> dict[str, Any]:
+    if variability:
+        delta = {"value": float(np.median(variability)), "source": "measured",
+                 "why": f"median of {len(variability)} measured gradient-variability values: about half the updates are scaled"}  # fmt: skip
+    else:
+        delta = {"value": AGS_DEFAULT_DELTA, "source": "assumed", "why": "no variability measured: the Tula study's 0.5"}
+    k = global_batch / spec.training.reference_batch
+    if noise and k > 1:
+        gain = adascale_gain(k, noise["true_grad_sq_norm"], noise["trace_sigma"], spec.training.reference_batch)
+        scale = {"value": min(gain, AGS_MAX_SCALE), "source": "fitted",
+                 "why": f"AdaScale gain {gain:.2f} at k={k:g}, capped at {AGS_MAX_SCALE:g} (too large an s hurts, Tula Fig. 7)"}  # fmt: skip
+    elif k > 1:
+        scale = {"value": min(math.sqrt(k), AGS_MAX_SCALE), "source": "assumed",
+                 "why": f"no noise measurement: sqrt(k) = {math.sqrt(k):.2f}, capped at {AGS_MAX_SCALE:g}"}  # fmt: skip
+    else:
+        scale = {"value": 1.0, "source": "assumed", "why": "batch not larger than the reference: nothing to compensate"}
+    return {"delta": delta, "s": scale, "rule": "scale the update by s when gradient variability < delta"}
+
+
+def runner_ups(rows: list[dict[str, Any]], chosen_index: int, order: np.ndarray, count: int = 3) -> list[dict[str, Any]]:
+    """The next candidates in the objective's order, with time and cost relative to the chosen."""
+    chosen = rows[chosen_index]
+    result = []
+    for index in order:
+        if index == chosen_index:
+            continue
+        row = rows[int(index)]
+        result.append({
+            "device_batch": row["device_batch"], "devices": row["devices"], "accumulation": row["accumulation"],
+            "global_batch": row["global_batch"], "total_time_s": row["total_time_s"]["value"], "cost_usd": row["cost_usd"]["value"],
+            "time_delta_pct": 100 * (row["total_time_s"]["value"] / chosen["total_time_s"]["value"] - 1),
+            "cost_delta_pct": 100 * (row["cost_usd"]["value"] / chosen["cost_usd"]["value"] - 1),
+        })  # fmt: skip
+        if len(result) == count:
+            break
+    return result
