@@ -38,7 +38,7 @@ def test_all_reduce_benchmark_is_reported_next_to_the_spec_bandwidth(finished_jo
     _, rec, _ = finished_job
     network = rec["models"]["network"]
     assert network["measured_link"]["backend"] == "gloo" and network["measured_link"]["bandwidth_gbps"] > 0
-    assert network["bandwidth_gbps"]["source"] == "spec"
+    assert network["intra_node"]["bandwidth_gbps"]["source"] == "spec"
 
 
 def test_noise_scale_was_measured_and_every_point_is_summarized(finished_job):
