@@ -18,6 +18,7 @@ Out-of-memory is data: the record says "oom" and the batch is infeasible on this
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 from typing import Any
@@ -73,6 +74,7 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
     """Measure one batch size; see `tula_service.jobs.point_request` for the request's keys."""
     device = pick_device(request.get("device", "auto"))
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
     base = {
         "schema_version": SCHEMA_VERSION,
         "kind": "compute",
@@ -94,7 +96,21 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
             raise
         record = {**base, "status": "oom", "error": f"{type(error).__name__}: {str(error)[:500]}"}
     record["elapsed_s"] = time.perf_counter() - started
+    record["host_load"] = host_load(load_before)
     return record
+
+
+def host_load(load_before: float) -> dict[str, Any]:
+    """The 1-minute load average around the point, against the cores: CPU timings taken while other
+    processes compete are slow and can still look steady (OpenMP threads wait on each other)."""
+    cores = os.cpu_count() or 1
+    load_after = os.getloadavg()[0]
+    return {
+        "load_1min_before": load_before,
+        "load_1min_after": load_after,
+        "cores": cores,
+        "contended": max(load_before, load_after) > cores,
+    }
 
 
 class _Trainer:
