@@ -150,6 +150,7 @@ def _point_summary(m: dict[str, Any]) -> dict[str, Any]:
         "noise_scale": gradient.get("noise_scale"),
         "variability_median": gradient.get("variability_median"),
         "options": m.get("options"),
+        "host_contended": (m.get("host_load") or {}).get("contended"),
         "source": "measured",
     }
 
