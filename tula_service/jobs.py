@@ -7,13 +7,13 @@ import logging
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
 from tula_service.perfmodel import MemoryModel
-from tula_service.recommend import NotEnoughMeasurements, plan
+from tula_service.planner import GIB
+from tula_service.recommend import NotEnoughMeasurements, plan, usable_measurements
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import Store
 
 log = logging.getLogger(__name__)
 
-GIB = 2**30
 MIN_COMM_MAX_BYTES = 4 * 2**20  # below this, small models' all-reduces are latency-bound: bandwidth unresolved
 
 
@@ -55,20 +55,12 @@ def comm_command_args(job: Job) -> list[str]:
     return ["--max-bytes", str(max_bytes), "--backend", "auto"]
 
 
-def _compute_measurements(job: Job) -> tuple[list[dict], list[int], list[int]]:
-    measured = [p.measurement for p in job.points if p.kind != "comm" and p.state in ("done", "oom") and p.measurement]
-    ok = sorted(m["batch_size"] for m in measured if m["status"] == "ok")
-    oom = sorted(m["batch_size"] for m in measured if m["status"] == "oom")
-    return measured, ok, oom
-
-
-def _predicted_max_batch(spec: JobSpec, measured: list[dict]) -> int | None:
+def _predicted_max_batch(spec: JobSpec, ok: list[dict]) -> int | None:
     """Largest batch the memory model says fits the profiling device's limit (when one is known)."""
-    ok = [m for m in measured if m["status"] == "ok"]
     limit = spec.profiling.memory_limit_gib * GIB if spec.profiling.memory_limit_gib else None
     nvml_totals = [m["memory"]["nvml"]["total_bytes"] for m in ok if (m["memory"].get("nvml") or {}).get("total_bytes")]
     capacity = limit or (min(nvml_totals) if nvml_totals else None)
-    if capacity is None or len({m["batch_size"] for m in ok}) < 2:
+    if capacity is None or len(ok) < 2:
         return None
     model = MemoryModel().fit([m["batch_size"] for m in ok], [m["memory"]["peak_bytes"] for m in ok])
     return model.max_device_batch(capacity, margin=0.0)
@@ -84,9 +76,11 @@ def advance(store: Store, job_id: str) -> bool:
         return False
     spec = JobSpec.model_validate(job.spec)
     if spec.profiling.search_max_batch:
-        measured, ok, oom = _compute_measurements(job)
+        ok, oom = usable_measurements(plan_inputs(job)[0])
         probes_done = sum(p.kind == "search" for p in job.points)
-        probe = next_probe(ok, oom, _predicted_max_batch(spec, measured), probes_done, spec.profiling.max_search_probes)
+        predicted = _predicted_max_batch(spec, ok)
+        ok_batches = [m["batch_size"] for m in ok]
+        probe = next_probe(ok_batches, oom, predicted, probes_done, spec.profiling.max_search_probes)
         if probe is not None:
             store.add_point(job_id, "search", probe)
             return True

@@ -24,7 +24,7 @@ class NotEnoughMeasurements(ValueError):
     """Fewer than two usable points: a line cannot be fitted."""
 
 
-def _usable(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+def usable_measurements(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
     """Successful compute points (one per batch size: the last taken) and the batches that ran out of memory."""
     compute = [m for m in measurements if m.get("kind", "compute") == "compute"]
     ok_by_batch = {m["batch_size"]: m for m in compute if m.get("status") == "ok"}
@@ -42,7 +42,7 @@ def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> n
 
 
 def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    ok, oom_batches = _usable(measurements)
+    ok, oom_batches = usable_measurements(measurements)
     if len({m["batch_size"] for m in ok}) < 2:
         raise NotEnoughMeasurements(
             f"need at least 2 successfully profiled batch sizes, got {len(ok)}"
