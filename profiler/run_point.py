@@ -1,7 +1,9 @@
 """Child-process entry point: `python -m profiler.run_point --request JSON --out FILE`.
 
-Writes one JSON measurement to FILE. Exit code 0 means FILE holds a measurement (status "ok" or
-"oom"); any other exit is a failed point and stderr says why.
+Writes one JSON measurement to FILE. Exit code 0 means FILE holds a record: status "ok", "oom", or
+"failed" when the point itself raised (a bad dataset path, a model that does not build), with the
+error and the traceback's tail; such a point would fail again, so it is not retried. Any other exit
+(a signal, a crash before the record is written) means the worker died, and the server retries.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
+
+TRACEBACK_TAIL_CHARS = 2000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +25,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from profiler.measure import profile_point  # imports torch; after argument parsing
 
-    measurement = profile_point(json.loads(args.request))
+    request = json.loads(args.request)
+    try:
+        measurement = profile_point(request)
+    except Exception as error:  # noqa: BLE001 - the point's own failure is data, not a dead worker
+        measurement = {
+            "kind": "compute",
+            "status": "failed",
+            "batch_size": request.get("batch_size"),
+            "error": f"{type(error).__name__}: {error}",
+            "traceback_tail": traceback.format_exc()[-TRACEBACK_TAIL_CHARS:],
+        }
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(measurement))
     tmp.replace(args.out)

@@ -24,7 +24,7 @@ def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(tmp_pa
             "time_cap_s": 0.1, "timed_iters": 2, "warmup_iters": 1,
         },
     )  # fmt: skip
-    job = store.create_job(JobSpec.model_validate(spec))
+    job, _ = store.create_job(JobSpec.model_validate(spec))
     executor = LocalExecutor(store, poll_s=0.05)
     executor.start()
     try:

@@ -1,54 +1,116 @@
-"""The FastAPI app: thin routes over the store and the executor."""
+"""The FastAPI app: thin routes over the store and the executor.
+
+Errors are application/problem+json (tula_service.problems); bodies are capped by
+tula_service.limits; /metrics is Prometheus text (tula_service.metrics).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Response, status
+from fastapi import FastAPI, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from sqlalchemy import text
+from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
-from tula_service.db import make_engine, make_session_factory
-from tula_service.executor import LocalExecutor
+from tula_service.db import JOB_STATES, make_engine, make_session_factory
+from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
+from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from tula_service.metrics import CONTENT_TYPE, Metrics
+from tula_service.migrate import current_revision, head_revision
+from tula_service.problems import field_errors, problem_response
 from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.schemas import JobList, JobView
+from tula_service.schemas import JobList, JobView, MeasurementList, MeasurementView, Problem
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.specfile import load_spec_file
-from tula_service.store import Store
+from tula_service.store import IdempotencyConflict, Store
 from tula_service.whatif import WhatIf, merged_spec
 
 log = logging.getLogger(__name__)
+
+EXECUTORS = ("local", "ray", "none")
+DATABASE_URL_ENV = "TULA_DATABASE_URL"
+IDEMPOTENCY_KEY_MAX_CHARS = 255
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": Problem, "content": {"application/problem+json": {}}} for code in (401, 404, 409, 413, 422)
+}
+
+
+def default_database_url() -> str:
+    return os.environ.get(DATABASE_URL_ENV) or "sqlite:///var/tula.db"
 
 
 @dataclass(frozen=True)
 class Settings:
     database_url: str = "sqlite:///var/tula.db"
-    executor: str = "local"
-    workers: int = 1
+    executor: str = "local"  # local | ray | none (API only: another process on the database dispatches)
+    workers: int | None = None  # local executor: default one per local GPU, one on a host without GPUs
+    ray_address: str | None = None
     seed_example: Path | None = None
+    public_reads: bool = False  # with tokens configured, GETs under /v1 need no token
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
-def _seed_if_empty(store: Store, executor: LocalExecutor, example: Path | None) -> None:
+def _seed_if_empty(store: Store, executor, example: Path | None) -> None:
     if example is None or store.count_jobs() > 0:
         return
-    job = store.create_job(JobSpec.model_validate(load_spec_file(example)))
+    job, _ = store.create_job(JobSpec.model_validate(load_spec_file(example)))
     log.info("empty database: submitted the example spec %s as job %s", example, job.id)
     executor.notify()
 
 
+def _make_executor(settings: Settings, store: Store, metrics: Metrics):
+    if settings.executor == "local":
+        return LocalExecutor(store, workers=settings.workers, on_finished=metrics.observe_point)
+    if settings.executor == "ray":
+        from tula_service.ray_executor import RayExecutor
+
+        return RayExecutor(store, address=settings.ray_address, on_finished=metrics.observe_point)
+    return NoExecutor()
+
+
+def _install_problem_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_problem(request: Request, error: StarletteHTTPException):
+        return problem_response(error.status_code, str(error.detail), request.url.path, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_problem(request: Request, error: RequestValidationError):
+        errors = field_errors(list(error.errors()))
+        fields = ", ".join(e["field"] for e in errors[:5])
+        return problem_response(422, f"invalid request: {fields}" if fields else "invalid request", request.url.path,
+                                title="Invalid request", errors=errors)
+
+    @app.exception_handler(Exception)
+    async def internal_problem(request: Request, error: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(500, f"internal error ({type(error).__name__}); see the server log", request.url.path)
+
+
+def _validation_error(error: ValidationError, *prefix: str) -> RequestValidationError:
+    return RequestValidationError(
+        [{**e, "loc": (*prefix, *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
+    )
+
+
 def create_app(settings: Settings = Settings()) -> FastAPI:
-    if settings.executor != "local":
-        raise ValueError(f"executor '{settings.executor}' is not available; known: local")
+    if settings.executor not in EXECUTORS:
+        raise ValueError(f"executor '{settings.executor}' is not available; known: {', '.join(EXECUTORS)}")
     if settings.database_url.startswith("sqlite:///"):
         Path(settings.database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    store = Store(make_session_factory(make_engine(settings.database_url)))
-    executor = LocalExecutor(store, workers=settings.workers)
+    engine = make_engine(settings.database_url)
+    store = Store(make_session_factory(engine))
+    metrics = Metrics(store)
+    executor = _make_executor(settings, store, metrics)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -59,36 +121,95 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
 
     app = FastAPI(
         title="Tula",
-        version="0.1.0",
+        version="0.2.0",
         summary="Batch-size optimizer: profile, model, and pick the knee of the time/cost Pareto curve.",
         lifespan=lifespan,
+        responses=PROBLEM_RESPONSES,
     )
     app.state.store = store
     app.state.executor = executor
+    app.state.settings = settings
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    _install_problem_handlers(app)
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["operations"])
     def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/v1/catalog/models")
+    @app.get("/readyz", tags=["operations"], responses={503: PROBLEM_RESPONSES[422]})
+    def readyz() -> Response:
+        """Readiness: the database answers, its schema is the newest, and the executor's workers live."""
+        checks: dict[str, str] = {}
+        try:
+            with engine.connect() as connection:
+                connection.execute(text("SELECT 1"))
+                revision = current_revision(connection)
+            checks["database"] = "ok"
+            checks["schema"] = revision if revision == head_revision() else f"{revision} (expected {head_revision()})"
+        except Exception as error:  # noqa: BLE001 - any database failure means not ready
+            checks["database"] = f"unreachable: {type(error).__name__}"
+        checks["executor"] = f"{settings.executor}: " + ("running" if executor.alive() else "stopped")
+        ready = checks["database"] == "ok" and checks.get("schema") == head_revision() and executor.alive()
+        if not ready:
+            return problem_response(503, "not ready: " + "; ".join(f"{k} {v}" for k, v in checks.items()),
+                                    "/readyz", checks=checks)
+        return JSONResponse({"status": "ready", "checks": checks})
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    def prometheus_metrics() -> Response:
+        """Prometheus text format: tula_jobs{state}, tula_queue_depth_points, tula_point_duration_seconds."""
+        return Response(content=metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/catalog/models", tags=["catalog"])
     def catalog_models() -> dict[str, Any]:
         return {"models": [asdict(info) for info in sorted(MODELS.values(), key=lambda i: i.name)],
                 "user_models": {"allowed_module_prefixes": allowed_model_modules(), "env": ALLOWED_MODULES_ENV}}
 
-    @app.get("/v1/catalog/datasets")
+    @app.get("/v1/catalog/datasets", tags=["catalog"])
     def catalog_datasets() -> dict[str, Any]:
         return {"datasets": [asdict(info) for info in sorted(DATASETS.values(), key=lambda i: i.name)]}
 
-    @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED, response_model=JobView)
-    def submit_job(spec: JobSpec, response: Response) -> JobView:
-        job = store.create_job(spec)
-        executor.notify()
+    @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED, response_model=JobView, tags=["jobs"],
+              responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"}})
+    def submit_job(
+        spec: JobSpec,
+        response: Response,
+        idempotency_key: Annotated[str | None, Header(max_length=IDEMPOTENCY_KEY_MAX_CHARS, min_length=1)] = None,
+    ) -> JobView:
+        """Submit a job. With an `Idempotency-Key` header, a retried submission returns the same job
+        (200, `Idempotent-Replayed: true`); the same key with a different spec is a 422."""
+        try:
+            job, created = store.create_job(spec, idempotency_key)
+        except IdempotencyConflict as error:
+            raise RequestValidationError(
+                [{"loc": ("header", "Idempotency-Key"), "msg": str(error), "type": "idempotency_key_reused"}]
+            ) from None
+        if created:
+            executor.notify()
+        else:
+            response.status_code = status.HTTP_200_OK
+            response.headers["Idempotent-Replayed"] = "true"
         response.headers["Location"] = f"/v1/jobs/{job.id}"
         return JobView.of(job)
 
-    @app.get("/v1/jobs", response_model=JobList)
-    def list_jobs(limit: int = Query(50, ge=1, le=500), offset: int = Query(0, ge=0)) -> JobList:
-        return JobList(jobs=[JobView.of(j) for j in store.list_jobs(limit, offset)], total=store.count_jobs())
+    @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
+    def list_jobs(
+        state: Annotated[list[str], Query(description="filter: one or more states, repeated or comma-separated")] = [],  # noqa: B006
+        limit: int = Query(50, ge=1, le=500),
+        offset: int = Query(0, ge=0, le=10**9),
+    ) -> JobList:
+        states = [s.strip() for value in state for s in value.split(",") if s.strip()]
+        unknown = [s for s in states if s not in JOB_STATES]
+        if unknown:
+            raise RequestValidationError(
+                [{"loc": ("query", "state"), "msg": f"unknown state {unknown[0]!r}; known: {', '.join(JOB_STATES)}",
+                  "type": "enum"}]
+            )
+        total = store.count_jobs(states)
+        jobs = [JobView.of(j) for j in store.list_jobs(states, limit, offset)]
+        next_offset = offset + limit if offset + limit < total else None
+        return JobList(jobs=jobs, total=total, limit=limit, offset=offset, next_offset=next_offset)
 
     def _job_or_404(job_id: str):
         job = store.get_job(job_id)
@@ -96,15 +217,39 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
             raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{job_id}' not found")
         return job
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView)
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
     def get_job(job_id: str) -> JobView:
         return JobView.of(_job_or_404(job_id))
 
-    @app.get("/v1/jobs/{job_id}/recommendation")
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, tags=["jobs"])
+    def cancel_job(job_id: str) -> JobView:
+        """Cancel a queued or running job: its running points are stopped, the rest never run.
+        Cancelling a cancelled job is a no-op; a done or failed job is a 409."""
+        job = _job_or_404(job_id)
+        if job.state in ("done", "failed"):
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is already {job.state}; nothing to cancel")
+        executor.cancel(store.cancel_job(job_id))
+        return JobView.of(_job_or_404(job_id))
+
+    @app.delete("/v1/jobs/{job_id}", status_code=status.HTTP_204_NO_CONTENT, tags=["jobs"])
+    def delete_job(job_id: str) -> Response:
+        """Delete a job and its measurements (an active job is cancelled first)."""
+        _job_or_404(job_id)
+        executor.cancel(store.cancel_job(job_id))
+        store.delete_job(job_id)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    @app.get("/v1/jobs/{job_id}/measurements", response_model=MeasurementList, tags=["jobs"])
+    def get_measurements(job_id: str) -> MeasurementList:
+        """Every profiling point with its attempts, timings, errors and the worker's raw record."""
+        job = _job_or_404(job_id)
+        return MeasurementList(job_id=job.id, points=[MeasurementView.of(p) for p in job.points])
+
+    @app.get("/v1/jobs/{job_id}/recommendation", tags=["jobs"])
     def get_recommendation(job_id: str) -> dict[str, Any]:
         job = _job_or_404(job_id)
-        if job.state == "failed":
-            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job failed: {job.error}")
+        if job.state in ("failed", "cancelled"):
+            raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job.state}" + (f": {job.error}" if job.error else ""))
         if job.recommendation is None:
             view = JobView.of(job)
             raise HTTPException(
@@ -114,18 +259,17 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
             )
         return {"job_id": job.id, **job.recommendation}
 
-    @app.post("/v1/jobs/{job_id}/plan")
+    @app.post("/v1/jobs/{job_id}/plan", tags=["jobs"])
     def what_if(job_id: str, what_if: WhatIf) -> dict[str, Any]:
-        """Re-plan the job's stored measurements for another cluster, pricing or objective (no profiling)."""
+        """Re-plan the job's stored measurements for another cluster, GPU type, pricing, objective,
+        deadline or budget (no profiling)."""
         job = _job_or_404(job_id)
         if job.state != "done":
             raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is {job.state}: what-if needs its measurements")
         try:
             spec = merged_spec(job.spec, what_if)
         except ValidationError as error:
-            raise RequestValidationError(
-                [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
-            ) from None
+            raise _validation_error(error, "body") from None
         measurements, failed = plan_inputs(job)
         try:
             return {"job_id": job.id, "what_if": what_if.model_dump(exclude_none=True), **plan(spec, measurements, failed)}

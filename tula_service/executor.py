@@ -1,139 +1,211 @@
-"""The local executor: worker threads that run each profiling point in its own child process.
+"""The local executor: a pool of worker threads, each running one profiling point at a time in its
+own child process (`tula_service.dispatch.run_child`).
 
-A child that crashes, runs out of memory or overruns its timeout costs that point only; the
-server and the other points go on. Points left running by a dead server are re-queued at start.
+The pool is sized to the local GPUs (one worker per device, pinned with CUDA_VISIBLE_DEVICES), or
+one worker on a host without GPUs. A child that crashes, runs out of memory or overruns its timeout
+costs that attempt only; the server and the other points go on. At start, points left running by a
+dead server are re-queued (and their orphaned children, if any survived, are killed).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tula_service.jobs import advance, comm_command_args, point_request
-from tula_service.db import Job, Point
-from tula_service.spec import JobSpec
+from tula_service.db import Point
+from tula_service.dispatch import (
+    Outcome,
+    inferred_oom,
+    kill_group,
+    point_command,
+    point_timeout_s,
+    record_outcome,
+    run_child,
+)
+from tula_service.jobs import advance
 from tula_service.store import Store
 
 log = logging.getLogger(__name__)
 
-STDERR_TAIL_CHARS = 2000
+PROFILER_MODULES = (b"profiler.run_point", b"profiler.comm")
 
 
-def _kill_group(child: subprocess.Popen) -> None:
+def local_gpu_count() -> int:
+    """GPUs NVML sees on this host (0 without the NVIDIA driver or nvidia-ml-py)."""
     try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: a CPU host
+        return 0
 
 
-def _smaller_out_of_memory(job: Job, point: Point) -> int | None:
-    """A smaller batch of the same job that went out of memory: this one would too."""
-    if point.kind == "comm":
-        return None
-    smaller = [p.batch_size for p in job.points if p.state == "oom" and p.batch_size < point.batch_size]
-    return min(smaller) if smaller else None
+def reap_orphan(point: Point, host: str = socket.gethostname()) -> bool:
+    """Kill the child a dead server left behind for `point`, when it is still a profiler process on
+    this host (checked in /proc, so a recycled pid is never killed)."""
+    if not point.worker_pid or not (point.worker or "").startswith(f"local:{host}:"):
+        return False
+    try:
+        cmdline = Path(f"/proc/{point.worker_pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    if not any(module in cmdline for module in PROFILER_MODULES):
+        return False
+    kill_group(point.worker_pid)
+    return True
 
 
 class LocalExecutor:
-    def __init__(self, store: Store, workers: int = 1, python: str = sys.executable, poll_s: float = 1.0):
+    def __init__(
+        self,
+        store: Store,
+        workers: int | None = None,
+        python: str = sys.executable,
+        poll_s: float = 1.0,
+        on_finished: Callable[[Point], None] | None = None,
+    ):
+        gpus = local_gpu_count()
         self.store = store
-        self.workers = workers
+        self.workers = workers or max(1, gpus)
+        self.gpus = gpus
         self.python = python
         self.poll_s = poll_s
+        self.on_finished = on_finished
+        self.worker_name = f"local:{socket.gethostname()}:{os.getpid()}"
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._children: set[subprocess.Popen] = set()
+        self._children: dict[int, subprocess.Popen] = {}  # point id -> running child
         self._children_lock = threading.Lock()
 
     def start(self) -> None:
-        requeued = self.store.requeue_interrupted()
-        if requeued:
-            log.info("re-queued %d points left running by a previous server", requeued)
+        interrupted = self.store.requeue_interrupted()
+        if interrupted:
+            reaped = sum(reap_orphan(p) for p in interrupted)
+            log.info("re-queued %d points left running by a previous server (%d orphans killed)", len(interrupted), reaped)
         for job_id in self.store.jobs_awaiting_fit():
             advance(self.store, job_id)
         for index in range(self.workers):
-            thread = threading.Thread(target=self._loop, name=f"tula-worker-{index}", daemon=True)
+            thread = threading.Thread(target=self._loop, args=(index,), name=f"tula-worker-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        watchdog = threading.Thread(target=self._watch_cancellations, name="tula-cancel-watch", daemon=True)
+        watchdog.start()
+        self._threads.append(watchdog)
+
+    def alive(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
     def notify(self) -> None:
         """A job was submitted: stop waiting and look at the queue."""
         self._wake.set()
 
+    def cancel(self, points: list[Point]) -> None:
+        """Stop the children of these (already cancelled) points."""
+        with self._children_lock:
+            for point in points:
+                child = self._children.get(point.id)
+                if child is not None:
+                    kill_group(child.pid)
+                else:
+                    reap_orphan(point)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
         self._wake.set()
         with self._children_lock:
-            for child in self._children:
-                _kill_group(child)
+            for child in self._children.values():
+                kill_group(child.pid)
         for thread in self._threads:
             thread.join(timeout_s)
 
-    def _loop(self) -> None:
+    def _watch_cancellations(self) -> None:
+        """Kill the children of points that are no longer running in the database: cancelled or
+        deleted, possibly through another server process on the same database."""
+        while not self._stopping.wait(self.poll_s):
+            with self._children_lock:
+                point_ids = list(self._children)
+            for point_id in point_ids:
+                try:
+                    point = self.store.get_point(point_id)
+                except Exception:  # noqa: BLE001 - a database hiccup: look again next time
+                    log.exception("checking point %s failed", point_id)
+                    continue
+                if point is None or point.state != "running":
+                    with self._children_lock:
+                        child = self._children.get(point_id)
+                        if child is not None:
+                            kill_group(child.pid)
+
+    def _loop(self, index: int) -> None:
         while not self._stopping.is_set():
-            point = self.store.claim_next_point()
+            try:
+                point = self.store.claim_next_point(self.worker_name)
+            except Exception:  # noqa: BLE001 - a database hiccup must not end the worker
+                log.exception("claiming a point failed; retrying")
+                self._stopping.wait(self.poll_s)
+                continue
             if point is None:
                 self._wake.wait(self.poll_s)
                 self._wake.clear()
                 continue
-            self._run_point(point)
-            advance(self.store, point.job_id)
+            try:
+                self._run_point(point, index)
+            except Exception:  # noqa: BLE001
+                log.exception("running point %s failed", point.id)
+                record_outcome(self.store, point.id, Outcome("failed", None, "executor error (see server log)", True, 0.0, self.worker_name))
 
-    def _command(self, point: Point, job: Job) -> list[str]:
-        if point.kind == "comm":
-            return [self.python, "-m", "profiler.comm", *comm_command_args(job)]
-        request = point_request(JobSpec.model_validate(job.spec), point.batch_size)
-        return [self.python, "-m", "profiler.run_point", "--request", json.dumps(request)]
-
-    def _run_point(self, point: Point) -> None:
+    def _run_point(self, point: Point, index: int) -> None:
         job = self.store.get_job(point.job_id)
-        smaller_oom = _smaller_out_of_memory(job, point)
-        if smaller_oom is not None:
-            reason = f"not run: batch {smaller_oom} already ran out of memory on this device"
-            record = {"kind": "compute", "status": "oom", "batch_size": point.batch_size, "inferred": True, "error": reason}
-            self.store.finish_point(point.id, "oom", record, reason, 0.0)
-            return
-        timeout_s = JobSpec.model_validate(job.spec).profiling.timeout_s
-        started = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="tula-point-") as workdir:
-            out_path = Path(workdir) / "measurement.json"
-            command = [*self._command(point, job), "--out", str(out_path)]
-            state, measurement, error = self._run_child(command, out_path, timeout_s)
-        if self._stopping.is_set() and state == "failed":
-            return  # interrupted by shutdown: left "running", re-queued at the next start
-        self.store.finish_point(point.id, state, measurement, error, time.monotonic() - started)
+        outcome = inferred_oom(job, point)
+        if outcome is None:
+            env = {"CUDA_VISIBLE_DEVICES": str(index)} if self.gpus else None
 
-    def _run_child(self, command: list[str], out_path: Path, timeout_s: float) -> tuple[str, dict | None, str | None]:
-        # Own process group, so a kill also reaches anything the child started (data loader workers).
-        child = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        with self._children_lock:
-            self._children.add(child)
-        try:
-            _, stderr = child.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(child)
-            child.communicate()
-            return "failed", None, f"timed out after {timeout_s:g} s"
-        finally:
-            with self._children_lock:
-                self._children.discard(child)
-        if child.returncode != 0 or not out_path.exists():
-            reason = f"exit code {child.returncode}" if child.returncode >= 0 else f"killed by signal {-child.returncode}"
-            return "failed", None, f"profiling process failed ({reason}): {stderr[-STDERR_TAIL_CHARS:].strip()}"
-        measurement = json.loads(out_path.read_text())
-        if measurement.get("status") == "oom":
-            return "oom", measurement, measurement.get("error")
-        if measurement.get("status") == "failed":  # e.g. a communication group that could not form
-            return "failed", measurement, measurement.get("error")
-        return "done", measurement, None
+            def started(child: subprocess.Popen) -> None:
+                with self._children_lock:
+                    self._children[point.id] = child
+                self.store.set_point_worker(point.id, self.worker_name, child.pid)
+
+            def exited(_child: subprocess.Popen) -> None:
+                with self._children_lock:
+                    self._children.pop(point.id, None)
+
+            outcome = run_child(
+                point_command(self.python, job, point), point_timeout_s(job),
+                worker=self.worker_name, env=env, on_start=started, on_exit=exited,
+            )  # fmt: skip
+        if self._stopping.is_set() and outcome.worker_died:
+            return  # killed by our own shutdown: left "running", re-queued at the next start
+        record_outcome(self.store, point.id, outcome, self.on_finished)
+
+
+class NoExecutor:
+    """`--executor none`: an API-only server. It stores jobs and serves them; another server
+    process on the same database (with `--executor local` or `ray`) runs their points."""
+
+    workers = 0
+
+    def start(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return True
+
+    def notify(self) -> None:
+        pass
+
+    def cancel(self, points: list[Point]) -> None:
+        """The dispatching server sees the cancelled state and stops the children itself."""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        pass

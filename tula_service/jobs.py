@@ -10,7 +10,7 @@ from tula_service.perfmodel import MemoryModel
 from tula_service.planner import GIB
 from tula_service.recommend import NotEnoughMeasurements, plan, usable_measurements
 from tula_service.spec import JobSpec, allowed_model_modules
-from tula_service.store import Store
+from tula_service.store import ACTIVE_JOB_STATES, Store
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def advance(store: Store, job_id: str) -> bool:
     if not store.job_points_finished(job_id):
         return False
     job = store.get_job(job_id)
-    if job is None or job.state in ("done", "failed"):
+    if job is None or job.state not in ACTIVE_JOB_STATES:
         return False
     spec = JobSpec.model_validate(job.spec)
     if spec.profiling.search_max_batch:
@@ -92,7 +92,8 @@ def plan_inputs(job: Job) -> tuple[list[dict], list[dict]]:
     """A job's measurements (points done or out of memory) and its failed points, for planning."""
     measurements = [p.measurement for p in job.points if p.state in ("done", "oom") and p.measurement]
     failed = [
-        {"kind": p.kind, "batch_size": p.batch_size, "error": p.error, "attempts": p.attempts}
+        {"kind": p.kind, "batch_size": p.batch_size, "error": p.error, "attempts": p.attempts,
+         "attempt_errors": p.attempt_errors or []}
         for p in job.points
         if p.state == "failed"
     ]

@@ -1,56 +1,97 @@
-"""API response shapes (requests are `tula_service.spec.JobSpec`)."""
+"""API response shapes (requests are `tula_service.spec.JobSpec` and `tula_service.whatif.WhatIf`).
+
+The typed client (`tula_service.client`) parses responses into these same models.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from tula_service.db import Job
+from tula_service.db import Job, Point
+
+FINISHED_POINT_STATES = ("done", "oom", "failed", "cancelled")
 
 
 class Progress(BaseModel):
-    points_done: int
+    points_done: int = Field(description="points finished: measured, out of memory, failed or cancelled")
     points_total: int
     points_failed: int
+    points_retried: int = Field(0, description="points whose worker died at least once and were re-queued")
+    step: str = Field("", description="what the job is doing now, in words")
 
 
 class PointView(BaseModel):
-    kind: str
+    id: int
+    kind: str = Field(description="grid | search | comm")
     batch_size: int | None
-    state: str
-    attempts: int
-    duration_s: float | None
-    error: str | None
+    state: str = Field(description="queued | running | done | oom | failed | cancelled")
+    attempts: int = Field(description="times a worker started this point")
+    duration_s: float | None = Field(None, description="wall time of the last attempt, measured")
+    error: str | None = None
+    worker: str | None = Field(None, description="where the last attempt ran: local:HOST:PID or ray:NODE")
+    attempt_errors: list[str] = Field(default_factory=list, description="why each earlier attempt died")
+    started_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+
+    @classmethod
+    def of(cls, point: Point) -> PointView:
+        return cls(
+            id=point.id, kind=point.kind, batch_size=point.batch_size, state=point.state, attempts=point.attempts,
+            duration_s=point.duration_s, error=point.error, worker=point.worker,
+            attempt_errors=point.attempt_errors or [], started_at=point.started_at, finished_at=point.finished_at,
+        )  # fmt: skip
+
+
+def _step(job: Job) -> str:
+    if job.state == "profiling" or job.state == "queued":
+        running = [p for p in job.points if p.state == "running"]
+        if running:
+            return "; ".join(
+                f"profiling {'all-reduce' if p.kind == 'comm' else f'batch {p.batch_size}'}"
+                + (f" (attempt {p.attempts})" if p.attempts > 1 else "")
+                + (f" on {p.worker}" if p.worker else "")
+                for p in running
+            )
+        queued = sum(p.state == "queued" for p in job.points)
+        return f"waiting for a worker ({queued} points queued)"
+    if job.state == "fitting":
+        return "fitting the performance model and planning"
+    if job.state == "failed":
+        return "failed: " + (job.error or "")
+    return job.state
 
 
 class JobView(BaseModel):
     id: str
     name: str | None
-    state: str
+    state: str = Field(description="queued | profiling | fitting | done | failed | cancelled")
     progress: Progress
     model: str
     dataset: str
     created_at: dt.datetime
     finished_at: dt.datetime | None
     error: str | None
-    chosen: dict[str, Any] | None
+    chosen: dict[str, Any] | None = Field(description="the recommended configuration once done")
+    spec: dict[str, Any] = Field(description="the validated job spec, defaults filled in")
     points: list[PointView]
     links: dict[str, str]
 
     @classmethod
     def of(cls, job: Job) -> JobView:
-        finished = [p for p in job.points if p.state in ("done", "oom", "failed")]
         chosen = job.recommendation["chosen"] if job.recommendation else None
         return cls(
             id=job.id,
             name=job.name,
             state=job.state,
             progress=Progress(
-                points_done=len(finished),
+                points_done=sum(p.state in FINISHED_POINT_STATES for p in job.points),
                 points_total=len(job.points),
                 points_failed=sum(p.state == "failed" for p in job.points),
+                points_retried=sum(bool(p.attempt_errors) for p in job.points),
+                step=_step(job),
             ),
             model=job.spec["model"],
             dataset=job.spec["dataset"]["name"],
@@ -58,11 +99,47 @@ class JobView(BaseModel):
             finished_at=job.finished_at,
             error=job.error,
             chosen=chosen,
-            points=[PointView.model_validate(p, from_attributes=True) for p in job.points],
-            links={"self": f"/v1/jobs/{job.id}", "recommendation": f"/v1/jobs/{job.id}/recommendation"},
+            spec=job.spec,
+            points=[PointView.of(p) for p in job.points],
+            links={
+                "self": f"/v1/jobs/{job.id}",
+                "recommendation": f"/v1/jobs/{job.id}/recommendation",
+                "measurements": f"/v1/jobs/{job.id}/measurements",
+                "cancel": f"/v1/jobs/{job.id}/cancel",
+                "plan": f"/v1/jobs/{job.id}/plan",
+            },
         )
 
 
 class JobList(BaseModel):
     jobs: list[JobView]
-    total: int
+    total: int = Field(description="jobs matching the filter, over all pages")
+    limit: int
+    offset: int
+    next_offset: int | None = Field(None, description="offset of the next page; null on the last page")
+
+
+class MeasurementView(PointView):
+    measurement: dict[str, Any] | None = Field(
+        None, description="the worker's record (profiler schema): measured values, or the out-of-memory error"
+    )
+
+    @classmethod
+    def of(cls, point: Point) -> MeasurementView:
+        return cls(**PointView.of(point).model_dump(), measurement=point.measurement)
+
+
+class MeasurementList(BaseModel):
+    job_id: str
+    points: list[MeasurementView]
+
+
+class Problem(BaseModel):
+    """application/problem+json (RFC 9457)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = Field(None, description="per field: {field, message, type}")
