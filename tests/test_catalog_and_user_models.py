@@ -59,6 +59,6 @@ def test_allowlisted_user_model_is_profiled_and_planned(make_server):
     server = make_server(env={"TULA_ALLOWED_MODEL_MODULES": "tests.user_models_fixture"})
     spec = spec_dict(model=USER_MODEL, model_options={"hidden": 16}, batch_sizes=[8, 16, 32], profiling=FAST)
     with TulaClient(server.url) as client:
-        job = client.wait(client.submit(spec)["id"], poll_s=0.3, timeout_s=300)
-        assert job["state"] == "done", job["error"]
-        assert client.recommendation(job["id"])["chosen"]["total_time_s"]["value"] > 0
+        job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
+        assert job.state == "done", job.error
+        assert client.recommendation(job.id)["chosen"]["total_time_s"]["value"] > 0

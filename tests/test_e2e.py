@@ -20,16 +20,17 @@ def finished_job(live_server):
     job = response.json()
     assert response.headers["location"] == f"/v1/jobs/{job['id']}"
     # five batch sizes and, for the 8-device cluster, one all-reduce benchmark
-    assert job["state"] == "queued" and job["progress"] == {"points_done": 0, "points_total": 6, "points_failed": 0}
+    assert job["state"] == "queued"
+    assert (job["progress"]["points_done"], job["progress"]["points_total"], job["progress"]["points_failed"]) == (0, 6, 0)
     with TulaClient(live_server.url) as client:
         final = client.wait(job["id"], poll_s=0.5, timeout_s=600)
-        return final, client.recommendation(job["id"]), spec
+        return final.model_dump(mode="json"), client.recommendation(job["id"]), spec
 
 
 def test_job_finishes_with_every_point_measured(finished_job):
     job, _, _ = finished_job
     assert job["state"] == "done", job["error"]
-    assert job["progress"] == {"points_done": 6, "points_total": 6, "points_failed": 0}
+    assert job["progress"] == {"points_done": 6, "points_total": 6, "points_failed": 0, "points_retried": 0, "step": "done"}
     assert [p["batch_size"] for p in job["points"] if p["kind"] == "grid"] == [8, 16, 32, 64, 128]
     assert [p["kind"] for p in job["points"]].count("comm") == 1
 
