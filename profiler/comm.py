@@ -22,7 +22,8 @@ returned as data (`"status": "failed"`, `"error": ...`).
 
 CLI: `python -m profiler.comm --max-bytes N [--world-sizes 2,4] [--backend auto|gloo|nccl] --out FILE`
 writes one JSON record. Exit code 0 means FILE holds a record, "ok" or "failed" (as in
-`profiler.run_point`); a failed record's error is also printed to stderr.
+`profiler.run_point`); a failed record's error is also printed to stderr. `profiler.ray_group` runs
+the same per-rank sweep (`all_reduce_sweep`) across Ray actors, for the Ray executor.
 """
 
 from __future__ import annotations
@@ -96,20 +97,32 @@ def message_sizes(max_bytes: int, min_bytes: int = MIN_MESSAGE_BYTES, step: int 
     return sizes + [top_bytes]
 
 
-def resolve_backend(backend: str) -> str:
-    """Resolve "auto": NCCL with two or more CUDA devices, else gloo on CPU."""
+def resolve_backend(backend: str, cuda_devices: int | None = None) -> str:
+    """Resolve "auto": NCCL with two or more CUDA devices, else gloo on CPU. `cuda_devices` defaults
+    to this host's count (`profiler.ray_group` passes the Ray cluster's GPU count)."""
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count()
     if backend == "auto":
-        return "nccl" if dist.is_nccl_available() and torch.cuda.device_count() >= 2 else "gloo"
+        return "nccl" if dist.is_nccl_available() and cuda_devices >= 2 else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend '{backend}' is not supported; known: auto, gloo, nccl")
-    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+    if backend == "nccl" and not (dist.is_nccl_available() and cuda_devices > 0):
         raise ValueError("backend 'nccl' needs CUDA devices and a torch build with NCCL; none here")
     return backend
 
 
-def plan_world_sizes(backend: str, world_sizes: Sequence[int] | None, max_world_size: int | None) -> list[int]:
-    """Default: 2..device count on NCCL, (2, 4) on gloo; all capped by `max_world_size`."""
-    if backend == "nccl":
+def plan_world_sizes(
+    backend: str,
+    world_sizes: Sequence[int] | None,
+    max_world_size: int | None,
+    limit: int | None = None,
+    reason: str | None = None,
+) -> list[int]:
+    """Default: 2..device count on NCCL, (2, 4) on gloo; all capped by `max_world_size`.
+    `limit` and its `reason` replace this host's device count (or CPU_MAX_WORLD_SIZE on gloo)."""
+    if limit is not None:
+        reason = reason or "ranks available"
+    elif backend == "nccl":
         limit, reason = torch.cuda.device_count(), "one process per CUDA device"
     else:
         limit, reason = CPU_MAX_WORLD_SIZE, "CPU processes on one host"
@@ -224,6 +237,15 @@ def _stop(processes: list, grace_s: float) -> None:
             process.join()
 
 
+def all_reduce_sweep(
+    rank: int, world_size: int, device: torch.device, sizes: list[int], policy: CommPolicy = CommPolicy()
+) -> list[dict]:
+    """One rank's part of the benchmark on the default process group, which this process has
+    already joined (`profiler.ray_group` forms it across Ray actors); every rank returns the same
+    points (max over ranks)."""
+    return _all_reduce_points(rank, world_size, device, sizes, policy)
+
+
 def _all_reduce_points(
     rank: int, world_size: int, device: torch.device, sizes: list[int], policy: CommPolicy
 ) -> list[dict]:
@@ -298,6 +320,31 @@ def _describe(backend: str) -> dict[str, str]:
     }
 
 
+def new_record(
+    max_bytes: int,
+    world_sizes: Sequence[int] | None,
+    backend: str,
+    message_bytes_cap: int | None,
+    policy: CommPolicy,
+) -> dict[str, Any]:
+    """The record's fields before measuring: status "ok", no points yet."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "comm",
+        "status": "ok",
+        "backend": backend,
+        "device": None,
+        "max_bytes": int(max_bytes),
+        "message_bytes_cap": message_bytes_cap,
+        "world_sizes": list(world_sizes) if world_sizes is not None else None,
+        "policy": asdict(policy),
+        "points": [],
+        "error": None,
+        "torch_version": torch.__version__,
+        "hostname": socket.gethostname(),
+    }
+
+
 def measure_all_reduce(
     max_bytes: int,
     world_sizes: Sequence[int] | None = None,
@@ -314,21 +361,7 @@ def measure_all_reduce(
     On failure the record keeps the points of the world sizes that finished.
     """
     started = time.perf_counter()
-    record: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "comm",
-        "status": "ok",
-        "backend": backend,
-        "device": None,
-        "max_bytes": int(max_bytes),
-        "message_bytes_cap": message_bytes_cap,
-        "world_sizes": list(world_sizes) if world_sizes is not None else None,
-        "policy": asdict(policy),
-        "points": [],
-        "error": None,
-        "torch_version": torch.__version__,
-        "hostname": socket.gethostname(),
-    }
+    record = new_record(max_bytes, world_sizes, backend, message_bytes_cap, policy)
     try:
         record["backend"] = backend = resolve_backend(backend)
         record.update(_describe(backend))
@@ -355,7 +388,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4; got '{text}'") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options without `--out` (shared with `profiler.ray_group`)."""
     parser = argparse.ArgumentParser(prog="python -m profiler.comm", description=__doc__.splitlines()[0])
     parser.add_argument("--max-bytes", required=True, type=int, help="largest message: the model's gradient bytes")
     parser.add_argument("--world-sizes", type=_int_list, help="e.g. 2,4 (default: 2..devices on NCCL, 2,4 on gloo)")
@@ -363,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-world-size", type=int, help="cap on the default or given world sizes")
     parser.add_argument("--message-bytes-cap", type=int, help="default: 4 MiB on gloo, 1 GiB on NCCL")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="per world size")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     parser.add_argument("--out", required=True, type=Path, help="where to write the JSON record")
     args = parser.parse_args(argv)
 

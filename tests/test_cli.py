@@ -1,11 +1,17 @@
 """The `tula` CLI as a user runs it, against a real server."""
 
+import argparse
+import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, LiveServer, free_port
+from tests.handmade import spec_dict
+from tula_service.cli import duration_h
+from tula_service.client import TulaClient
 
 EXAMPLE = REPO / "configs" / "example_small_cnn.yaml"
 
@@ -43,3 +49,179 @@ def test_missing_spec_file_is_a_clear_error(tmp_path):
 def test_unreachable_server_is_a_clear_error():
     result = tula("show", "abc", "--server", f"http://127.0.0.1:{free_port()}")
     assert result.returncode == 2 and "cannot reach the Tula server" in result.stderr
+
+
+# --- against servers: an API-only one (jobs stay queued) and one holding a done job -----------------
+
+DONE_SPEC = {
+    "name": "cli-done",
+    "model": "small_cnn",
+    "dataset": {"name": "synthetic_images", "num_samples": 50_000, "channels": 3, "image_size": 32, "num_classes": 10},
+    "batch_sizes": [8, 16, 32],
+    "cluster": {"nodes": 1, "gpus_per_node": 4, "device_memory_gib": 16, "interconnect_gbps": 100},
+    "pricing": {"kind": "gpu_hour", "price": 2.5},
+    "training": {"reference_batch": 32, "reference_epochs": 10},
+    "profiling": {"time_cap_s": 0.5, "grad_iters": 2, "measure_comm": False},
+}
+
+
+@pytest.fixture(scope="module")
+def api_only(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli-api")
+    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "none")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def done_job(tmp_path_factory):
+    """A real job profiled by a local executor: (server, job id, the `submit --wait` run)."""
+    folder = tmp_path_factory.mktemp("cli-done")
+    spec_path = folder / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(DONE_SPEC))
+    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "local")).start()
+    submitted = tula("submit", str(spec_path), "--wait", "--poll-s", "0.3", "--server", server.url, "--timeout-s", "600")
+    assert submitted.returncode == 0, submitted.stderr + server.log_path.read_text()
+    yield server, submitted.stdout.split("submitted job ")[1].split()[0], submitted
+    server.stop()
+
+
+def submit_queued(server, **overrides) -> str:
+    with TulaClient(server.url) as client:
+        return client.submit(spec_dict(**overrides)).id
+
+
+def test_submit_wait_shows_the_bar_and_the_recommendation(done_job):
+    _, _, submitted = done_job
+    assert "3/3 points  done" in submitted.stdout and "[" + "#" * 30 + "]" in submitted.stdout
+    assert "chosen: global batch" in submitted.stdout
+
+
+def test_submit_json_prints_the_job_and_the_key_makes_it_idempotent(api_only, tmp_path):
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec_dict(name="keyed")))
+    runs = [tula("submit", str(spec_path), "--json", "--idempotency-key", "k-1", "--server", api_only.url) for _ in range(2)]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr
+    first, second = (json.loads(run.stdout) for run in runs)
+    assert first["id"] == second["id"] and first["state"] == "queued" and "submitted job" in runs[0].stderr
+
+
+def test_status_lists_jobs_with_their_progress(api_only):
+    job_id = submit_queued(api_only, name="listed", batch_sizes=[8, 16, 32])
+    listed = tula("status", "--server", api_only.url)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(job_id))
+    assert row.split()[1:5] == ["listed", "small_cnn", "queued", "0/3"]
+    assert listed.stdout.splitlines()[0].split()[:4] == ["ID", "NAME", "MODEL", "STATE"]
+
+
+def test_status_filters_by_state_and_limits_and_prints_json(api_only):
+    cancelled = submit_queued(api_only, name="to-cancel")
+    assert tula("cancel", cancelled, "--server", api_only.url).returncode == 0
+    submit_queued(api_only)
+    only = json.loads(tula("status", "--state", "cancelled", "--json", "--server", api_only.url).stdout)
+    assert cancelled in [job["id"] for job in only["jobs"]] and {job["state"] for job in only["jobs"]} == {"cancelled"}
+    limited = tula("status", "--limit", "1", "--server", api_only.url)
+    lines = limited.stdout.splitlines()
+    assert limited.returncode == 0 and len(lines) == 3 and lines[0].startswith("ID ") and lines[2].startswith("(1 of ")
+
+
+def test_show_lists_the_points_of_a_queued_job(api_only):
+    job_id = submit_queued(api_only, batch_sizes=[8, 16])
+    shown = tula("show", job_id, "--server", api_only.url)
+    assert shown.returncode == 0, shown.stderr
+    assert f"job {job_id} (handmade): queued, 0/2 points" in shown.stdout and "now: waiting for a worker" in shown.stdout
+    assert [line.split()[:3] for line in shown.stdout.splitlines() if line.split()[:1] in (["8"], ["16"])] == [
+        ["8", "queued", "0"], ["16", "queued", "0"],
+    ]  # fmt: skip
+
+
+def test_cancel_then_show_reports_what_was_not_measured_and_delete_removes_it(api_only):
+    job_id = submit_queued(api_only, batch_sizes=[8, 16])
+    cancelled = tula("cancel", job_id, "--server", api_only.url)
+    assert cancelled.returncode == 0 and f"job {job_id}: cancelled" in cancelled.stdout
+    shown = tula("show", job_id, "--server", api_only.url)
+    assert "not measured: batch 8, 16" in shown.stdout
+    assert tula("delete", job_id, "--server", api_only.url).returncode == 0
+    gone = tula("show", job_id, "--server", api_only.url)
+    assert gone.returncode == 2 and "404" in gone.stderr and "not found" in gone.stderr
+
+
+def test_show_json_of_a_done_job_has_the_job_and_its_recommendation(done_job):
+    server, job_id, _ = done_job
+    shown = tula("show", job_id, "--json", "--server", server.url)
+    assert shown.returncode == 0, shown.stderr
+    body = json.loads(shown.stdout)
+    assert body["job"]["id"] == job_id and body["job"]["state"] == "done"
+    assert [p["batch_size"] for p in body["job"]["points"]] == [8, 16, 32]
+    assert body["recommendation"]["chosen"]["global_batch"] > 0
+
+
+def test_show_of_a_done_job_prints_points_and_recommendation(done_job):
+    server, job_id, _ = done_job
+    shown = tula("show", job_id, "--server", server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert f"job {job_id} (cli-done): done, 3/3 points" in shown.stdout
+    assert "BATCH  STATE  ATTEMPTS  DURATION" in shown.stdout and "chosen: global batch" in shown.stdout
+
+
+def test_plan_for_16_gpus_a_price_and_a_deadline(done_job):
+    server, job_id, _ = done_job
+    planned = tula("plan", job_id, "--gpus", "16", "--price", "3", "--objective", "deadline", "--deadline", "4h",
+                   "--server", server.url)  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    assert "cluster.nodes 1 -> 4" in planned.stdout and "devices 4 -> 16" in planned.stdout
+    assert "pricing.price 2.5 -> 3" in planned.stdout and "deadline_h - -> 4" in planned.stdout
+    assert "objective: deadline" in planned.stdout and "compared with the stored recommendation" in planned.stdout
+    as_json = json.loads(tula("plan", job_id, "--gpus", "16", "--deadline", "90m", "--json", "--server", server.url).stdout)
+    assert as_json["what_if"] == {"cluster": {"nodes": 4}, "objective": "deadline", "deadline_h": 1.5}
+    assert max(row["devices"] for row in as_json["candidates"]) == 16
+
+
+def test_plan_on_another_gpu_type(done_job):
+    server, job_id, _ = done_job
+    planned = tula("plan", job_id, "--gpu-type", "h100_sxm", "--server", server.url)
+    assert planned.returncode == 0, planned.stderr
+    assert "cluster.gpu_type - -> h100_sxm" in planned.stdout and "chosen: global batch" in planned.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--gpus", "6"), "--nodes 2 --gpus-per-node 3"),
+        (("--gpus", "8", "--nodes", "3"), "is not --nodes 3 x 4"),
+        (("--objective", "deadline"), "--objective deadline needs --deadline"),
+        (("--deadline", "4h", "--budget", "10"), "--objective deadline|budget"),
+    ],
+)
+def test_plan_mistakes_are_clear_errors(done_job, args, message):
+    server, job_id, _ = done_job
+    result = tula("plan", job_id, *args, "--server", server.url)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_plan_of_a_job_that_is_not_done_says_so(api_only):
+    job_id = submit_queued(api_only)
+    result = tula("plan", job_id, "--nodes", "2", "--server", api_only.url)
+    assert result.returncode == 2 and "409" in result.stderr and "what-if needs its measurements" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "hours"), [("4h", 4), ("90m", 1.5), ("2.5h", 2.5), ("1d", 24), ("3600s", 1), ("3", 3)])
+def test_durations(text, hours):
+    assert duration_h(text) == pytest.approx(hours)
+
+
+@pytest.mark.parametrize("text", ["", "4x", "h", "-1h", "0", "4 hours"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        duration_h(text)
+
+
+def test_bad_duration_on_the_command_line_exits_2():
+    result = tula("plan", "abc", "--deadline", "soon", "--server", "http://127.0.0.1:9")
+    assert result.returncode == 2 and "'soon' is not a duration" in result.stderr
+
+
+def test_ray_address_needs_the_ray_executor(tmp_path):
+    result = tula("serve", "--ray-address", "ray://x:10001", "--database-url", f"sqlite:///{tmp_path / 't.db'}")
+    assert result.returncode == 2 and "--ray-address needs --executor ray" in result.stderr

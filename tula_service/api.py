@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
+from tula_service.auth import TokenAuth
 from tula_service.db import JOB_STATES, make_engine, make_session_factory
 from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
@@ -57,6 +58,7 @@ class Settings:
     ray_address: str | None = None
     seed_example: Path | None = None
     public_reads: bool = False  # with tokens configured, GETs under /v1 need no token
+    require_token: bool = False  # refuse /v1 even when every token was revoked (non-loopback servers)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -108,7 +110,8 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     if settings.database_url.startswith("sqlite:///"):
         Path(settings.database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.database_url)
-    store = Store(make_session_factory(engine))
+    sessions = make_session_factory(engine)
+    store = Store(sessions)
     metrics = Metrics(store)
     executor = _make_executor(settings, store, metrics)
 
@@ -130,6 +133,9 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     app.state.executor = executor
     app.state.settings = settings
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    # Added last, so outermost: a request without a valid token is refused before its body is read.
+    app.add_middleware(TokenAuth, sessions=sessions, public_reads=settings.public_reads,
+                       require_token=settings.require_token)
     _install_problem_handlers(app)
 
     @app.get("/healthz", tags=["operations"])

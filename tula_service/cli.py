@@ -1,10 +1,17 @@
-"""`tula`: serve the API, submit a spec (and wait for it), show a job's recommendation."""
+"""`tula`: serve the API; submit, list, show, re-plan, cancel and delete jobs; manage API tokens.
+
+Every command that talks to a server goes through `tula_service.client.TulaClient` and takes
+`--server` (default $TULA_URL) and `--token` (default $TULA_TOKEN). `tula token ...` works on the
+database itself (`--database-url`, default $TULA_DATABASE_URL), since the first token has to exist
+before a server can ask for one. Mistakes are one line per problem and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,34 +20,178 @@ import httpx
 from pydantic import ValidationError
 
 from tula_service.client import TulaClient, TulaError
-from tula_service.spec import JobSpec
-from tula_service.specfile import load_spec_file
+from tula_service.schemas import JobView
 
 GIB = 2**30
+OBJECTIVES = ("knee", "min_time", "min_cost", "deadline", "budget")
+PRICING_KINDS = ("gpu_hour", "node_hour", "memory_gb_hour")
+HOURS_PER_UNIT = {"": 1.0, "s": 1 / 3600, "sec": 1 / 3600, "m": 1 / 60, "min": 1 / 60, "h": 1.0, "hr": 1.0, "d": 24.0}
+TOKEN_HINT = "pass the API token with --token TOKEN or in the TULA_TOKEN environment variable"
+
+
+class CliError(Exception):
+    """A mistake on the command line: printed as `error: ...`, exit status 2."""
+
+
+# --- argument types --------------------------------------------------------------------------------
+
+
+def duration_h(text: str) -> float:
+    """`4h`, `90m`, `2.5h`, `1d`, `3600s`; a bare number is hours."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in HOURS_PER_UNIT:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a duration: use e.g. 4h, 90m, 2.5h, 1d, 3600s or hours")
+    hours = float(match.group(1)) * HOURS_PER_UNIT[match.group(2)]
+    if hours <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive duration")
+    return hours
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must be greater than 0")
+    return value
+
+
+# --- serve and tokens: on the database --------------------------------------------------------------
+
+
+def _engine(database_url: str):
+    from tula_service.db import make_engine
+
+    if database_url.startswith("sqlite:///"):
+        Path(database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return make_engine(database_url)
+
+
+def _sessions(database_url: str):
+    from tula_service.db import make_session_factory
+
+    return make_session_factory(_engine(database_url))
+
+
+def _database_url(args: argparse.Namespace) -> str:
+    if args.database_url:
+        return args.database_url
+    from tula_service.api import default_database_url  # imported only when needed: it loads the catalogs
+
+    return default_database_url()
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tula_service.api import Settings, create_app
+    from tula_service.auth import is_loopback, listen_refusal
+    from tula_service.db import make_session_factory
+    from tula_service.tokens import any_active_token
 
+    if args.ray_address and args.executor != "ray":
+        raise CliError("--ray-address needs --executor ray")
+    database_url = _database_url(args)
+    engine = _engine(database_url)
+    tokens_exist = any_active_token(make_session_factory(engine))
+    engine.dispose()
+    refusal = listen_refusal(args.host, args.insecure, tokens_exist)
+    if refusal:
+        raise CliError(refusal)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {"max_request_bytes": args.max_request_bytes} if args.max_request_bytes else {}
     settings = Settings(
-        database_url=args.database_url,
+        database_url=database_url,
         executor=args.executor,
         workers=args.workers,
+        ray_address=args.ray_address,
         seed_example=Path(args.seed_example) if args.seed_example else None,
+        public_reads=args.public_reads,
+        require_token=not args.insecure and not is_loopback(args.host),
+        **overrides,
     )
     app = create_app(settings)
     base = f"http://{args.host}:{args.port}"
+    if tokens_exist:
+        auth = "API token required for /v1" + (" writes (reads are public)" if args.public_reads else "")
+    else:
+        auth = "open: no API token exists (create one with `tula token create --name NAME`)"
     print(f"Tula API:       {base}/v1/jobs", flush=True)
     print(f"API docs:       {base}/docs", flush=True)
-    print(f"Database:       {args.database_url}", flush=True)
+    print(f"Database:       {database_url}", flush=True)
+    print(f"Executor:       {args.executor}", flush=True)
+    print(f"Auth:           {auth}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
+def _when(value) -> str:
+    return value.strftime("%Y-%m-%d %H:%M") if value else "-"
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    from tula_service.tokens import InvalidTokenName, create_token
+
+    try:
+        info, plaintext = create_token(_sessions(_database_url(args)), args.name)
+    except InvalidTokenName as error:
+        raise CliError(str(error)) from None
+    print(plaintext, flush=True)
+    print(
+        f"created token '{info.name}' ({info.prefix}...). It is shown only this once: store it now "
+        "(clients read it from --token or TULA_TOKEN). Servers on this database require it within a second.",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _token_list(args: argparse.Namespace) -> int:
+    from tula_service.tokens import list_tokens
+
+    tokens = list_tokens(_sessions(_database_url(args)), include_revoked=True)
+    if args.json:
+        print(json.dumps([{**vars(t), "active": t.active} for t in tokens], indent=2, default=str))
+        return 0
+    if not tokens:
+        print("no tokens: the API is open to anyone who can reach it (create one with `tula token create --name NAME`)")
+        return 0
+    rows = [[t.name, t.prefix + "...", _when(t.created_at), _when(t.last_used_at), _when(t.revoked_at)] for t in tokens]
+    print(_table(["NAME", "PREFIX", "CREATED (UTC)", "LAST USED", "REVOKED"], rows))
+    return 0
+
+
+def _token_revoke(args: argparse.Namespace) -> int:
+    from tula_service.tokens import revoke_token
+
+    revoked = revoke_token(_sessions(_database_url(args)), args.name_or_prefix)
+    if revoked == 0:
+        raise CliError(f"no active token is named or prefixed '{args.name_or_prefix}' (see `tula token list`)")
+    print(f"revoked {revoked} token{'s' if revoked > 1 else ''} '{args.name_or_prefix}'; servers refuse it within a second")
+    return 0
+
+
+# --- client commands ---------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> TulaClient:
+    return TulaClient(args.server, token=args.token)
+
+
 def _validated_spec(path: str) -> dict[str, Any]:
+    from tula_service.spec import JobSpec  # the catalogs behind it take a second to import
+    from tula_service.specfile import load_spec_file
+
     try:
         data = load_spec_file(path)
         JobSpec.model_validate(data)  # fail here, naming the field, before anything is sent
@@ -61,18 +212,22 @@ class ProgressPrinter:
         self.stream = stream
         self.width = width
         self._last: tuple | None = None
+        self._shown = 0
 
-    def __call__(self, job: dict[str, Any]) -> None:
-        done, total = job["progress"]["points_done"], job["progress"]["points_total"]
-        if (done, job["state"]) == self._last:
+    def __call__(self, job: JobView) -> None:
+        done, total, step = job.progress.points_done, job.progress.points_total, job.progress.step
+        if (done, job.state, step) == self._last:
             return
-        self._last = (done, job["state"])
+        self._last = (done, job.state, step)
         filled = int(self.width * done / total) if total else self.width
-        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} points  {job['state']:<10}"
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} points  {job.state:<10}"
+        if step and step != job.state:
+            line += f"  {step}"
         if self.stream.isatty():
-            print(f"\r{line}", end="", file=self.stream, flush=True)
+            print(f"\r{line:<{self._shown}}", end="", file=self.stream, flush=True)
+            self._shown = len(line)
         else:
-            print(line, file=self.stream, flush=True)
+            print(line.rstrip(), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.stream.isatty():
@@ -117,44 +272,246 @@ def format_recommendation(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+    return "\n".join(
+        "  ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths)).rstrip() for row in [headers, *rows]
+    )
+
+
+def _points(job: JobView) -> str:
+    return f"{job.progress.points_done}/{job.progress.points_total}"
+
+
 def _submit(args: argparse.Namespace) -> int:
     spec = _validated_spec(args.spec)
-    with TulaClient(args.server) as client:
-        job = client.submit(spec)
-        print(f"submitted job {job['id']} ({job['progress']['points_total']} points)", flush=True)
+    # With --json, stdout is one JSON document; the narration goes to stderr.
+    narration = sys.stderr if args.json else sys.stdout
+    with _client(args) as client:
+        job = client.submit(spec, idempotency_key=args.idempotency_key)
+        print(f"submitted job {job.id} ({job.progress.points_total} points)", file=narration, flush=True)
         if not args.wait:
+            if args.json:
+                print(job.model_dump_json(indent=2))
             return 0
-        progress = ProgressPrinter()
-        job = client.wait(job["id"], poll_s=args.poll_s, timeout_s=args.timeout_s, on_progress=progress)
+        progress = ProgressPrinter(narration)
+        try:
+            job = client.wait(job.id, poll_s=args.poll_s, timeout_s=args.timeout_s, on_progress=progress)
+        except KeyboardInterrupt:
+            progress.close()
+            print(f"stopped waiting; job {job.id} goes on (`tula cancel {job.id}` stops it)", file=sys.stderr)
+            return 130
         progress.close()
-        if job["state"] == "failed":
-            print(f"job {job['id']} failed: {job['error']}", file=sys.stderr)
+        if job.state != "done":
+            print(f"job {job.id} {job.state}" + (f": {job.error}" if job.error else ""), file=sys.stderr)
             return 1
-        rec = client.recommendation(job["id"])
+        rec = client.recommendation(job.id)
         print(json.dumps(rec, indent=2) if args.json else format_recommendation(rec))
     return 0
 
 
+def _chosen_summary(chosen: dict[str, Any] | None) -> str:
+    if not chosen:
+        return "-"
+    accumulation = f" x{chosen['accumulation']} acc" if chosen.get("accumulation", 1) > 1 else ""
+    return f"{chosen['global_batch']} on {chosen['devices']} dev{accumulation}"
+
+
+def _status(args: argparse.Namespace) -> int:
+    jobs: list[JobView] = []
+    total = 0
+    with _client(args) as client:
+        offset: int | None = 0
+        while offset is not None and len(jobs) < args.limit:
+            page = client.jobs(args.state, limit=min(500, args.limit - len(jobs)), offset=offset)
+            jobs += page.jobs
+            total, offset = page.total, page.next_offset
+    if args.json:
+        print(json.dumps({"total": total, "jobs": [job.model_dump(mode="json") for job in jobs]}, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs" + (f" in state {', '.join(args.state)}" if args.state else ""))
+        return 0
+    rows = [
+        [job.id, job.name or "-", job.model, job.state, _points(job), _chosen_summary(job.chosen), _when(job.created_at)]
+        for job in jobs
+    ]
+    print(_table(["ID", "NAME", "MODEL", "STATE", "POINTS", "CHOSEN (batch on devices)", "CREATED (UTC)"], rows))
+    if total > len(jobs):
+        print(f"({len(jobs)} of {total} jobs shown; --limit for more)")
+    return 0
+
+
+def _point_label(kind: str, batch_size: int | None) -> str:
+    if kind == "comm":
+        return "all-reduce"
+    return f"{batch_size}" + (" (search)" if kind == "search" else "")
+
+
+def _one_line(text: str | None, width: int = 90) -> str:
+    if not text:
+        return ""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+def describe_job(job: JobView) -> str:
+    progress = job.progress
+    lines = [
+        f"job {job.id}" + (f" ({job.name})" if job.name else "") + f": {job.state}, {_points(job)} points"
+        + (f", {progress.points_failed} failed" if progress.points_failed else "")
+        + (f", {progress.points_retried} retried" if progress.points_retried else ""),
+        f"  {job.model} on {job.dataset}; created {_when(job.created_at)}"
+        + (f", finished {_when(job.finished_at)}" if job.finished_at else "") + " (UTC)",
+    ]
+    if job.state in ("queued", "profiling", "fitting") and progress.step:
+        lines.append(f"  now: {progress.step}")
+    if job.error:
+        lines.append(f"  error: {job.error}")
+    if job.points:
+        rows = [
+            [_point_label(p.kind, p.batch_size), p.state, str(p.attempts),
+             f"{p.duration_s:.1f} s" if p.duration_s is not None else "-", _one_line(p.error)]
+            for p in job.points
+        ]  # fmt: skip
+        lines += ["", _table(["BATCH", "STATE", "ATTEMPTS", "DURATION", "ERROR"], rows)]
+    if job.state in ("done", "failed", "cancelled"):
+        groups = {"out of memory": ("oom",), "failed": ("failed",), "not measured": ("queued", "running", "cancelled")}
+        for title, states in groups.items():
+            labels = [_point_label(p.kind, p.batch_size) for p in job.points if p.state in states]
+            if labels:
+                lines.append(f"{title}: batch {', '.join(labels)}")
+    return "\n".join(lines)
+
+
 def _show(args: argparse.Namespace) -> int:
-    with TulaClient(args.server) as client:
+    with _client(args) as client:
         job = client.job(args.job_id)
-        if job["state"] != "done":
-            print(json.dumps(job, indent=2) if args.json else f"job {job['id']}: {job['state']}"
-                  f" ({job['progress']['points_done']}/{job['progress']['points_total']} points)"
-                  + (f"\nerror: {job['error']}" if job.get("error") else ""))
-            return 1 if job["state"] == "failed" else 0
-        rec = client.recommendation(args.job_id)
-        print(json.dumps(rec, indent=2) if args.json else f"job {job['id']}: done\n" + format_recommendation(rec))
+        rec = client.recommendation(job.id) if job.state == "done" else None
+    if args.json:
+        print(json.dumps({"job": job.model_dump(mode="json"), "recommendation": rec}, indent=2))
+    else:
+        print(describe_job(job))
+        if rec is not None:
+            print("\n" + format_recommendation(rec))
+    return 1 if job.state == "failed" else 0
+
+
+def _node_split(gpus: int, gpus_per_node: int) -> str:
+    per_node = max(d for d in range(1, gpus_per_node + 1) if gpus % d == 0)
+    return f"--nodes {gpus // per_node} --gpus-per-node {per_node}"
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The what-if body for `tula plan` and, in words, what it changes in the job's stored spec."""
+    cluster: dict[str, Any] = {}
+    gpus_per_node = args.gpus_per_node or spec["cluster"]["gpus_per_node"]
+    if args.gpus_per_node is not None:
+        cluster["gpus_per_node"] = args.gpus_per_node
+    if args.nodes is not None:
+        cluster["nodes"] = args.nodes
+    if args.gpus is not None:
+        if args.nodes is not None and args.nodes * gpus_per_node != args.gpus:
+            raise CliError(f"--gpus {args.gpus} is not --nodes {args.nodes} x {gpus_per_node} GPUs per node")
+        if args.gpus % gpus_per_node:
+            raise CliError(
+                f"--gpus {args.gpus} is not a whole number of nodes of {gpus_per_node} GPUs "
+                f"(cluster.gpus_per_node); give the split instead, e.g. {_node_split(args.gpus, gpus_per_node)}"
+            )
+        cluster["nodes"] = args.gpus // gpus_per_node
+    if args.gpu_type is not None:
+        cluster["gpu_type"] = args.gpu_type
+    if args.device_memory_gib is not None:
+        cluster["device_memory_gib"] = args.device_memory_gib
+    pricing: dict[str, Any] = {}
+    if args.pricing_kind is not None:
+        pricing["kind"] = args.pricing_kind
+    if args.price is not None:
+        pricing["price"] = args.price
+
+    objective = args.objective
+    if objective is None and (args.deadline_h is not None or args.budget is not None):
+        if args.deadline_h is not None and args.budget is not None:
+            raise CliError("--deadline and --budget given: say which one counts with --objective deadline|budget")
+        objective = "deadline" if args.deadline_h is not None else "budget"
+    if objective == "deadline" and args.deadline_h is None and spec.get("deadline_h") is None:
+        raise CliError("--objective deadline needs --deadline (e.g. --deadline 4h, 90m, 1d)")
+    if objective == "budget" and args.budget is None and spec.get("budget_usd") is None:
+        raise CliError("--objective budget needs --budget USD")
+
+    what_if: dict[str, Any] = {}
+    changes: list[str] = []
+    for section, overrides in (("cluster", cluster), ("pricing", pricing)):
+        if overrides:
+            what_if[section] = overrides
+            changes += [f"{section}.{key} {_shown(spec[section].get(key))} -> {_shown(value)}" for key, value in overrides.items()]
+        if section == "cluster" and overrides.keys() & {"nodes", "gpus_per_node"}:
+            before, after = spec["cluster"], {**spec["cluster"], **overrides}
+            changes.append(f"devices {before['nodes'] * before['gpus_per_node']} -> {after['nodes'] * after['gpus_per_node']}")
+    for key, value in (("objective", objective), ("deadline_h", args.deadline_h), ("budget_usd", args.budget)):
+        if value is not None:
+            what_if[key] = value
+            changes.append(f"{key} {_shown(spec.get(key))} -> {_shown(value)}")
+    return what_if, changes
+
+
+def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    old, new = before["chosen"], after["chosen"]
+    return (
+        "compared with the stored recommendation: "
+        f"global batch {old['global_batch']} -> {new['global_batch']}, devices {old['devices']} -> {new['devices']}, "
+        f"total time {old['total_time_s']['value'] / 3600:.3f} h -> {new['total_time_s']['value'] / 3600:.3f} h, "
+        f"cost ${old['cost_usd']['value']:.2f} -> ${new['cost_usd']['value']:.2f}"
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.job(args.job_id)
+        what_if, changes = build_what_if(args, job.spec)
+        result = client.plan(job.id, what_if)
+        if args.json:
+            print(json.dumps(result, indent=2))
+            return 0
+        before = client.recommendation(job.id)
+    print(f"what-if for job {job.id}: " + ("; ".join(changes) if changes else "no changes (the stored spec re-planned)"))
+    print(format_recommendation(result))
+    print(_compare(before, result))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job_id)
+    print(f"job {job.id}: {job.state} ({_points(job)} points finished)")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete(args.job_id)
+    print(f"deleted job {args.job_id}")
     return 0
 
 
 def _catalog(args: argparse.Namespace) -> int:
-    with TulaClient(args.server) as client:
+    with _client(args) as client:
         listing = client.catalog(args.kind)
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0
     for entry in listing[args.kind]:
+        if args.kind == "gpus":
+            rest = {k: v for k, v in entry.items() if k not in ("name", "memory_gib", "default_price_usd_per_hour")}
+            print(f"{entry['name']:<22} {entry.get('memory_gib', '?'):>6} GiB  ${entry.get('default_price_usd_per_hour', '?')}/GPU-hour  "
+                  + ", ".join(f"{k}={v}" for k, v in rest.items()))
+            continue
         extras = entry.get("options") or entry.get("fields") or {}
         settings = ", ".join(f"{k}={v}" for k, v in extras.items())
         print(f"{entry['name']:<22} {entry['input_kind']:<9} {settings}")
@@ -164,37 +521,91 @@ def _catalog(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- the parser --------------------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tula", description="Tula batch-size optimizer")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the API server and the local executor")
-    serve.add_argument("--host", default="127.0.0.1")
+    client_options = argparse.ArgumentParser(add_help=False)
+    client_options.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
+    client_options.add_argument("--token", help="API token (default: $TULA_TOKEN)")
+    database = argparse.ArgumentParser(add_help=False)
+    database.add_argument("--database-url", help="default: $TULA_DATABASE_URL or sqlite:///var/tula.db")
+
+    serve = sub.add_parser("serve", parents=[database], help="run the API server and its executor")
+    serve.add_argument("--host", default="127.0.0.1", help="any address but loopback needs an API token or --insecure")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--database-url", default="sqlite:///var/tula.db")
-    serve.add_argument("--executor", default="local", choices=["local"])
-    serve.add_argument("--workers", type=int, default=1, help="profiling points run at once")
+    serve.add_argument("--executor", default="local", choices=["local", "ray", "none"],
+                       help="none: API only (another server on the same database runs the points)")
+    serve.add_argument("--ray-address", help="with --executor ray: the cluster to join (default: start a local one)")
+    serve.add_argument("--workers", type=positive_int, default=None,
+                       help="points profiled at once (default: one per GPU, one on a host without GPUs)")
     serve.add_argument("--seed-example", help="spec file submitted when the database is empty")
+    serve.add_argument("--insecure", action="store_true", help="listen on a non-loopback address with no API token")
+    serve.add_argument("--public-reads", action="store_true", help="with tokens configured, GETs need none")
+    serve.add_argument("--max-request-bytes", type=positive_int, default=None, help="largest request body accepted")
     serve.set_defaults(func=_serve)
 
-    catalog = sub.add_parser("catalog", help="list the models or datasets the server knows")
-    catalog.add_argument("kind", choices=["models", "datasets"])
-    catalog.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
+    submit = sub.add_parser("submit", parents=[client_options], help="submit a job spec (YAML or JSON)")
+    submit.add_argument("spec")
+    submit.add_argument("--wait", action="store_true", help="show progress and print the recommendation")
+    submit.add_argument("--json", action="store_true", help="print JSON (the job, or with --wait the recommendation)")
+    submit.add_argument("--idempotency-key", help="submitting again with this key returns the same job")
+    submit.add_argument("--poll-s", type=positive_float, default=1.0)
+    submit.add_argument("--timeout-s", type=positive_float, default=None)
+    submit.set_defaults(func=_submit)
+
+    status = sub.add_parser("status", parents=[client_options], help="list jobs, newest first")
+    status.add_argument("--state", action="append", choices=["queued", "profiling", "fitting", "done", "failed", "cancelled"],
+                        help="only jobs in this state (repeatable)")
+    status.add_argument("--limit", type=positive_int, default=50)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_status)
+
+    show = sub.add_parser("show", parents=[client_options], help="a job, its points and its recommendation")
+    show.add_argument("job_id")
+    show.add_argument("--json", action="store_true", help='print {"job": ..., "recommendation": ...}')
+    show.set_defaults(func=_show)
+
+    plan = sub.add_parser("plan", parents=[client_options], help="re-plan a done job for another cluster, price or objective")
+    plan.add_argument("job_id")
+    plan.add_argument("--gpus", type=positive_int, help="total devices (nodes x the job's GPUs per node)")
+    plan.add_argument("--nodes", type=positive_int)
+    plan.add_argument("--gpus-per-node", type=positive_int)
+    plan.add_argument("--gpu-type", help="GPU catalog name (`tula catalog gpus`)")
+    plan.add_argument("--device-memory-gib", type=positive_float)
+    plan.add_argument("--price", type=positive_float, help="USD per pricing unit")
+    plan.add_argument("--pricing-kind", choices=PRICING_KINDS)
+    plan.add_argument("--objective", choices=OBJECTIVES)
+    plan.add_argument("--deadline", dest="deadline_h", type=duration_h, metavar="DURATION", help="4h, 90m, 2.5h, 1d, 3600s; a number is hours")
+    plan.add_argument("--budget", type=positive_float, help="USD")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)
+
+    for name, helptext, func in (("cancel", "cancel a queued or running job", _cancel),
+                                 ("delete", "delete a job and its measurements", _delete)):  # fmt: skip
+        command = sub.add_parser(name, parents=[client_options], help=helptext)
+        command.add_argument("job_id")
+        command.set_defaults(func=func)
+
+    catalog = sub.add_parser("catalog", parents=[client_options], help="list the models, datasets or GPUs the server knows")
+    catalog.add_argument("kind", choices=["models", "datasets", "gpus"])
     catalog.add_argument("--json", action="store_true")
     catalog.set_defaults(func=_catalog)
 
-    for name, helptext, func in (("submit", "submit a job spec (YAML or JSON)", _submit), ("show", "show a job and its recommendation", _show)):
-        command = sub.add_parser(name, help=helptext)
-        command.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
-        command.add_argument("--json", action="store_true", help="print the full JSON")
-        command.set_defaults(func=func)
-        if name == "submit":
-            command.add_argument("spec")
-            command.add_argument("--wait", action="store_true", help="show progress and print the recommendation")
-            command.add_argument("--poll-s", type=float, default=1.0)
-            command.add_argument("--timeout-s", type=float, default=None)
-        else:
-            command.add_argument("job_id")
+    token = sub.add_parser("token", help="create, list or revoke API tokens (on the database)")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", parents=[database], help="create a token; it is printed once")
+    create.add_argument("--name", required=True, help="1-100 of A-Z a-z 0-9 . _ -")
+    create.set_defaults(func=_token_create)
+    listing = token_sub.add_parser("list", parents=[database], help="every token, never the token itself")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=_token_list)
+    revoke = token_sub.add_parser("revoke", parents=[database], help="revoke tokens by name or prefix")
+    revoke.add_argument("name_or_prefix")
+    revoke.set_defaults(func=_token_revoke)
     return parser
 
 
@@ -202,10 +613,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except CliError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except TulaError as error:
         print(f"error: server answered {error.status_code}:\n{error}", file=sys.stderr)
+        if error.status_code == 401:
+            print(f"hint: {TOKEN_HINT}", file=sys.stderr)
         return 2
-    except httpx.TransportError as error:  # connection refused, timeouts
+    except httpx.TransportError as error:  # connection refused, timeouts (after the client's retries)
         print(f"error: cannot reach the Tula server: {error}", file=sys.stderr)
         return 2
 
