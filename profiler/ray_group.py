@@ -5,7 +5,7 @@ one `python -m profiler.comm` process tree, so the ranks can sit on the cluster'
 
 - Backend and world sizes as `profiler.comm` plans them, counted on the Ray cluster: NCCL when the
   cluster has >= 2 GPUs (one actor per GPU, `num_gpus=1`; world sizes 2..cluster GPUs), else gloo
-  on CPU actors of CPU_PER_RANK = 0.5 CPU each (world sizes (2, 4), those that fit in the cluster's
+  on CPU actors of CPU_PER_RANK = 0.45 CPU each (world sizes (2, 4), those that fit in the cluster's
   CPUs), all capped by `--max-world-size`; message sizes x4 from 1 KiB up to the job's gradient
   bytes (capped at 4 MiB on gloo, 1 GiB on NCCL).
 - Placement: one placement group of `max(world sizes)` bundles, strategy PACK (a node is filled
@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from profiler import comm
 
 LAUNCHER = "ray_actors"
-CPU_PER_RANK = 0.5  # gloo ranks mostly wait on sockets: 4 ranks fit on 2 CPUs
+CPU_PER_RANK = 0.45  # gloo ranks mostly wait on sockets: 4 ranks and the coordinator fit on 2 CPUs
 PLACEMENT_TIMEOUT_S = 300.0
 PEER_GRACE_S = 5.0  # after a rank raises: time for a peer's death to surface as the real cause
 ERROR_TAIL_CHARS = 4000

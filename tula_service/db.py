@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Integer, String, Text, create_engine, event
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
@@ -67,7 +67,7 @@ class Point(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[dt.datetime | None]
     finished_at: Mapped[dt.datetime | None]
-    duration_s: Mapped[float | None]
+    duration_s: Mapped[float | None] = mapped_column(Float)  # as revision 0001 made it
     worker: Mapped[str | None] = mapped_column(String(255))  # "local:HOST:PID" or "ray:NODE_ID"
     worker_pid: Mapped[int | None]  # the child process of a local run, so a restart can reap it
     attempt_errors: Mapped[list[str] | None] = mapped_column(JSON)
@@ -98,6 +98,12 @@ def make_engine(database_url: str, *, migrate: bool = True) -> Engine:
         def _sqlite_pragmas(dbapi_connection, _record):  # WAL: readers never wait for the executor's writes
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        @event.listens_for(engine, "checkout")
+        def _sqlite_foreign_keys_on(dbapi_connection, _record, _proxy):  # a migration may have turned them off
+            cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 

@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 WORKER_PYTHON = "{worker_python}"  # replaced by the Ray worker's sys.executable
 SCHEDULING_GRACE_S = 600.0  # beyond the point's own timeout: placement, worker start, a busy cluster
 STOP_GRACE_S = 5.0
+COORDINATOR_CPUS = 0.01  # the all-reduce coordinator task; CPU_PER_RANK in profiler.ray_group leaves room for it
 
 
 def import_ray():
@@ -166,7 +167,9 @@ class RayExecutor:
                 raise RuntimeError(f"cannot connect to the Ray cluster at {self.address or '(default)'}: {error}") from error
             self._owns_ray = True
         self._compute_task = ray.remote(num_cpus=1, max_retries=0)(run_point_on_worker)
-        self._comm_task = ray.remote(num_cpus=0, max_retries=0)(measure_comm_on_actors)
+        # A sliver of CPU, so the coordinator (which imports torch) never lands on a 0-CPU node such
+        # as the API server's own Ray node in docker/compose.yaml.
+        self._comm_task = ray.remote(num_cpus=COORDINATOR_CPUS, max_retries=0)(measure_comm_on_actors)
         self.workers = self._slots()[0]
         log.info("Ray executor: cluster %s, %s", self.address or "(default)", ray.cluster_resources())
         self._thread = threading.Thread(target=self._loop, name="tula-ray-dispatch", daemon=True)

@@ -141,6 +141,7 @@ class Store:
                 update(Point)
                 .where(Point.job_id == job_id, Point.state.in_(("queued", "running")))
                 .values(state="cancelled", error="job cancelled", finished_at=now)
+                .execution_options(synchronize_session=False)  # callers get the points as they were running
             )
             session.execute(
                 update(Job).where(Job.id == job_id).values(state="cancelled", finished_at=now, updated_at=now)
@@ -256,6 +257,7 @@ class Store:
                         worker_pid=None,
                         attempt_errors=[*(point.attempt_errors or []), reason],
                     )
+                    .execution_options(synchronize_session=False)  # callers need the dead server's pids
                 )
             return interrupted
 
