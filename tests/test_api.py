@@ -149,3 +149,11 @@ def test_the_openapi_schema_lists_every_endpoint(api):
                  "/readyz", "/metrics"):
         assert path in paths, path
     assert "delete" in paths["/v1/jobs/{job_id}"]
+
+
+def test_the_gpu_catalog_lists_memory_price_and_link(api):
+    gpus = {g["name"]: g for g in api.get("/v1/catalog/gpus").json()["gpus"]}
+    assert {"h100_sxm", "a100_80gb_sxm", "h200"} <= set(gpus)
+    h100 = gpus["h100_sxm"]
+    assert h100["memory_gib"] > 79 and h100["default_price_usd_per_hour"] > 0 and h100["intra_node_link"] == "nvlink4"
+    assert h100["source"] == "catalog-assumed"

@@ -51,7 +51,7 @@ def test_image_size_the_model_cannot_take_is_refused():
 def test_user_model_outside_the_allowlist_is_422_with_the_fix(live_server):
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec_dict(model=USER_MODEL))
     assert response.status_code == 422
-    assert "TULA_ALLOWED_MODEL_MODULES=tests.user_models_fixture" in response.json()["detail"][0]["msg"]
+    assert "TULA_ALLOWED_MODEL_MODULES=tests.user_models_fixture" in response.json()["errors"][0]["message"]
 
 
 @pytest.mark.e2e

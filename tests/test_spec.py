@@ -54,3 +54,17 @@ def test_unknown_field_is_rejected_not_ignored():
 def test_unknown_objective_and_pricing_kind():
     errors = _errors(spec_dict(objective="fastest", pricing={"kind": "spot"}))
     assert ("objective",) in errors and ("pricing", "kind") in errors
+
+
+def test_values_given_in_the_spec_are_recorded_as_given():
+    spec = JobSpec.model_validate(spec_dict(cluster={"intra_node_link": "nvlink3"}))
+    assert (spec.cluster.device_memory_source, spec.cluster.intra_node_link_source, spec.pricing.price_source) == (
+        "spec", "spec", "spec",
+    )
+    assert JobSpec.model_validate(spec_dict()).cluster.intra_node_link_source is None  # no named link, no source
+
+
+def test_missing_device_memory_without_a_gpu_type_names_the_field():
+    spec = spec_dict()
+    del spec["cluster"]["device_memory_gib"]
+    assert "gpu_type" in _errors(spec)[("cluster", "device_memory_gib")]

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.auth import TokenAuth
+from tula_service.catalogs import gpu_catalog_listing
 from tula_service.db import JOB_STATES, make_engine, make_session_factory
 from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
@@ -42,7 +43,7 @@ EXECUTORS = ("local", "ray", "none")
 DATABASE_URL_ENV = "TULA_DATABASE_URL"
 IDEMPOTENCY_KEY_MAX_CHARS = 255
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": Problem, "content": {"application/problem+json": {}}} for code in (401, 404, 409, 413, 422)
+    code: {"model": Problem, "content": {"application/problem+json": {}}} for code in (400, 401, 404, 409, 413, 422)
 }
 
 
@@ -175,6 +176,11 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     @app.get("/v1/catalog/datasets", tags=["catalog"])
     def catalog_datasets() -> dict[str, Any]:
         return {"datasets": [asdict(info) for info in sorted(DATASETS.values(), key=lambda i: i.name)]}
+
+    @app.get("/v1/catalog/gpus", tags=["catalog"])
+    def catalog_gpus() -> dict[str, Any]:
+        """GPU types: memory, default price, intra-node link, peak BF16 and memory bandwidth (catalog-assumed)."""
+        return {"gpus": gpu_catalog_listing()}
 
     @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED, response_model=JobView, tags=["jobs"],
               responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"}})

@@ -99,6 +99,15 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         },
         "candidates": rows,
         "pareto_front": [i for i in range(len(rows)) if front[i]],
+        "pricing": {
+            "kind": spec.pricing.kind,
+            "price": {"value": spec.pricing.price, "source": spec.pricing.price_source},
+            "fixed_overhead_usd": {"value": spec.pricing.fixed_overhead_usd, "source": "spec"},
+        },
+        "device": {
+            "gpu_type": spec.cluster.gpu_type,
+            "memory_gib": {"value": spec.cluster.device_memory_gib, "source": spec.cluster.device_memory_source},
+        },
         "models": report,
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],

@@ -15,6 +15,13 @@ from tula_service.db import Job, Point
 FINISHED_POINT_STATES = ("done", "oom", "failed", "cancelled")
 
 
+def utc(moment: dt.datetime | None) -> dt.datetime | None:
+    """Stored times are naive UTC (SQLite keeps no offset); the API says so (RFC 3339 with +00:00)."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=dt.timezone.utc)
+
+
 class Progress(BaseModel):
     points_done: int = Field(description="points finished: measured, out of memory, failed or cancelled")
     points_total: int
@@ -41,7 +48,7 @@ class PointView(BaseModel):
         return cls(
             id=point.id, kind=point.kind, batch_size=point.batch_size, state=point.state, attempts=point.attempts,
             duration_s=point.duration_s, error=point.error, worker=point.worker,
-            attempt_errors=point.attempt_errors or [], started_at=point.started_at, finished_at=point.finished_at,
+            attempt_errors=point.attempt_errors or [], started_at=utc(point.started_at), finished_at=utc(point.finished_at),
         )  # fmt: skip
 
 
@@ -95,8 +102,8 @@ class JobView(BaseModel):
             ),
             model=job.spec["model"],
             dataset=job.spec["dataset"]["name"],
-            created_at=job.created_at,
-            finished_at=job.finished_at,
+            created_at=utc(job.created_at),
+            finished_at=utc(job.finished_at),
             error=job.error,
             chosen=chosen,
             spec=job.spec,

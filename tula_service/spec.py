@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
-from tula_service.catalogs import load_interconnects
+from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from models.registry import (
     ALLOWED_MODULES_ENV,
     DATASETS,
@@ -33,6 +33,11 @@ def in_catalog(kind: str, name: str, catalog: dict[str, object]) -> str:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Where a value of the validated spec came from: given in the spec, or filled from the GPU catalog
+# (`cluster.gpu_type`). A what-if re-derives the catalog ones when it changes what they came from.
+ValueSource = Literal["spec", "catalog-assumed"]
 
 
 DATASET_FIELDS = ("channels", "image_size", "num_classes", "seq_len", "vocab_size", "path")
@@ -96,19 +101,76 @@ def _expand_batch_range(value: object) -> object:
 
 
 class ClusterSpec(_Strict):
+    """The devices to plan for. With `gpu_type` (a GPU catalog name), device_memory_gib defaults to
+    that GPU's memory, and intra_node_link to its link when neither intra_node_link nor
+    interconnect_gbps is given; values given in the spec always win. The `*_source` fields record
+    which values were given ("spec") and which were filled from the catalog ("catalog-assumed")."""
+
     nodes: PositiveInt = 1
     gpus_per_node: PositiveInt = 1
-    device_memory_gib: float = Field(gt=0, description="memory per device in GiB")
+    gpu_type: str | None = Field(
+        None, description="GPU catalog name (GET /v1/catalog/gpus), e.g. h100_sxm: the default device memory, "
+        "intra-node link and gpu_hour price; the profiled device's speed is used as measured"
+    )
+    device_memory_gib: float | None = Field(
+        None, gt=0, validate_default=True, description="memory per device in GiB; default: the gpu_type's"
+    )
     interconnect_gbps: float | None = Field(
         None, gt=0, description="all-reduce bandwidth in Gbit/s for links the spec does not name (latency assumed)"
     )
     intra_node_link: str | None = Field(None, description="interconnect catalog name, e.g. nvlink4, pcie4_x16")
     inter_node_link: str | None = Field(None, description="interconnect catalog name, e.g. infiniband_ndr")
+    device_memory_source: ValueSource = Field(
+        "spec", description="set by the server: 'catalog-assumed' when device_memory_gib came from gpu_type"
+    )
+    intra_node_link_source: ValueSource | None = Field(
+        None, description="set by the server: 'spec', 'catalog-assumed' (from gpu_type), or null without a named link"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_defaults(cls, data: object) -> object:
+        if not isinstance(data, dict) or not isinstance(data.get("gpu_type"), str):
+            return data
+        entry = load_gpus().get(data["gpu_type"])
+        if entry is None:  # the gpu_type validator names the known GPUs
+            return data
+        data = dict(data)
+        if data.get("device_memory_gib") is None:
+            data.update(device_memory_gib=entry.memory_gib, device_memory_source=CATALOG_SOURCE)
+        if entry.intra_node_link and data.get("intra_node_link") is None and data.get("interconnect_gbps") is None:
+            data.update(intra_node_link=entry.intra_node_link, intra_node_link_source=CATALOG_SOURCE)
+        return data
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, name: str | None) -> str | None:
+        return None if name is None else in_catalog("GPU type", name, load_gpus())
+
+    @field_validator("device_memory_gib")
+    @classmethod
+    def _memory_given(cls, memory_gib: float | None, info: ValidationInfo) -> float | None:
+        if memory_gib is None and "gpu_type" in info.data:  # a known gpu_type has filled it; a bad one has its error
+            raise ValueError(
+                "give device_memory_gib (GiB per device) or a gpu_type from the GPU catalog, which sets it; "
+                f"known GPU types: {', '.join(sorted(load_gpus()))}"
+            )
+        return memory_gib
 
     @field_validator("intra_node_link", "inter_node_link")
     @classmethod
     def _known_link(cls, name: str | None) -> str | None:
         return None if name is None else in_catalog("interconnect", name, load_interconnects())
+
+    @model_validator(mode="after")
+    def _sources_agree(self) -> ClusterSpec:
+        if self.intra_node_link is None:
+            self.intra_node_link_source = None
+        elif self.intra_node_link_source is None:
+            self.intra_node_link_source = "spec"
+        if self.gpu_type is None and CATALOG_SOURCE in (self.device_memory_source, self.intra_node_link_source):
+            raise ValueError("a 'catalog-assumed' source needs the gpu_type it was taken from")
+        return self
 
     @property
     def total_devices(self) -> int:
@@ -117,8 +179,29 @@ class ClusterSpec(_Strict):
 
 class PricingSpec(_Strict):
     kind: Literal["gpu_hour", "node_hour", "memory_gb_hour"]
-    price: float = Field(gt=0, description="USD per GPU-hour, per node-hour, or per GiB-hour of device memory used")
+    price: float | None = Field(
+        None, gt=0, validate_default=True, description="USD per GPU-hour, per node-hour, or per GiB-hour of device "
+        "memory used; kind gpu_hour with cluster.gpu_type defaults to the GPU catalog's price"
+    )
     fixed_overhead_usd: float = Field(0.0, ge=0, description="per-job cost on top (e.g. start-up, storage)")
+    price_source: ValueSource = Field(
+        "spec", description="set by the server: 'catalog-assumed' when price is the catalog's for cluster.gpu_type"
+    )
+
+    @field_validator("price")
+    @classmethod
+    def _price_given(cls, price: float | None) -> float | None:
+        if price is None:  # JobSpec fills the catalog price before this runs, where there is one
+            raise ValueError(
+                "give price; only kind gpu_hour with a cluster.gpu_type has a default (the GPU catalog's price)"
+            )
+        return price
+
+    @model_validator(mode="after")
+    def _catalog_price_is_per_gpu_hour(self) -> PricingSpec:
+        if self.price_source == CATALOG_SOURCE and self.kind != "gpu_hour":
+            raise ValueError("a 'catalog-assumed' price is per GPU-hour: it needs kind gpu_hour")
+        return self
 
 
 class TrainingSpec(_Strict):
@@ -143,7 +226,10 @@ class ProfilingSpec(_Strict):
     max_search_probes: int = Field(4, ge=1, le=32)
     measure_comm: bool | None = Field(None, description="all-reduce benchmark; default: when the cluster has > 1 device")
     seed: int = 0
-    timeout_s: float = Field(600, gt=0, le=86_400, description="per point, then the point fails")
+    timeout_s: float = Field(600, gt=0, le=86_400, description="per attempt of a point; then the worker is killed")
+    max_attempts: int = Field(
+        3, ge=1, le=10, description="starts of a point whose worker dies (signal, timeout) before it is marked failed"
+    )
 
 
 class JobSpec(_Strict):
@@ -162,6 +248,22 @@ class JobSpec(_Strict):
     training: TrainingSpec
     profiling: ProfilingSpec = ProfilingSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _catalog_price(cls, data: object) -> object:
+        """pricing.price defaults to the catalog price of cluster.gpu_type when billed per GPU-hour."""
+        if not isinstance(data, dict) or not isinstance(data.get("pricing"), dict):
+            return data
+        pricing, cluster = data["pricing"], data.get("cluster")
+        if pricing.get("price") is not None or pricing.get("kind") != "gpu_hour":
+            return data
+        gpu_type = cluster.get("gpu_type") if isinstance(cluster, dict) else getattr(cluster, "gpu_type", None)
+        entry = load_gpus().get(gpu_type) if isinstance(gpu_type, str) else None
+        if entry is None:
+            return data
+        priced = {**pricing, "price": entry.default_price_usd_per_hour, "price_source": CATALOG_SOURCE}
+        return {**data, "pricing": priced}
+
     @field_validator("model")
     @classmethod
     def _known_or_allowed_model(cls, name: str) -> str:
@@ -175,6 +277,12 @@ class JobSpec(_Strict):
                 f"operator can allow it with {ALLOWED_MODULES_ENV}={module} (comma-separated prefixes)"
             )
         return name
+
+    @model_validator(mode="after")
+    def _catalog_price_has_a_gpu(self) -> JobSpec:
+        if self.pricing.price_source == CATALOG_SOURCE and self.cluster.gpu_type is None:
+            raise ValueError("a 'catalog-assumed' pricing.price needs the cluster.gpu_type it was taken from")
+        return self
 
     @model_validator(mode="after")
     def _constraint_given(self) -> JobSpec:
