@@ -3,13 +3,13 @@ finish. Real uvicorn servers, real profiling children, real signals."""
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.handmade import spec_dict
+from tests.processes import gone, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -37,24 +37,6 @@ def _profiler_children(server_pid: int) -> list[int]:
     return children
 
 
-def _dead(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _job(server, job_id: str) -> dict:
     return httpx.get(f"{server.url}/v1/jobs/{job_id}", timeout=10).json()
 
@@ -62,9 +44,9 @@ def _job(server, job_id: str) -> dict:
 def test_a_killed_profiling_child_is_retried_and_the_job_ends_done(make_server):
     server = make_server()
     job_id = httpx.post(f"{server.url}/v1/jobs", json=SPEC, timeout=30).json()["id"]
-    [child] = _wait_for(lambda: _profiler_children(server.process.pid), 60, "a profiling child")
+    [child] = wait_for(lambda: _profiler_children(server.process.pid), 60, "a profiling child")
     os.kill(child, signal.SIGKILL)
-    final = _wait_for(lambda: (j := _job(server, job_id))["state"] in ("done", "failed") and j, 300, "the job to end")
+    final = wait_for(lambda: (j := _job(server, job_id))["state"] in ("done", "failed") and j, 300, "the job to end")
     assert final["state"] == "done", final["error"]
     retried = [p for p in final["points"] if p["attempts"] == 2]
     assert len(retried) == 1 and retried[0]["state"] == "done"
@@ -76,14 +58,14 @@ def test_a_server_killed_mid_profiling_restarts_and_the_job_completes(make_serve
     database = tmp_path / "restart.db"
     first = make_server(database_path=database)
     job_id = httpx.post(f"{first.url}/v1/jobs", json=SPEC, timeout=30).json()["id"]
-    [child] = _wait_for(lambda: _profiler_children(first.process.pid), 60, "a profiling child")
+    [child] = wait_for(lambda: _profiler_children(first.process.pid), 60, "a profiling child")
     first.process.kill()  # SIGKILL: no shutdown handler runs
     first.process.wait()
-    _wait_for(lambda: _dead(child), 10, "the orphaned child to die with its server")
+    wait_for(lambda: gone(child), 10, "the orphaned child to die with its server")
     assert _job_state_in_database(database, job_id) == "profiling"
 
     second = make_server(database_path=database)
-    final = _wait_for(lambda: (j := _job(second, job_id))["state"] in ("done", "failed") and j, 300, "the job to end")
+    final = wait_for(lambda: (j := _job(second, job_id))["state"] in ("done", "failed") and j, 300, "the job to end")
     assert final["state"] == "done", final["error"]
     interrupted = [p for p in final["points"] if p["attempt_errors"]]
     assert len(interrupted) == 1 and "interrupted (server stopped)" in interrupted[0]["attempt_errors"][0]

@@ -90,15 +90,15 @@ def test_bad_spec_is_422_with_the_field_path(live_server):
     spec["pricing"]["price"] = -1
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec)
     assert response.status_code == 422
-    locations = {tuple(error["loc"]) for error in response.json()["detail"]}
-    assert ("body", "batch_sizes", 1) in locations and ("body", "pricing", "price") in locations
+    fields = {error["field"] for error in response.json()["errors"]}
+    assert "body.batch_sizes.1" in fields and "body.pricing.price" in fields
 
 
 def test_unknown_model_is_422_listing_the_catalog(live_server):
     spec = {**load_spec_file(EXAMPLE), "model": "resnet5"}
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec)
     assert response.status_code == 422
-    message = response.json()["detail"][0]["msg"]
+    message = response.json()["errors"][0]["message"]
     assert "'resnet5' is not in the catalog; did you mean" in message and "small_cnn" in message
 
 

@@ -1,18 +1,14 @@
 """The local executor with real child processes: a dead worker costs an attempt, never the server;
 retries are bounded; cancellation stops running children."""
 
-import json
-import os
-import stat
 import sys
 import time
 from pathlib import Path
 
 from tula_service.db import make_engine, make_session_factory
 from tula_service.executor import LocalExecutor
-from tula_service.spec import JobSpec
 from tula_service.store import Store
-from tests.handmade import spec_dict
+from tests.processes import fake_python, gone, submit, wait_for, wait_for_job
 
 FAST_PROFILING = {"time_cap_s": 0.2, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
 
@@ -21,43 +17,18 @@ def _store(tmp_path) -> Store:
     return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
 
 
-def _fake_python(tmp_path, body: str) -> str:
-    """An executable that stands in for the worker's python: it really crashes, sleeps, etc.
-    `$REAL` in the body is the real interpreter."""
-    path = tmp_path / "fake-python"
-    path.write_text(f"#!/bin/sh\nREAL={sys.executable}\n{body}\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
-
-
-def _submit(store: Store, **overrides):
-    job, created = store.create_job(JobSpec.model_validate(spec_dict(**overrides)))
-    assert created
-    return job
-
-
-def _wait(store: Store, job_id: str, states=("done", "failed", "cancelled"), timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = store.get_job(job_id)
-        if job.state in states:
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job still {store.get_job(job_id).state}")
-
-
 def _run_until_finished(store: Store, executor: LocalExecutor, job_id: str, timeout_s: float = 120):
     executor.start()
     try:
-        return _wait(store, job_id, timeout_s=timeout_s)
+        return wait_for_job(store, job_id, timeout_s=timeout_s)
     finally:
         executor.stop()
 
 
 def test_a_worker_that_keeps_dying_is_retried_then_failed_with_every_reason(tmp_path):
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 2})
-    executor = LocalExecutor(store, python=_fake_python(tmp_path, "echo 'worker exploded' >&2; kill -SEGV $$"), poll_s=0.05)
+    job = submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 2})
+    executor = LocalExecutor(store, python=fake_python(tmp_path, "echo 'worker exploded' >&2; kill -SEGV $$"), poll_s=0.05)
     finished = _run_until_finished(store, executor, job.id)
     assert finished.state == "failed"
     for point in finished.points:
@@ -73,8 +44,8 @@ def test_a_point_killed_once_is_retried_and_the_job_ends_done(tmp_path):
     marker = tmp_path / "killed-once"
     # The first start of the batch-16 point kills itself with SIGKILL; every other start is real.
     body = f'case "$*" in *\'"batch_size": 16\'*) if [ ! -e {marker} ]; then touch {marker}; kill -KILL $$; fi;; esac\nexec "$REAL" "$@"'
-    job = _submit(store, batch_sizes=[8, 16, 32], profiling=FAST_PROFILING)
-    finished = _run_until_finished(store, LocalExecutor(store, python=_fake_python(tmp_path, body), poll_s=0.05), job.id)
+    job = submit(store, batch_sizes=[8, 16, 32], profiling=FAST_PROFILING)
+    finished = _run_until_finished(store, LocalExecutor(store, python=fake_python(tmp_path, body), poll_s=0.05), job.id)
     assert finished.state == "done", finished.error
     by_batch = {p.batch_size: p for p in finished.points}
     assert by_batch[16].state == "done" and by_batch[16].attempts == 2
@@ -86,8 +57,8 @@ def test_a_point_killed_once_is_retried_and_the_job_ends_done(tmp_path):
 def test_a_point_that_keeps_dying_is_missing_and_the_job_still_fits_and_says_so(tmp_path):
     store = _store(tmp_path)
     body = 'case "$*" in *\'"batch_size": 16\'*) kill -KILL $$;; esac\nexec "$REAL" "$@"'
-    job = _submit(store, batch_sizes=[8, 16, 32], profiling={**FAST_PROFILING, "max_attempts": 2})
-    finished = _run_until_finished(store, LocalExecutor(store, python=_fake_python(tmp_path, body), poll_s=0.05), job.id)
+    job = submit(store, batch_sizes=[8, 16, 32], profiling={**FAST_PROFILING, "max_attempts": 2})
+    finished = _run_until_finished(store, LocalExecutor(store, python=fake_python(tmp_path, body), poll_s=0.05), job.id)
     assert finished.state == "done", finished.error
     [missing] = finished.recommendation["profiled"]["failed"]
     assert missing["batch_size"] == 16 and missing["attempts"] == 2
@@ -97,7 +68,7 @@ def test_a_point_that_keeps_dying_is_missing_and_the_job_still_fits_and_says_so(
 def test_a_points_own_error_is_data_and_not_retried(tmp_path):
     store = _store(tmp_path)
     dataset = {"name": "image_folder", "path": str(tmp_path / "no-such-folder"), "num_samples": 1000}
-    job = _submit(store, batch_sizes=[8, 16], dataset=dataset, profiling={"max_attempts": 3})
+    job = submit(store, batch_sizes=[8, 16], dataset=dataset, profiling={"max_attempts": 3})
     finished = _run_until_finished(store, LocalExecutor(store, poll_s=0.05), job.id)
     assert finished.state == "failed"
     for point in finished.points:
@@ -107,8 +78,8 @@ def test_a_points_own_error_is_data_and_not_retried(tmp_path):
 
 def test_child_that_overruns_its_timeout_is_killed(tmp_path):
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16], profiling={"timeout_s": 0.5, "max_attempts": 1})
-    executor = LocalExecutor(store, python=_fake_python(tmp_path, "sleep 30"), poll_s=0.05)
+    job = submit(store, batch_sizes=[8, 16], profiling={"timeout_s": 0.5, "max_attempts": 1})
+    executor = LocalExecutor(store, python=fake_python(tmp_path, "sleep 30"), poll_s=0.05)
     started = time.monotonic()
     finished = _run_until_finished(store, executor, job.id)
     assert time.monotonic() - started < 20
@@ -118,19 +89,14 @@ def test_child_that_overruns_its_timeout_is_killed(tmp_path):
 def test_cancelling_a_job_kills_its_running_child_and_keeps_it_cancelled(tmp_path):
     store = _store(tmp_path)
     pid_file = tmp_path / "child.pid"
-    job = _submit(store, batch_sizes=[8, 16])
-    executor = LocalExecutor(store, python=_fake_python(tmp_path, f"echo $$ > {pid_file}; sleep 60"), poll_s=0.05)
+    job = submit(store, batch_sizes=[8, 16])
+    executor = LocalExecutor(store, python=fake_python(tmp_path, f"echo $$ > {pid_file}; sleep 60"), poll_s=0.05)
     executor.start()
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(pid_file.exists, 30, "the child to start")
         child_pid = int(pid_file.read_text())
         executor.cancel(store.cancel_job(job.id))
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child_pid}").exists() and _state(child_pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{child_pid}").exists() or _state(child_pid) == "Z"
+        wait_for(lambda: gone(child_pid), 10, "the cancelled point's child to die")
         time.sleep(0.5)  # the worker thread has seen its child die by now; it must not overwrite
         cancelled = store.get_job(job.id)
         assert cancelled.state == "cancelled" and cancelled.finished_at is not None
@@ -145,34 +111,22 @@ def test_a_cancel_written_by_another_process_stops_the_child(tmp_path):
     watchdog sees it and kills the child."""
     store = _store(tmp_path)
     pid_file = tmp_path / "child.pid"
-    job = _submit(store, batch_sizes=[8, 16])
-    executor = LocalExecutor(store, python=_fake_python(tmp_path, f"echo $$ > {pid_file}; sleep 60"), poll_s=0.05)
+    job = submit(store, batch_sizes=[8, 16])
+    executor = LocalExecutor(store, python=fake_python(tmp_path, f"echo $$ > {pid_file}; sleep 60"), poll_s=0.05)
     executor.start()
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(pid_file.exists, 30, "the child to start")
         other_process_store = _store(tmp_path)
         other_process_store.cancel_job(job.id)  # no executor.cancel: only the database knows
         child_pid = int(pid_file.read_text())
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{child_pid}").exists() and _state(child_pid) != "Z" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{child_pid}").exists() or _state(child_pid) == "Z"
+        wait_for(lambda: gone(child_pid), 10, "the cancelled point's child to die")
     finally:
         executor.stop()
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
 def test_points_left_running_by_a_dead_server_are_requeued(tmp_path):
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16])
+    job = submit(store, batch_sizes=[8, 16])
     claimed = store.claim_next_point("local:elsewhere:1")
     assert claimed.state == "running" and store.get_job(job.id).state == "profiling"
     [interrupted] = store.requeue_interrupted()
@@ -192,16 +146,11 @@ def test_a_killed_server_leaves_no_orphan_child(tmp_path):
     script.write_text(
         "import sys\n"
         "from tula_service.dispatch import run_child\n"
-        f"run_child([{_fake_python(tmp_path, f'echo $$ > {pid_file}; sleep 60')!r}], 60)\n"
+        f"run_child([{fake_python(tmp_path, f'echo $$ > {pid_file}; sleep 60')!r}], 60)\n"
     )
     starter = subprocess.Popen([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1])
-    deadline = time.monotonic() + 30
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(pid_file.exists, 30, "the child to start")
     child_pid = int(pid_file.read_text())
     starter.kill()
     starter.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child_pid}").exists() and _state(child_pid) != "Z" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{child_pid}").exists() or _state(child_pid) == "Z"
+    wait_for(lambda: gone(child_pid), 10, "the orphaned child to die with its starter")

@@ -5,7 +5,6 @@ task; and the real server dispatches to a `ray start` cluster."""
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -22,10 +21,10 @@ pytest.importorskip("torch")
 
 from tests.conftest import free_port  # noqa: E402
 from tests.handmade import spec_dict  # noqa: E402
+from tests.processes import fake_python, gone, submit, wait_for_job  # noqa: E402
 from tula_service.db import make_engine, make_session_factory  # noqa: E402
 from tula_service.perfmodel.comm_fit import fit_comm_record  # noqa: E402
 from tula_service.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
-from tula_service.spec import JobSpec  # noqa: E402
 from tula_service.store import Store  # noqa: E402
 
 FAST_PROFILING = {"time_cap_s": 0.5, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
@@ -47,52 +46,19 @@ def _store(tmp_path) -> Store:
     return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
 
 
-def _submit(store: Store, **overrides):
-    job, created = store.create_job(JobSpec.model_validate(spec_dict(**overrides)))
-    assert created
-    return job
-
-
-def _fake_python(tmp_path, body: str) -> str:
-    """An executable that stands in for the worker's python: it really crashes, sleeps, etc.
-    `$REAL` in the body is the real interpreter."""
-    path = tmp_path / "fake-python"
-    path.write_text(f"#!/bin/sh\nREAL={sys.executable}\n{body}\n")
-    path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
-
-
-def _wait(store: Store, job_id: str, states=("done", "failed", "cancelled"), timeout_s: float = 180):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = store.get_job(job_id)
-        if job.state in states:
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job still {store.get_job(job_id).state}: {[(p.kind, p.state, p.error) for p in job.points]}")
-
-
 def _run_until_finished(store: Store, executor: RayExecutor, job_id: str):
     executor.start()
     try:
-        return _wait(store, job_id)
+        return wait_for_job(store, job_id)
     finally:
         executor.stop()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
 
 
 @pytest.fixture(scope="module")
 def two_device_job(ray_cluster, tmp_path_factory):
     """A job for a 2-device cluster (so it measures communication), run to the end on Ray."""
     store = _store(tmp_path_factory.mktemp("two-device"))
-    job = _submit(store, batch_sizes=[4, 8], cluster={"gpus_per_node": 2}, profiling=FAST_PROFILING)
+    job = submit(store, batch_sizes=[4, 8], cluster={"gpus_per_node": 2}, profiling=FAST_PROFILING)
     return _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.1), job.id)
 
 
@@ -134,8 +100,8 @@ def test_a_group_that_cannot_form_is_a_failed_record_not_a_lost_attempt(ray_clus
 
 def test_a_child_that_keeps_crashing_is_retried_then_failed_with_every_reason(ray_cluster, tmp_path):
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 2})
-    python = _fake_python(tmp_path, "echo 'worker exploded' >&2; kill -SEGV $$")
+    job = submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 2})
+    python = fake_python(tmp_path, "echo 'worker exploded' >&2; kill -SEGV $$")
     finished = _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.05, python=python), job.id)
     assert finished.state == "failed"
     for point in finished.points:
@@ -149,8 +115,8 @@ def test_a_ray_worker_that_dies_costs_the_attempt(ray_cluster, tmp_path):
     """The child kills the Ray worker running its task: Ray reports the task lost (a RayError),
     which counts as a dead worker, retried up to max_attempts."""
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 1})
-    python = _fake_python(tmp_path, "kill -KILL $PPID; exec sleep 30")
+    job = submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 1})
+    python = fake_python(tmp_path, "kill -KILL $PPID; exec sleep 30")
     finished = _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.05, python=python), job.id)
     assert finished.state == "failed"
     for point in finished.points:
@@ -161,8 +127,8 @@ def test_a_ray_worker_that_dies_costs_the_attempt(ray_cluster, tmp_path):
 def test_cancelling_a_job_stops_its_running_ray_task(ray_cluster, tmp_path):
     store = _store(tmp_path)
     pid_file = tmp_path / "child.pid"
-    job = _submit(store, batch_sizes=[8, 16])
-    python = _fake_python(tmp_path, f"echo $$ $PPID > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec sleep 60")
+    job = submit(store, batch_sizes=[8, 16])
+    python = fake_python(tmp_path, f"echo $$ $PPID > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec sleep 60")
     executor = RayExecutor(store, address=None, poll_s=0.05, python=python)
     executor.start()
     try:
@@ -172,9 +138,9 @@ def test_cancelling_a_job_stops_its_running_ray_task(ray_cluster, tmp_path):
         child_pid, ray_worker_pid = (int(pid) for pid in pid_file.read_text().split())
         executor.cancel(store.cancel_job(job.id))
         deadline = time.monotonic() + 20
-        while not (_gone(child_pid) and _gone(ray_worker_pid)) and time.monotonic() < deadline:
+        while not (gone(child_pid) and gone(ray_worker_pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(child_pid) and _gone(ray_worker_pid)
+        assert gone(child_pid) and gone(ray_worker_pid)
         time.sleep(0.5)  # the dispatcher has seen the task end by now; it must not overwrite
         cancelled = store.get_job(job.id)
         assert cancelled.state == "cancelled" and {p.state for p in cancelled.points} == {"cancelled"}
@@ -187,8 +153,8 @@ def test_cancelling_a_communication_point_frees_its_actors_placement(ray_cluster
     """A killed coordinator takes its actors with it, but not its placement group: the executor
     removes that by name, so the cluster's CPUs are free again."""
     store = _store(tmp_path)
-    job = _submit(store, batch_sizes=[8, 16], profiling={"measure_comm": True, "max_attempts": 1})
-    python = _fake_python(tmp_path, "exit 3")  # the compute points fail at once; the comm point is real
+    job = submit(store, batch_sizes=[8, 16], profiling={"measure_comm": True, "max_attempts": 1})
+    python = fake_python(tmp_path, "exit 3")  # the compute points fail at once; the comm point is real
     executor = RayExecutor(store, address=None, poll_s=0.05, python=python)
     executor.start()
     try:
@@ -260,7 +226,7 @@ def ray_head(tmp_path):
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + grace_s
-            while [p for p in _session_processes(head.pid) if not _gone(p)] and time.monotonic() < deadline:
+            while [p for p in _session_processes(head.pid) if not gone(p)] and time.monotonic() < deadline:
                 time.sleep(0.1)
         head.wait(5)
         shutil.rmtree(temp_dir, ignore_errors=True)
