@@ -10,8 +10,11 @@ STAMP := $(VENV)/.installed
 POSTGRES_SERVER_GLOB := /usr/lib/postgresql/*/bin/postgres
 APT_GET ?= apt-get
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+# The dashboard tests drive Debian's chromium headless with Playwright (its own browser download
+# needs the internet, so it is never used).
+CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test venv postgres clean
+.PHONY: run test venv postgres chromium clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,11 +40,22 @@ postgres:
 		|| { echo "error: postgresql is installed but $(POSTGRES_SERVER_GLOB) is still missing" >&2; exit 1; }; \
 	fi
 
+# Installs Debian's chromium package when $(CHROMIUM) is missing (sudo when not root).
+chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+		echo "$(CHROMIUM) is missing: installing Debian's chromium package for the dashboard tests"; \
+		command -v $(firstword $(APT_GET)) >/dev/null || { echo "error: no apt-get here: install chromium at $(CHROMIUM)" >&2; exit 1; }; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive $(APT_GET) update \
+		&& $(SUDO) env DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends chromium \
+		|| { echo "error: could not install Debian's chromium package; the dashboard tests need it" >&2; exit 1; }; \
+		test -x $(CHROMIUM) || { echo "error: chromium is installed but $(CHROMIUM) is still missing" >&2; exit 1; }; \
+	fi
+
 run: $(STAMP)
 	mkdir -p var
 	$(BIN)/tula serve --host $(HOST) --port $(PORT) --database-url sqlite:///var/tula.db --executor local --seed-example configs/example_small_cnn.yaml
 
-test: $(STAMP) postgres
+test: $(STAMP) postgres chromium
 	$(BIN)/python -m pytest
 
 clean:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.auth import TokenAuth
 from tula_service.catalogs import gpu_catalog_listing
+from tula_service.dashboard import mount_dashboard
 from tula_service.db import JOB_STATES, make_engine, make_session_factory
 from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
@@ -288,4 +289,5 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
         except NotEnoughMeasurements as error:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
 
+    mount_dashboard(app)
     return app

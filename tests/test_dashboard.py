@@ -1,0 +1,454 @@
+"""The dashboard in a real browser: Debian's chromium, headless, driven by Playwright, against a real
+`tula serve` (local executor, real profiling child processes) on an SQLite file that also holds a
+job finished from hand-made measurements. The server has an API token, so every page proves that the
+browser sends it.
+
+`make test` installs chromium at /usr/bin/chromium (Playwright's own browser download is not used).
+With TULA_WRITE_SCREENSHOTS=1 the tests also write docs/img/dashboard_jobs.png and dashboard_job.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.api_fixtures import finished_job, store_for
+from tests.conftest import REPO, LiveServer
+from tula_service.dashboard import plotly_js_path, plotly_js_url
+from tula_service.db import make_engine, make_session_factory
+from tula_service.perfmodel import EpochModel, MemoryModel
+from tula_service.perfmodel.compute import COMPUTE_MODELS
+from tula_service.tokens import create_token
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]  # fmt: skip
+LAPTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+TERMINAL = ("done", "failed", "cancelled")
+SCREENSHOTS = REPO / "docs" / "img" if os.environ.get("TULA_WRITE_SCREENSHOTS") == "1" else None
+# Seconds, not minutes, per point: one warm-up and three timed iterations, capped at 0.3 s of sampling.
+FAST_PROFILING = {"time_cap_s": 0.3, "warmup_iters": 1, "timed_iters": 3, "grad_iters": 2, "grad_microbatches": 2,
+                  "measure_comm": False}  # fmt: skip
+
+
+class Api:
+    """httpx against the test server, with its token."""
+
+    def __init__(self, server: LiveServer, token: str):
+        self.url = server.url
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def get(self, path: str) -> dict:
+        response = httpx.get(self.url + path, headers=self.headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=30)
+
+    def wait(self, job_id: str, timeout_s: float = 180) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (job := self.get(f"/v1/jobs/{job_id}"))["state"] not in TERMINAL:
+            assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s} s"
+            time.sleep(0.3)
+        return job
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dashboard")
+    database_url = f"sqlite:///{folder / 'tula.db'}"
+    handmade_id = finished_job(store_for(database_url))
+    _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
+    live = LiveServer(folder / "tula.db", folder / "server.log").start()
+    live.api = Api(live, token)
+    live.token = token
+    live.handmade_id = handmade_id
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make chromium` installs Debian's chromium", pytrace=False)
+    with playwright_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Tab:
+    """A page in its own browser context, with the token saved, recording its requests and script errors."""
+
+    def __init__(self, browser, server: LiveServer, viewport: dict, token: str | None):
+        self.context = browser.new_context(viewport=viewport)
+        if token:
+            self.context.add_init_script(f"localStorage.setItem('tula.apiToken', {json.dumps(token)})")
+        self.page = self.context.new_page()
+        self.server = server
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.page.on("request", lambda request: self.requests.append(request.url))
+        self.page.on("pageerror", lambda error: self.errors.append(str(error)))
+        self.page.set_default_timeout(30_000)
+
+    def open(self, path: str):
+        self.page.goto(self.server.url + path)
+        return self.page
+
+    def plot_data(self, div_id: str) -> list[dict]:
+        self.page.wait_for_function(f"document.getElementById('{div_id}').data?.length > 0")
+        return self.page.evaluate(
+            f"""() => document.getElementById('{div_id}').data.map((trace) => ({{
+                name: trace.name, x: Array.from(trace.x || []), y: Array.from(trace.y || []),
+                customdata: trace.customdata ? Array.from(trace.customdata) : null}}))"""
+        )
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.errors, f"script errors on the page: {self.errors}"
+
+
+@pytest.fixture
+def tab(browser, server):
+    opened = Tab(browser, server, LAPTOP, server.token)
+    yield opened
+    opened.close()
+
+
+def trace(traces: list[dict], name: str) -> dict:
+    found = [t for t in traces if t["name"] == name or t["name"].startswith(name + " (")]
+    assert len(found) == 1, f"one trace named {name!r} expected, got {[t['name'] for t in traces]}"
+    return found[0]
+
+
+def wait_for_plan(page, kind: str) -> None:
+    page.wait_for_function(f"document.getElementById('job-result').dataset.plan === '{kind}'")
+
+
+# --- a job submitted through the form and profiled for real ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def profiled_job(browser, server):
+    """Submit small_cnn (batches 8, 16, 32; one node of 2 GPUs) through the form, then watch the job
+    page until the job ends. Returns (job id, what the progress bar showed over time)."""
+    tab = Tab(browser, server, LAPTOP, server.token)
+    page = tab.open("/jobs/new")
+    page.wait_for_selector("#job-form[data-ready='true']")
+    page.fill("input[name=job_name]", "dashboard-form")
+    page.select_option("select[name=model]", "small_cnn")
+    page.select_option("select[name=dataset_name]", "synthetic_images")
+    page.fill("input[name=num_samples]", "50000")
+    page.fill("input[name=batch_sizes]", "8, 16, 32")
+    page.fill("input[name=nodes]", "1")
+    page.fill("input[name=gpus_per_node]", "2")
+    page.fill("input[name=device_memory_gib]", "16")
+    page.fill("input[name=price]", "2.5")
+    page.fill("input[name=reference_batch]", "32")
+    page.fill("input[name=reference_epochs]", "10")
+    page.click("#advanced summary")
+    page.fill("textarea[name=advanced]", json.dumps({"profiling": FAST_PROFILING, "cluster": {"interconnect_gbps": 100}}))
+    page.click("#submit-job")
+    page.wait_for_url(lambda url: "/jobs/" in url and not url.endswith("/jobs/new"))
+    job_id = page.url.rsplit("/", 1)[1]
+    seen: list[tuple[int, int, str]] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        value, maximum, state = page.evaluate(
+            "() => [document.getElementById('job-progress').value, document.getElementById('job-progress').max,"
+            " document.getElementById('job-state').textContent]"
+        )
+        if state != "loading" and (not seen or seen[-1] != (value, maximum, state)):  # "loading": before the first answer
+            seen.append((int(value), int(maximum), state))
+        if state in TERMINAL:
+            break
+        time.sleep(0.25)
+    tab.close()
+    return job_id, seen
+
+
+def test_a_job_submitted_through_the_form_shows_its_progress_until_done(server, profiled_job):
+    job_id, seen = profiled_job
+    job = server.api.get(f"/v1/jobs/{job_id}")
+    assert job["name"] == "dashboard-form" and job["spec"]["batch_sizes"] == [8, 16, 32]
+    cluster = job["spec"]["cluster"]
+    assert (cluster["nodes"], cluster["gpus_per_node"], cluster["device_memory_gib"]) == (1, 2, 16)
+    assert cluster["interconnect_gbps"] == 100  # the advanced JSON was merged into the form's cluster
+    assert job["spec"]["profiling"]["time_cap_s"] == FAST_PROFILING["time_cap_s"]
+    assert job["state"] == "done", job["error"]
+    assert seen[-1] == (3, 3, "done")
+    assert any(value < maximum for value, maximum, _ in seen), f"the bar never showed a job in progress: {seen}"
+    values = [value for value, _, _ in seen]
+    assert values == sorted(values), f"progress went backwards: {seen}"
+
+
+def test_pareto_plot_has_one_marker_per_candidate_and_marks_the_knee(tab, server, profiled_job):
+    job_id, _ = profiled_job
+    rec = server.api.get(f"/v1/jobs/{job_id}/recommendation")
+    page = tab.open(f"/jobs/{job_id}")
+    traces = tab.plot_data("plot-pareto")
+    candidates = trace(traces, "candidates")
+    assert len(candidates["x"]) == len(rec["candidates"]) == 3 * 2 * 4  # batches x devices (1, 2) x accumulation
+    unit_s = page.evaluate("document.getElementById('plot-pareto').layout.meta.time_unit_s")
+    assert sorted(candidates["x"]) == pytest.approx(sorted(r["total_time_s"]["value"] / unit_s for r in rec["candidates"]))
+    knee = trace(traces, "knee")
+    knee_rows = [rec["candidates"][i] for i in rec["pareto_front"] if rec["candidates"][i]["global_batch"] == rec["knee"]["global_batch"]]
+    fastest = min(knee_rows, key=lambda r: r["total_time_s"]["value"])
+    assert knee["x"] == pytest.approx([fastest["total_time_s"]["value"] / unit_s])
+    assert knee["y"] == pytest.approx([fastest["cost_usd"]["value"]])
+    front = trace(traces, "Pareto front")
+    assert len(front["x"]) == len(rec["pareto_front"])
+    assert page.inner_text("#chosen-global-batch") == str(rec["chosen"]["global_batch"])
+    for div in ("plot-iter-time", "plot-throughput", "plot-memory", "plot-efficiency"):
+        names = [t["name"] for t in tab.plot_data(div)]
+        assert any(name.startswith("measured") or name.startswith("fitted") for name in names), (div, names)
+    if SCREENSHOTS:
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(SCREENSHOTS / "dashboard_job.png"), full_page=True)
+
+
+def test_what_if_with_twice_the_devices_replans_without_profiling_and_redraws(tab, server, profiled_job):
+    job_id, _ = profiled_job
+    page = tab.open(f"/jobs/{job_id}")
+    wait_for_plan(page, "stored")
+    before = trace(tab.plot_data("plot-pareto"), "candidates")
+    devices_before = max(row[2] for row in before["customdata"])
+    assert devices_before == 2
+    page.fill("#what-if-form input[name=devices]", str(2 * devices_before))
+    page.click("#what-if-submit")
+    wait_for_plan(page, "what-if")
+    after = trace(tab.plot_data("plot-pareto"), "candidates")
+    assert max(row[2] for row in after["customdata"]) == 2 * devices_before
+    replanned = server.api.post(f"/v1/jobs/{job_id}/plan", {"cluster": {"nodes": 2}}).json()
+    assert len(after["x"]) == len(replanned["candidates"]) > len(before["x"])
+    assert "devices 2 → 4" in page.inner_text("#recommendation-body")
+    assert page.inner_text("[data-copy-text='CLI command']").startswith(f"tula plan {job_id} --server {server.url} --nodes 2")
+    points = server.api.get(f"/v1/jobs/{job_id}")["points"]
+    assert [p["state"] for p in points] == ["done"] * 3 and all(p["attempts"] == 1 for p in points)  # no new profiling
+    page.click("#what-if-reset")
+    wait_for_plan(page, "stored")
+    assert len(trace(tab.plot_data("plot-pareto"), "candidates")["x"]) == len(before["x"])
+
+
+# --- forms and errors -----------------------------------------------------------------------------------
+
+
+def test_a_bad_form_value_shows_the_api_message_next_to_its_field(tab, server):
+    total_before = server.api.get("/v1/jobs?limit=1")["total"]
+    page = tab.open("/jobs/new")
+    page.wait_for_selector("#job-form[data-ready='true']")
+    page.fill("input[name=price]", "-1")
+    page.click("#submit-job")
+    price_error = page.locator("label[data-field='pricing.price'] [data-error-for='pricing.price']")
+    price_error.wait_for(state="visible")
+    assert price_error.inner_text() == "Input should be greater than 0"
+    assert page.locator("label[data-field='pricing.price'].has-error input[name=price]").count() == 1
+    assert page.locator(".field-error .message").count() == 1  # only the bad field is marked
+    assert page.url.endswith("/jobs/new")
+    assert server.api.get("/v1/jobs?limit=1")["total"] == total_before
+
+
+def test_what_if_errors_from_the_api_show_next_to_their_field(tab, server):
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    page.select_option("#what-if-form select[name=pricing_kind]", "node_hour")
+    page.fill("#what-if-form input[name=price]", "0")
+    page.click("#what-if-submit")
+    error = page.locator("#what-if-form [data-error-for='pricing.price']")
+    error.wait_for(state="visible")
+    assert error.inner_text() == "Input should be greater than 0"
+    assert page.evaluate("document.getElementById('job-result').dataset.plan") == "stored"
+
+
+def test_a_failed_job_shows_its_failing_points_and_their_errors(tab, server):
+    spec = {
+        "name": "dashboard-missing-folder", "model": "small_cnn",
+        "dataset": {"name": "image_folder", "path": "/nonexistent/tula-dashboard-test", "num_samples": 1000},
+        "batch_sizes": [8, 16], "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 16},
+        "pricing": {"kind": "gpu_hour", "price": 1.0}, "training": {"reference_batch": 16, "reference_epochs": 5},
+        "profiling": FAST_PROFILING,
+    }  # fmt: skip
+    response = server.api.post("/v1/jobs", spec)
+    assert response.status_code == 202, response.text
+    job = server.api.wait(response.json()["id"])
+    assert job["state"] == "failed"
+    failing = [p for p in job["points"] if p["state"] == "failed"]
+    assert len(failing) == 2 and all("/nonexistent/tula-dashboard-test" in p["error"] for p in failing)
+    page = tab.open(f"/jobs/{job['id']}")
+    page.wait_for_selector("#job-failure:not([hidden])")
+    assert page.inner_text("#job-error") == job["error"]
+    rows = page.locator("#failed-points tbody tr")
+    assert rows.count() == 2
+    for row, point in zip(rows.all(), failing):
+        assert row.locator("td").first.inner_text() == f"batch {point['batch_size']}"
+        assert row.locator(".point-error").inner_text() == point["error"]
+    assert page.locator("#job-result").is_hidden()
+
+
+# --- the pages themselves ---------------------------------------------------------------------------------
+
+
+def test_plotly_comes_from_the_installed_package_with_a_long_cache(server):
+    response = httpx.get(server.url + plotly_js_url(), timeout=30)
+    assert response.status_code == 200
+    assert response.content == plotly_js_path().read_bytes()
+    assert "immutable" in response.headers["cache-control"] and "max-age=31536000" in response.headers["cache-control"]
+    page = httpx.get(f"{server.url}/jobs/{server.handmade_id}", timeout=30)
+    assert page.status_code == 200 and f'src="{plotly_js_url()}"' in page.text
+    assert not re.search(r'(src|href)="(https?:)?//', page.text), "the page links something off this server"
+
+
+def test_pages_make_no_request_beyond_this_server(tab, server):
+    page = tab.open("/")
+    page.wait_for_selector(f"tr[data-job-id='{server.handmade_id}']")
+    tab.open("/jobs/new").wait_for_selector("#job-form[data-ready='true']")
+    tab.open(f"/jobs/{server.handmade_id}")
+    tab.plot_data("plot-pareto")
+    assert any(url.endswith(plotly_js_url()) for url in tab.requests)
+    assert any("/v1/jobs/" in url for url in tab.requests)
+    outside = [url for url in tab.requests if not url.startswith(server.url + "/") and not url.startswith("data:")]
+    assert not outside, f"requests beyond the server: {outside}"
+
+
+def test_jobs_page_lists_each_job_with_progress_and_the_recommended_batch(tab, server):
+    job = server.api.get(f"/v1/jobs/{server.handmade_id}")
+    page = tab.open("/")
+    row = page.locator(f"tr[data-job-id='{server.handmade_id}']")
+    row.wait_for()
+    cells = [cell.inner_text() for cell in row.locator("td").all()]
+    assert cells[:5] == ["handmade-done", "small_cnn", "synthetic_images", "1 × 1 16 GiB devices", "done"]
+    bar = row.locator("progress")
+    assert (bar.get_attribute("value"), bar.get_attribute("max")) == ("5", "5")
+    chosen = job["chosen"]
+    assert cells[6] == f"{chosen['global_batch']} = {chosen['device_batch']} × {chosen['devices']} × {chosen['accumulation']}"
+    if SCREENSHOTS:
+        bottom_px = page.evaluate("Math.ceil(document.querySelector('main').getBoundingClientRect().bottom)")
+        page.screenshot(path=str(SCREENSHOTS / "dashboard_jobs.png"), clip={"x": 0, "y": 0, "width": LAPTOP["width"], "height": bottom_px})
+
+
+def test_every_number_in_the_recommendation_card_says_where_it_came_from(tab, server):
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    values = page.locator("#recommendation-body .facts dd")
+    assert values.count() >= 12
+    allowed = {"measured", "fitted", "predicted", "assumed", "spec", "catalog-assumed"}
+    for value in values.all():
+        badges = value.locator(".source").all()
+        assert badges, f"no source on {value.inner_text()!r}"
+        assert all(badge.inner_text().split(" ")[0] in allowed for badge in badges)
+
+
+def test_phone_screens_get_no_horizontal_scrolling(browser, server):
+    tab = Tab(browser, server, PHONE, server.token)
+    try:
+        for path, ready in (("/", f"tr[data-job-id='{server.handmade_id}']"), ("/jobs/new", "#job-form[data-ready='true']"),
+                            (f"/jobs/{server.handmade_id}", "#job-result[data-plan='stored']")):  # fmt: skip
+            page = tab.open(path)
+            page.wait_for_selector(ready, state="attached")
+            page.wait_for_timeout(300)
+            scroll_width, inner_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+            assert scroll_width <= inner_width, f"{path}: {scroll_width} px of content in a {inner_width} px screen"
+    finally:
+        tab.close()
+
+
+def test_without_a_token_the_page_says_so_and_a_saved_token_loads_the_jobs(browser, server):
+    tab = Tab(browser, server, LAPTOP, token=None)
+    try:
+        page = tab.open("/")
+        banner = page.locator("#banner")
+        banner.wait_for(state="visible")
+        assert "This server needs an API token" in banner.inner_text()
+        assert page.locator("#token-box").get_attribute("open") is not None
+        page.fill("#token-input", server.token)
+        page.click("#token-form button[type=submit]")
+        page.locator(f"tr[data-job-id='{server.handmade_id}']").wait_for()
+        banner.wait_for(state="hidden")
+        assert page.evaluate("localStorage.getItem('tula.apiToken')") == server.token
+    finally:
+        tab.close()
+
+
+def test_copy_buttons_copy_the_json_and_the_cli_command(tab, server):
+    tab.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    page.click("#copy-json")
+    copied = json.loads(page.evaluate("navigator.clipboard.readText()"))
+    assert copied == server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")
+    page.click("#copy-cli")
+    assert page.evaluate("navigator.clipboard.readText()") == f"tula show {server.handmade_id} --server {server.url}"
+
+
+def test_the_ags_snippet_scales_the_update_when_variability_is_below_delta(tab, server):
+    torch = pytest.importorskip("torch")
+    rec = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    snippet = page.locator("[data-copy-text='Python (AGS)']").text_content()
+    namespace: dict = {}
+    exec(compile(snippet, "ags_snippet.py", "exec"), namespace)  # noqa: S102 - the snippet the page offers
+    ags_config = rec["training_advice"]["ags"]
+    assert (namespace["AGS_DELTA"], namespace["AGS_SCALE"]) == (ags_config["delta"]["value"], ags_config["s"]["value"])
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    ags = namespace["AdaptiveGradientScaling"](optimizer, delta=0.5, scale=2.0)
+    steps = []
+    for gradient in ([1.0, 0.0, 0.0], [1.1, 0.0, 0.0], [5.0, 0.0, 0.0]):  # variability: none yet, 0.1, 3.5
+        before = weight.detach().clone()
+        weight.grad = torch.tensor(gradient)
+        scaled = ags.step()
+        steps.append((scaled, float((before - weight.detach())[0])))
+    assert [scaled for scaled, _ in steps] == [False, True, False]
+    assert [moved for _, moved in steps] == pytest.approx([0.1, 2.0 * 0.1 * 1.1, 0.1 * 5.0])
+
+
+def test_fitted_curves_drawn_in_the_browser_match_the_python_models(tab, server):
+    rec = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")
+    spec = server.api.get(f"/v1/jobs/{server.handmade_id}")["spec"]
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    batches = [1, 3, 8, 20, 100, 1000]
+    shapes = rec["models"]["compute"]["selection"]["candidates"]
+    assert set(shapes) == set(COMPUTE_MODELS)
+    assumed = {"noise_scale": None}
+    drawn = page.evaluate(
+        """async ([models, training, shapes, assumed, batches]) => {
+            const curves = await import('/static/js/curves.js');
+            const compute = Object.fromEntries(Object.entries(shapes).map(([name, shape]) =>
+                [name, curves.computeTimeS({name, params: shape.params}, batches)]));
+            return {compute, memory: curves.memoryBytes(models.memory, batches),
+                    fitted_epochs: curves.epochs(models.efficiency, training, batches),
+                    assumed_epochs: curves.epochs(assumed, training, batches)};
+        }""",
+        [rec["models"], spec["training"], shapes, assumed, batches],
+    )
+    for name, shape in shapes.items():
+        model = COMPUTE_MODELS[name]()
+        for param, value in shape["params"].items():
+            setattr(model, param + "_", value)
+        assert drawn["compute"][name] == pytest.approx(model.predict(np.array(batches)).tolist(), rel=1e-12), name
+    memory = MemoryModel()
+    memory.static_bytes_ = rec["models"]["memory"]["static_bytes"]
+    memory.act_bytes_per_sample_ = rec["models"]["memory"]["act_bytes_per_sample"]
+    assert drawn["memory"] == pytest.approx(memory.predict(np.array(batches)).tolist(), rel=1e-12)
+    training = spec["training"]
+    noise_scale = rec["models"]["efficiency"]["noise_scale"]["value"]
+    fitted = EpochModel(training["reference_batch"], training["reference_epochs"], noise_scale)
+    assert drawn["fitted_epochs"] == pytest.approx(fitted.predict(np.array(batches)).tolist(), rel=1e-12)
+    plain = EpochModel(training["reference_batch"], training["reference_epochs"], None)
+    assert drawn["assumed_epochs"] == pytest.approx(plain.predict(np.array(batches)).tolist(), rel=1e-12)

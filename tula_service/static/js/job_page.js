@@ -1,0 +1,139 @@
+// Job page: live progress (GET /v1/jobs/{id} every second until the job ends), then the
+// recommendation, its plots and the what-if controls (POST /v1/jobs/{id}/plan).
+
+import { api } from "./api.js";
+import { clusterText } from "./format.js";
+import { clearErrors, showFieldError, showProblem } from "./forms.js";
+import { draw, efficiencyFigure, iterTimeFigure, memoryFigure, paretoFigure, throughputFigure } from "./plots.js";
+import { renderFailedPoints, renderPoints } from "./points.js";
+import { renderErrorTable, renderRecommendation, renderRunnerUps } from "./recommendation.js";
+import { FieldError, WHAT_IF_ALIASES, fillWhatIf, whatIfRequest } from "./whatif.js";
+
+const POLL_MS = 1000;
+const TERMINAL = new Set(["done", "failed", "cancelled"]);
+const $ = (id) => document.getElementById(id);
+const jobId = $("job-header").dataset.jobId;
+const whatIfForm = $("what-if-form");
+const page = { job: null, stored: null, gpus: [] };
+
+function renderHeader(job) {
+  $("job-title").replaceChildren(job.name || "Job", " ", Object.assign(document.createElement("code"), { textContent: job.id }));
+  document.title = `${job.name || job.id} · Tula`;
+  const state = $("job-state");
+  state.textContent = job.state;
+  state.className = `state state-${job.state}`;
+  const spec = job.spec;
+  $("job-summary").textContent = `${job.model} on ${job.dataset} (${spec.dataset.num_samples} samples per epoch) · `
+    + `cluster ${clusterText(spec.cluster)} · batch sizes ${spec.batch_sizes.join(", ")} · objective ${spec.objective}`;
+  const { points_done: done, points_total: total, points_failed: failed, points_retried: retried } = job.progress;
+  const bar = $("job-progress");
+  bar.max = Math.max(total, 1);
+  bar.value = done;
+  $("job-progress-text").textContent = `${done}/${total} points`
+    + (failed ? `, ${failed} failed` : "") + (retried ? `, ${retried} retried` : "");
+  $("job-step").textContent = job.progress.step;
+}
+
+function renderResult(rec, whatIf) {
+  const context = {
+    jobId,
+    whatIf: Boolean(whatIf),
+    whatIfBody: whatIf?.body ?? null,
+    whatIfText: whatIf ? whatIf.changes.join("; ") : "",
+  };
+  renderRecommendation($("recommendation-body"), rec, context);
+  renderErrorTable($("error-table"), rec);
+  renderRunnerUps($("runner-ups"), rec);
+  draw($("plot-pareto"), paretoFigure(rec));
+  draw($("plot-iter-time"), iterTimeFigure(rec));
+  draw($("plot-throughput"), throughputFigure(rec));
+  draw($("plot-memory"), memoryFigure(rec));
+  draw($("plot-efficiency"), efficiencyFigure(rec, page.job.spec));
+  $("efficiency-note").textContent = rec.models.efficiency.note;
+  $("job-result").dataset.plan = whatIf ? "what-if" : "stored";
+}
+
+async function showResult(job) {
+  const [rec, gpus] = await Promise.all([
+    api(`/v1/jobs/${encodeURIComponent(jobId)}/recommendation`),
+    api("/v1/catalog/gpus").then((listing) => listing.gpus, () => []),
+  ]);
+  page.stored = rec;
+  page.gpus = gpus;
+  $("job-result").hidden = false;
+  fillWhatIf(whatIfForm, job.spec, gpus);
+  renderResult(rec, null);
+}
+
+function showFailure(job) {
+  $("job-failure").hidden = false;
+  $("job-error").textContent = job.error || "the job failed without an error message";
+  renderFailedPoints($("failed-points"), job);
+}
+
+async function poll() {
+  let job;
+  try {
+    job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
+  } catch (error) {
+    $("job-step").textContent = error.status === 404 ? `No job ${jobId} on this server.` : `Could not load the job: ${error.message}`;
+    if (error.status !== 404) setTimeout(poll, error.status === 401 ? 5 * POLL_MS : POLL_MS);
+    return;
+  }
+  page.job = job;
+  renderHeader(job);
+  renderPoints($("points-table"), job);
+  if (!TERMINAL.has(job.state)) {
+    setTimeout(poll, POLL_MS);
+    return;
+  }
+  if (job.state === "failed") showFailure(job);
+  if (job.state === "done") {
+    try {
+      await showResult(job);
+    } catch (error) {
+      $("job-step").textContent = `Could not load the recommendation: ${error.message}`;
+    }
+  }
+}
+
+async function replan(event) {
+  event.preventDefault();
+  clearErrors(whatIfForm);
+  const status = $("what-if-status");
+  let request;
+  try {
+    request = whatIfRequest(whatIfForm, page.job.spec);
+  } catch (error) {
+    if (!(error instanceof FieldError)) throw error;
+    showFieldError(whatIfForm, error.field, error.message);
+    return;
+  }
+  if (!request.body) {
+    status.textContent = "Nothing changed: showing the stored plan.";
+    renderResult(page.stored, null);
+    return;
+  }
+  status.textContent = "Re-planning…";
+  $("what-if-submit").disabled = true;
+  try {
+    const rec = await api(`/v1/jobs/${encodeURIComponent(jobId)}/plan`, { method: "POST", body: request.body });
+    renderResult(rec, request);
+    status.textContent = `Re-planned: ${request.changes.join("; ")}.`;
+  } catch (error) {
+    status.textContent = "";
+    showProblem(whatIfForm, error, WHAT_IF_ALIASES);
+  } finally {
+    $("what-if-submit").disabled = false;
+  }
+}
+
+whatIfForm.addEventListener("submit", replan);
+$("what-if-reset").addEventListener("click", () => {
+  clearErrors(whatIfForm);
+  fillWhatIf(whatIfForm, page.job.spec, page.gpus);
+  $("what-if-status").textContent = "";
+  renderResult(page.stored, null);
+});
+window.addEventListener("tula:token-changed", () => { if (!page.job) poll(); });
+poll();

@@ -1,0 +1,24 @@
+// Profiling points: every point of a job, and the failing ones with their errors.
+
+import { el, replaceChildren, table } from "./dom.js";
+import { formatDuration } from "./format.js";
+
+function what(point) {
+  return point.kind === "comm" ? "all-reduce" : `batch ${point.batch_size}${point.kind === "search" ? " (max-batch search)" : ""}`;
+}
+
+export function renderPoints(node, job) {
+  replaceChildren(node, table(["point", "state", "attempts", "duration", "worker", "error"],
+    job.points.map((p) => [what(p), el("span", { class: `state state-${p.state}` }, p.state), String(p.attempts),
+      p.duration_s === null ? "–" : `${formatDuration(p.duration_s)} (measured)`, p.worker || "–",
+      p.error ? el("span", { class: "error-text" }, p.error) : ""])));
+}
+
+export function renderFailedPoints(node, job) {
+  const failing = job.points.filter((p) => p.state === "failed" || p.attempt_errors.length);
+  replaceChildren(node, table(["point", "state", "attempts", "error", "earlier attempts"],
+    failing.map((p) => [what(p), p.state, String(p.attempts),
+      el("pre", { class: "error-text point-error" }, p.error || "–"),
+      p.attempt_errors.length ? el("ol", {}, p.attempt_errors.map((e) => el("li", {}, e))) : "–"])));
+  node.dataset.rows = String(failing.length);
+}

@@ -1,0 +1,186 @@
+// The recommendation card, its copy buttons (JSON, CLI, Python for AGS), and the error and runner-up tables.
+
+import { el, replaceChildren, table } from "./dom.js";
+import { formatBytes, formatDuration, formatPercent, formatUsd, significant, sourceBadge, sourced } from "./format.js";
+
+const PRICE_UNIT = { gpu_hour: "per GPU-hour", node_hour: "per node-hour", memory_gb_hour: "per GiB-hour" };
+
+function item(label, value, why) {
+  return [el("dt", {}, label), el("dd", {}, value, why ? el("span", { class: "why" }, why) : null)];
+}
+
+function badged(text, source) {
+  return el("span", { class: "sourced" }, el("span", { class: "value" }, text), " ", sourceBadge(source));
+}
+
+function lrItem(lr) {
+  const value = [badged(`×${significant(lr.multiplier.value)} (${lr.recommended})`, lr.multiplier.source)];
+  if (lr.lr) value.push(" → LR ", sourced(lr.lr));
+  return item("Learning rate", value, lr.why);
+}
+
+function warmupItem(warmup) {
+  const text = warmup.steps ? `${significant(warmup.epochs)} epochs (${warmup.steps} steps), ${warmup.schedule}` : "none";
+  return item("Warm-up", badged(text, "assumed"), warmup.why);
+}
+
+function rampItem(ramp, efficiencySource) {
+  const text = ramp.stages.length > 1
+    ? ramp.stages.map((s) => `${s.global_batch} from ${formatPercent(s.from_epoch_fraction, 2)}`).join(" → ")
+    : `constant ${ramp.stages[0].global_batch}`;
+  return item("Batch ramp", badged(text, ramp.stages.length > 1 ? efficiencySource : "assumed"), ramp.why);
+}
+
+function agsItems(ags) {
+  return [
+    ...item("AGS δ (variability threshold)", sourced(ags.delta), ags.delta.why),
+    ...item("AGS s (update scale)", sourced(ags.s), ags.s.why),
+  ];
+}
+
+export function renderRecommendation(container, rec, context) {
+  const chosen = rec.chosen;
+  const lr = rec.training_advice.lr_rule;
+  const efficiency = rec.models.efficiency;
+  const how = rec.knee && rec.objective === "knee"
+    ? `the knee of the Pareto front (${rec.knee.method}, S = ${rec.knee.sensitivity})`
+    : `objective ${rec.objective}`;
+  const price = rec.pricing.price;
+  replaceChildren(container,
+    context.whatIf ? el("p", { class: "what-if-note" }, "What-if: ", context.whatIfText) : null,
+    rec.constraint ? el("p", { class: rec.constraint.met ? "ok-text" : "error-text" }, rec.constraint.message) : null,
+    el("p", { class: "headline" },
+      "Global batch ", el("strong", { id: "chosen-global-batch" }, String(chosen.global_batch)), " = ",
+      el("strong", {}, String(chosen.device_batch)), " per device × ",
+      el("strong", { id: "chosen-devices" }, String(chosen.devices)), ` device${chosen.devices === 1 ? "" : "s"} × `,
+      el("strong", {}, String(chosen.accumulation)), " accumulation"),
+    el("p", { class: "hint" }, `Chosen by ${how} from the predicted time and cost of ${rec.candidates.length} candidates.`),
+    el("dl", { class: "facts" },
+      item("Total time", sourced(chosen.total_time_s, formatDuration)),
+      item("Cost", sourced(chosen.cost_usd, formatUsd)),
+      item("Epochs", sourced(chosen.epochs)),
+      item("Iteration time", sourced(chosen.iter_time_s, formatDuration)),
+      item("Memory per device", [sourced(chosen.memory_bytes, formatBytes), " of ",
+        sourced(rec.device.memory_gib, (gib) => `${significant(gib)} GiB`)]),
+      item("Price", sourced(price, (usd) => `${formatUsd(usd)} ${PRICE_UNIT[rec.pricing.kind]}`)),
+      efficiency.noise_scale ? item("Noise scale", badged(`${significant(efficiency.noise_scale.value)} ± ${significant(efficiency.noise_scale.stderr)}`, "fitted")) : [],
+      lrItem(lr),
+      warmupItem(rec.training_advice.warmup),
+      rampItem(rec.training_advice.batch_ramp, efficiency.source === "fitted" ? "fitted" : "assumed"),
+      agsItems(rec.training_advice.ags)),
+    copyBlock("JSON", "copy-json", JSON.stringify(rec, null, 2), false),
+    copyBlock("CLI command", "copy-cli", cliCommand(context.jobId, context.whatIfBody, location.origin), true),
+    copyBlock("Python (AGS)", "copy-python", agsSnippet(rec, context.jobId), false),
+  );
+}
+
+function copyBlock(label, id, text, open) {
+  const button = el("button", { type: "button", class: "secondary copy", id, "data-copy": label },
+    `Copy ${label}`);
+  button.addEventListener("click", () => copyText(text).then(
+    () => { button.textContent = "Copied"; setTimeout(() => { button.textContent = `Copy ${label}`; }, 1500); },
+    (error) => { button.textContent = `Copy failed: ${error.message}`; }));
+  return el("details", { class: "copy-block", open },
+    el("summary", {}, label, " ", button),
+    el("pre", { class: "copy-text", "data-copy-text": label }, text));
+}
+
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = el("textarea", { class: "offscreen" }, text); // http on a LAN address: no Clipboard API
+  document.body.append(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  if (!ok) throw new Error("the browser refused");
+}
+
+function shellQuote(word) {
+  return /^[\w.:\/=-]+$/.test(word) ? word : `'${String(word).replaceAll("'", "'\\''")}'`;
+}
+
+// The `tula` command that prints what the page shows: `tula show` for the stored plan, `tula plan` for a what-if.
+export function cliCommand(jobId, whatIf, server) {
+  const words = ["tula", whatIf ? "plan" : "show", jobId, "--server", server];
+  if (whatIf) {
+    const cluster = whatIf.cluster || {};
+    const pricing = whatIf.pricing || {};
+    const flags = [["--nodes", cluster.nodes], ["--gpus-per-node", cluster.gpus_per_node], ["--gpu-type", cluster.gpu_type],
+      ["--pricing-kind", pricing.kind], ["--price", pricing.price], ["--objective", whatIf.objective],
+      ["--deadline", whatIf.deadline_h !== undefined ? `${whatIf.deadline_h}h` : undefined], ["--budget", whatIf.budget_usd]];
+    for (const [flag, value] of flags) if (value !== undefined && value !== null) words.push(flag, String(value));
+  }
+  return words.map(shellQuote).join(" ");
+}
+
+// A self-contained PyTorch snippet applying the AGS rule with this plan's delta and s.
+export function agsSnippet(rec, jobId) {
+  const { delta, s } = rec.training_advice.ags;
+  const lr = rec.training_advice.lr_rule;
+  const chosen = rec.chosen;
+  return `# AGS for Tula job ${jobId}: global batch ${chosen.global_batch} = ${chosen.device_batch} per device x ${chosen.devices} devices x ${chosen.accumulation} accumulation.
+# On each optimizer step: variability v = |n_t - n_t-1| / n_t-1 of the gradient L2 norm n; if v < delta,
+# the gradient (so the update) is scaled by s before the optimizer applies it.
+import math
+
+import torch
+
+AGS_DELTA = ${delta.value}  # ${delta.source}: ${delta.why}
+AGS_SCALE = ${s.value}  # ${s.source}: ${s.why}
+LR_MULTIPLIER = ${lr.multiplier.value}  # ${lr.multiplier.source}: ${lr.recommended} rule; multiply your reference LR by it
+
+
+class AdaptiveGradientScaling:
+    """Call ags.step() in place of optimizer.step(), after loss.backward() (and DDP's all-reduce)."""
+
+    def __init__(self, optimizer, delta=AGS_DELTA, scale=AGS_SCALE):
+        self.optimizer, self.delta, self.scale = optimizer, delta, scale
+        self.previous_norm = None
+
+    def gradients(self):
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def step(self):
+        grads = self.gradients()
+        norm = torch.linalg.vector_norm(torch.stack([g.detach().norm() for g in grads])).item() if grads else 0.0
+        scaled = False
+        if math.isfinite(norm):  # an fp16 overflow step gets no decision
+            previous, self.previous_norm = self.previous_norm, norm
+            scaled = previous is not None and abs(norm - previous) / max(previous, 1e-12) < self.delta
+            if scaled:
+                for grad in grads:
+                    grad.mul_(self.scale)
+        self.optimizer.step()
+        return scaled
+
+
+# optimizer = torch.optim.SGD(model.parameters(), lr=REFERENCE_LR * LR_MULTIPLIER, momentum=0.9)
+# ags = AdaptiveGradientScaling(optimizer)
+# for inputs, targets in loader:
+#     optimizer.zero_grad()
+#     loss_fn(model(inputs), targets).backward()
+#     ags.step()
+`;
+}
+
+export function renderErrorTable(node, rec) {
+  const memory = rec.models.memory;
+  const compute = rec.models.compute;
+  const row = (what, model, formula, loo, chosen) => [
+    what, el("span", { title: formula }, model, chosen ? "" : " (not chosen)"),
+    formatPercent(loo.median_rel_err, 2), formatPercent(loo.max_rel_err, 2), String(loo.points)];
+  const rows = [row("memory", "line", memory.formula, memory.leave_one_out, true),
+    row("iteration time", compute.name, compute.formula, compute.leave_one_out, true)];
+  for (const [name, shape] of Object.entries(compute.selection.candidates || {})) {
+    if (name !== compute.name && shape.eligible) rows.push(row("iteration time", name, shape.formula, shape.leave_one_out, false));
+  }
+  replaceChildren(node, table(["predicts", "model", "median error", "max error", "points"], rows));
+  node.dataset.rows = String(rows.length);
+}
+
+export function renderRunnerUps(node, rec) {
+  const signed = (pct) => `${pct > 0 ? "+" : ""}${significant(pct, 2)}%`;
+  replaceChildren(node, table(["global batch", "per device × devices × accumulation", "time", "cost", "Δ time", "Δ cost"],
+    rec.runner_ups.map((r) => [String(r.global_batch), `${r.device_batch} × ${r.devices} × ${r.accumulation}`,
+      formatDuration(r.total_time_s), formatUsd(r.cost_usd), signed(r.time_delta_pct), signed(r.cost_delta_pct)])));
+}
