@@ -403,16 +403,15 @@ def test_the_ags_snippet_scales_the_update_when_variability_is_below_delta(tab, 
     namespace: dict = {}
     exec(compile(snippet, "ags_snippet.py", "exec"), namespace)  # noqa: S102 - the snippet the page offers
     ags_config = rec["training_advice"]["ags"]
-    assert (namespace["AGS_DELTA"], namespace["AGS_SCALE"]) == (ags_config["delta"]["value"], ags_config["s"]["value"])
+    assert namespace["AGS_CONFIG"] == {"delta": ags_config["delta"]["value"], "s": ags_config["s"]["value"]}
     weight = torch.nn.Parameter(torch.zeros(3))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    ags = namespace["AdaptiveGradientScaling"](optimizer, delta=0.5, scale=2.0)
+    optimizer = namespace["AdaptiveGradientScaler"].wrap(torch.optim.SGD([weight], lr=0.1), {"delta": 0.5, "s": 2.0})
     steps = []
     for gradient in ([1.0, 0.0, 0.0], [1.1, 0.0, 0.0], [5.0, 0.0, 0.0]):  # variability: none yet, 0.1, 3.5
         before = weight.detach().clone()
         weight.grad = torch.tensor(gradient)
-        scaled = ags.step()
-        steps.append((scaled, float((before - weight.detach())[0])))
+        optimizer.step()
+        steps.append((optimizer.last_decision.scaled, float((before - weight.detach())[0])))
     assert [scaled for scaled, _ in steps] == [False, True, False]
     assert [moved for _, moved in steps] == pytest.approx([0.1, 2.0 * 0.1 * 1.1, 0.1 * 5.0])
 

@@ -113,53 +113,29 @@ export function cliCommand(jobId, whatIf, server) {
   return words.map(shellQuote).join(" ");
 }
 
-// A self-contained PyTorch snippet applying the AGS rule with this plan's delta and s.
+// A PyTorch snippet that applies this plan's AGS config with Tula's runtime (profiler/ags.py).
 export function agsSnippet(rec, jobId) {
   const { delta, s } = rec.training_advice.ags;
   const lr = rec.training_advice.lr_rule;
   const chosen = rec.chosen;
   return `# AGS for Tula job ${jobId}: global batch ${chosen.global_batch} = ${chosen.device_batch} per device x ${chosen.devices} devices x ${chosen.accumulation} accumulation.
 # On each optimizer step: variability v = |n_t - n_t-1| / n_t-1 of the gradient L2 norm n; if v < delta,
-# the gradient (so the update) is scaled by s before the optimizer applies it.
-import math
+# the gradients (so the update) are scaled by s before the optimizer applies them.
+from profiler.ags import AdaptiveGradientScaler  # Tula's runtime: pip install 'tula[worker]'
 
-import torch
-
-AGS_DELTA = ${delta.value}  # ${delta.source}: ${delta.why}
-AGS_SCALE = ${s.value}  # ${s.source}: ${s.why}
+AGS_CONFIG = {
+    "delta": ${delta.value},  # ${delta.source}: ${delta.why}
+    "s": ${s.value},  # ${s.source}: ${s.why}
+}
 LR_MULTIPLIER = ${lr.multiplier.value}  # ${lr.multiplier.source}: ${lr.recommended} rule; multiply your reference LR by it
 
-
-class AdaptiveGradientScaling:
-    """Call ags.step() in place of optimizer.step(), after loss.backward() (and DDP's all-reduce)."""
-
-    def __init__(self, optimizer, delta=AGS_DELTA, scale=AGS_SCALE):
-        self.optimizer, self.delta, self.scale = optimizer, delta, scale
-        self.previous_norm = None
-
-    def gradients(self):
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-    def step(self):
-        grads = self.gradients()
-        norm = torch.linalg.vector_norm(torch.stack([g.detach().norm() for g in grads])).item() if grads else 0.0
-        scaled = False
-        if math.isfinite(norm):  # an fp16 overflow step gets no decision
-            previous, self.previous_norm = self.previous_norm, norm
-            scaled = previous is not None and abs(norm - previous) / max(previous, 1e-12) < self.delta
-            if scaled:
-                for grad in grads:
-                    grad.mul_(self.scale)
-        self.optimizer.step()
-        return scaled
-
-
 # optimizer = torch.optim.SGD(model.parameters(), lr=REFERENCE_LR * LR_MULTIPLIER, momentum=0.9)
-# ags = AdaptiveGradientScaling(optimizer)
+# optimizer = AdaptiveGradientScaler.wrap(optimizer, AGS_CONFIG)   # step() decides and scales first
 # for inputs, targets in loader:
 #     optimizer.zero_grad()
 #     loss_fn(model(inputs), targets).backward()
-#     ags.step()
+#     optimizer.step()
+# optimizer.ags.metrics()["scaled_fraction"]   # for your logger
 `;
 }
 
