@@ -29,21 +29,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_server import api_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LIST_PAGE = 20
@@ -148,46 +147,6 @@ async def run_load(url: str, jobs: int, concurrency: int, readers: int) -> tuple
         )
         total_after = await total_jobs(client)
     return timings, sum(found), total_before, total_after
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def api_server(database_url: str | None, log_path: Path):
-    """`tula serve --executor none` on a free loopback port; yields its URL, stops it afterwards."""
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tula-api-load-") as folder:
-        url_of_db = database_url or f"sqlite:///{Path(folder) / 'tula.db'}"
-        command = [sys.executable, "-m", "tula_service", "serve", "--port", str(port),
-                   "--database-url", url_of_db, "--executor", "none"]  # fmt: skip
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not answer within 60 s:\n{log_path.read_text()}")
-                time.sleep(0.2)
-            yield url, url_of_db
-        finally:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def report(timings: Timings, jobs: int, persisted: int, total_growth: int, elapsed_s: float, database: str) -> int:

@@ -34,7 +34,6 @@ and minus the small batch's, in percentage points.)
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -52,7 +51,9 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from offline_data import data_shape, load_data  # noqa: E402
 from profiler.ags import AdaptiveGradientScaler  # noqa: E402
 from tula_service.advice import WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION, ags_config  # noqa: E402
 
@@ -119,38 +120,6 @@ class LARS(torch.optim.Optimizer):
                 velocity.mul_(group["momentum"]).add_(update, alpha=group["lr"] * local_lr)
                 param.sub_(velocity)
         return loss
-
-
-# -- data ------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=4)
-def load_data(dataset: str, train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
-    """Train and test tensors; fixed across seeds (the seed changes the initialization and the batch order)."""
-    if dataset == "mnist1d":
-        from models.datasets_bundled import generate_mnist1d
-
-        signals, labels = generate_mnist1d(train_samples + test_samples)  # shuffled, standardized, seed 42
-        inputs, targets = torch.from_numpy(signals), torch.from_numpy(labels)
-    elif dataset == "digits":
-        from models.datasets_bundled import Digits
-
-        digits = Digits()
-        order = torch.randperm(len(digits.labels), generator=torch.Generator().manual_seed(0))
-        inputs, targets = digits.images[order], digits.labels[order]
-    else:
-        raise KeyError(f"dataset '{dataset}' is not in this benchmark; known: {', '.join(WORKLOADS)}")
-    if train_samples + test_samples > len(targets):
-        raise ValueError(f"{dataset} has {len(targets)} samples, fewer than {train_samples} + {test_samples}")
-    return {
-        "train_x": inputs[:train_samples], "train_y": targets[:train_samples],
-        "test_x": inputs[train_samples : train_samples + test_samples],
-        "test_y": targets[train_samples : train_samples + test_samples],
-    }  # fmt: skip
-
-
-def data_shape(dataset: str) -> dict[str, int]:
-    return {"length": 40, "num_classes": 10} if dataset == "mnist1d" else {"in_channels": 1, "image_size": 8, "num_classes": 10}
 
 
 # -- one training run ----------------------------------------------------------------------------------
