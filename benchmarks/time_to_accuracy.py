@@ -20,7 +20,10 @@ The service's prediction: a real `tula serve` (local executor, SQLite file, OMP_
 the ground truth) profiles the same model and data at the partial grid and, as a second job, at the
 full grid, on the CPU, for a one-device cluster. Each job is given one reference run: reference_batch
 B_ref with the measured median epochs to the target at B_ref (and its tuned LR). The min-time plan comes
-with the job; the knee is asked for through POST /v1/jobs/{id}/plan.
+with the job; the knee is asked for through POST /v1/jobs/{id}/plan. Each job is also re-planned (POST /plan,
+no profiling) with training.max_lr = the largest LR that reached the target in the seed-0 LR sweep at any
+batch (what a user's LR sweep finds): the ceiling on LR that the noise-scale model does not know about.
+The pick is then trained with the plan's own LR and warm-up (training_advice) to check the advice itself.
 
 Reported per task: predicted vs measured epochs, step time and total time per batch (error, %); regret =
 measured time of the recommended batch / best measured time (target <= 1.10); speedup of the
@@ -320,8 +323,10 @@ def choice(recommendation: dict[str, Any]) -> dict[str, Any]:
 
 
 def service_predictions(
-    task: Task, reference: dict[str, Any], searches: dict[str, tuple[int, ...]], log_path: Path, time_cap_s: float | None = None
+    task: Task, reference: dict[str, Any], searches: dict[str, tuple[int, ...]], log_path: Path, time_cap_s: float | None = None,
+    max_lr: float | None = None,
 ) -> dict[str, Any]:
+    """Both jobs through a real server; each is re-planned (POST /plan, no profiling) with training.max_lr too."""
     from tula_service.client import TulaClient
 
     results = {}
@@ -334,6 +339,7 @@ def service_predictions(
                 raise RuntimeError(f"{search} job for {task.dataset} ended {job.state}: {job.error}")
             min_time = client.recommendation(job.id)
             knee = client.plan(job.id, {"objective": "knee"})
+            capped = client.plan(job.id, {"training": {"max_lr": max_lr}}) if max_lr else None
             records = [p.measurement for p in client.measurements(job.id).points if p.measurement]
             threads = {r.get("threads") for r in records if r.get("kind", "compute") == "compute"}
             efficiency = min_time["models"]["efficiency"]
@@ -347,6 +353,10 @@ def service_predictions(
                 "knee": choice(knee),
                 "knee_detail": knee.get("knee"),
                 "advice": advice(min_time),
+                "with_max_lr": {
+                    "max_lr": max_lr, "min_time": choice(capped), "predicted": single_device_rows(capped),
+                    "max_step_gain": capped["models"]["efficiency"]["max_step_gain"]["value"],
+                } if capped else None,  # fmt: skip
                 "predicted": single_device_rows(min_time),
                 "noise_scale": (efficiency.get("noise_scale") or {}).get("value"),
                 "noise_scale_stderr": (efficiency.get("noise_scale") or {}).get("stderr"),
@@ -390,7 +400,8 @@ def measured(truth: dict[int, dict], batch: int, key: str = "time_s") -> float:
 
 
 def recommended_batches(service: dict[str, Any]) -> set[int]:
-    return {service[s][o]["global_batch"] for s in service for o in ("min_time", "knee")}
+    picks = {service[s][o]["global_batch"] for s in service for o in ("min_time", "knee")}
+    return picks | {service[s]["with_max_lr"]["min_time"]["global_batch"] for s in service if service[s].get("with_max_lr")}
 
 
 def advice_check(advised: dict[str, Any] | None, truth: dict[int, dict], best_time_s: float) -> dict[str, Any] | None:
@@ -419,6 +430,10 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
                 value = predicted[key] if predicted else None
                 row[f"{search}_{key}"] = value
                 row[f"{search}_{key}_err_pct"] = error_pct(value, truth[batch][key]) if value and truth[batch][key] else None
+        capped = (service["full"].get("with_max_lr") or {}).get("predicted", {}).get(batch)
+        for key in ("time_s", "epochs"):
+            row[f"max_lr_{key}"] = capped[key] if capped else None
+            row[f"max_lr_{key}_err_pct"] = error_pct(capped[key], truth[batch][key]) if capped else None
         rows.append(row)
     picks = {}
     for search in service:
@@ -429,9 +444,17 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
                 "measured_time_s": measured(truth, batch), "regret": measured(truth, batch) / best_time,
                 "predicted_time_s": service[search][objective]["predicted_time_s"],
             }  # fmt: skip
+    if service["full"].get("with_max_lr"):
+        batch = service["full"]["with_max_lr"]["min_time"]["global_batch"]
+        picks["full_max_lr_min_time"] = {
+            "global_batch": batch, "accumulation": service["full"]["with_max_lr"]["min_time"]["accumulation"],
+            "measured_time_s": measured(truth, batch), "regret": measured(truth, batch) / best_time,
+            "predicted_time_s": service["full"]["with_max_lr"]["min_time"]["predicted_time_s"],
+        }  # fmt: skip
     largest = max(b for b in grid if b <= min(service["full"]["max_device_batch"], task.train_samples))
     headline = picks["full_min_time"]
     epoch_errors = [abs(r["full_epochs_err_pct"]) for r in rows if r["batch"] != task.reference_batch and r["full_epochs_err_pct"] is not None]
+    capped_errors = [abs(r["max_lr_epochs_err_pct"]) for r in rows if r["batch"] != task.reference_batch and r["max_lr_epochs_err_pct"] is not None]
     time_errors = [abs(r["full_time_s_err_pct"]) for r in rows if r["full_time_s_err_pct"] is not None]
     step_errors = [abs(r["full_step_s_err_pct"]) for r in rows if r["full_step_s_err_pct"] is not None]
     reference_noise = [p for p in truth[task.reference_batch]["runs"][0]["noise"]]
@@ -453,6 +476,9 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
             "true_time_ratio_partial_over_full": picks["partial_min_time"]["measured_time_s"] / picks["full_min_time"]["measured_time_s"],
         },  # fmt: skip
         "epochs_err_pct_median": float(np.median(epoch_errors)) if epoch_errors else None,
+        "epochs_err_pct_max": float(max(epoch_errors)) if epoch_errors else None,
+        "max_lr_epochs_err_pct_median": float(np.median(capped_errors)) if capped_errors else None,
+        "max_lr_epochs_err_pct_max": float(max(capped_errors)) if capped_errors else None,
         "time_err_pct_median": float(np.median(time_errors)) if time_errors else None,
         "step_err_pct_median": float(np.median(step_errors)) if step_errors else None,
         "noise_scale": {
@@ -479,8 +505,9 @@ def fmt(value: float | None, digits: int = 2, signed: bool = False) -> str:
 def task_table(task: Task, analysis: dict[str, Any]) -> str:
     """Markdown: per batch, measured (median of seeds) vs predicted (full search) time, epochs, step time."""
     lines = [
-        "| batch | LR | measured time (s) | predicted (s) | err % | measured epochs | predicted | err % | step ms measured | predicted | err % | partial: predicted time (s) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | LR | measured time (s) | predicted (s) | err % | measured epochs | predicted | err % | step ms measured | predicted | err % "
+        "| partial: predicted time (s) | with max_lr: epochs | err % |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     marks = {analysis["best"]["batch"]: " (best)"}
     for row in analysis["rows"]:
@@ -490,7 +517,7 @@ def task_table(task: Task, analysis: dict[str, Any]) -> str:
             f"| {label} | {row['measured_lr']:.4f} | {fmt(row['measured_time_s'])} | {fmt(row['full_time_s'])} | {fmt(row['full_time_s_err_pct'], 0, True)} "
             f"| {fmt(row['measured_epochs'])} | {fmt(row['full_epochs'])} | {fmt(row['full_epochs_err_pct'], 0, True)} "
             f"| {fmt(step_ms(row['measured_step_s']), 3)} | {fmt(step_ms(row['full_step_s']), 3)} | {fmt(row['full_step_s_err_pct'], 0, True)} "
-            f"| {fmt(row['partial_time_s'])} |"
+            f"| {fmt(row['partial_time_s'])} | {fmt(row.get('max_lr_epochs'))} | {fmt(row.get('max_lr_epochs_err_pct'), 0, True)} |"
         )  # fmt: skip
     return "\n".join(lines)
 
@@ -523,6 +550,20 @@ def advice_lines(results: dict[str, Any]) -> str:
                 f"- **{name}**: batch {a['batch']} with the plan's LR {a['lr']:.4f} ({a['lr_rule']}) and {a['warmup_epochs']:.2f} warm-up "
                 f"epochs: {fmt(a['time_s'])} s, {fmt(a['epochs'])} epochs ({a['reached_seeds']}/{a['seeds']} seeds reached); with the "
                 f"tuned LR {fmt(a['tuned_lr'], 4)}: {fmt(a['tuned_time_s'])} s; ratio {fmt(a['ratio_to_tuned'])}, regret {fmt(a['regret'])}"
+            )  # fmt: skip
+    return "\n".join(lines)
+
+
+def max_lr_lines(results: dict[str, Any]) -> str:
+    lines = []
+    for name, result in results["tasks"].items():
+        capped, a = result["service"]["full"].get("with_max_lr"), result["analysis"]
+        if capped:
+            pick = a["picks"]["full_max_lr_min_time"]
+            lines.append(
+                f"- **{name}**: max_lr {capped['max_lr']:.4f} (max_step_gain {capped['max_step_gain']:.2f}): min-time pick {pick['global_batch']} "
+                f"(regret {fmt(pick['regret'])}); epochs |error| median {fmt(a['max_lr_epochs_err_pct_median'], 1)}%, worst "
+                f"{fmt(a['max_lr_epochs_err_pct_max'], 1)}% (without: {fmt(a['epochs_err_pct_median'], 1)}%, worst {fmt(a['epochs_err_pct_max'], 1)}%)"
             )  # fmt: skip
     return "\n".join(lines)
 
@@ -624,7 +665,9 @@ def generated_markdown(results: dict[str, Any], out: Path) -> str:
             "",
             task_table(task, a),
         ]
-    parts += ["", "### Training the pick as the plan advises (LR rule and warm-up)", "", advice_lines(results),
+    parts += ["", "### Re-planned with training.max_lr (the largest LR that reached the target in the LR sweep)", "",
+              max_lr_lines(results),
+              "", "### Training the pick as the plan advises (LR rule and warm-up)", "", advice_lines(results),
               "", "### Gradient noise scale", "", noise_lines(results), "",
               f"![measured vs predicted time to accuracy]({out.relative_to(REPO / 'docs').as_posix()}/time_to_accuracy.png)"]  # fmt: skip
     return "\n".join(parts)
@@ -668,7 +711,8 @@ def run_task(
     if not reference["reached_seeds"]:
         raise RuntimeError(f"{task.dataset}: the reference batch {task.reference_batch} did not reach the target")
     searches = {"partial": task.partial_batches, "full": task.batches}
-    service = service_predictions(task, {"epochs": reference["epochs"], "lr": reference["lr"]}, searches, log_path, time_cap_s)
+    max_lr = max(run["lr"] for b in truth.values() for run in b["tuning"] if run["reached"])  # what an LR sweep finds
+    service = service_predictions(task, {"epochs": reference["epochs"], "lr": reference["lr"]}, searches, log_path, time_cap_s, max_lr)
     extra = sorted(b for b in recommended_batches(service) if b not in truth and b <= task.train_samples)
     if extra:  # a pick outside the grid (e.g. with accumulation) is measured too
         print(f"{task.dataset}: measuring recommended batches outside the grid: {extra}", file=sys.stderr, flush=True)
@@ -716,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     print(picks_table(results))
     for name, result in results["tasks"].items():
         print(f"\n{name}:\n" + task_table(Task(**result["task"]), result["analysis"]))
+    print("\n" + max_lr_lines(results))
     print("\n" + advice_lines(results))
     print("\n" + noise_lines(results))
     if out.resolve().is_relative_to((REPO / "docs").resolve()) and not args.quick:

@@ -84,3 +84,27 @@ def test_runner_ups_come_with_their_deltas():
     ups = rec["runner_ups"]
     assert len(ups) == 3
     assert all(u["time_delta_pct"] >= 0 for u in ups)  # min_time: nothing is faster than the chosen
+
+
+def test_lr_advice_never_exceeds_max_lr_and_says_so():
+    free = _plan(objective="min_time", training={"reference_batch": 8, "reference_lr": 0.1})["training_advice"]["lr_rule"]["lr"]
+    assert free["value"] > 0.15 and "capped_from" not in free  # the rule asks for more than 0.15 here
+    rec = _plan(objective="min_time", training={"reference_batch": 8, "reference_lr": 0.1, "max_lr": 0.15})
+    lr = rec["training_advice"]["lr_rule"]["lr"]
+    assert lr["value"] == 0.15 and lr["capped_from"] == pytest.approx(0.1 * rec["training_advice"]["lr_rule"]["multiplier"]["value"])
+    assert "max_lr" in lr["why"]
+
+
+def test_max_lr_makes_the_plan_expect_more_epochs_at_large_batches_and_reports_the_gain():
+    free = _plan(objective="min_time", training={"reference_lr": 0.1})
+    capped = _plan(objective="min_time", training={"reference_lr": 0.1, "max_lr": 0.2})
+    gain = capped["models"]["efficiency"]["max_step_gain"]
+    assert gain["value"] == pytest.approx(2.0) and gain["source"] == "spec"
+    assert free["models"]["efficiency"]["max_step_gain"] is None
+    by_batch = lambda rec: {r["global_batch"]: r["epochs"]["value"] for r in rec["candidates"] if r["devices"] == 1}  # noqa: E731
+    free_epochs, capped_epochs = by_batch(free), by_batch(capped)
+    assert capped_epochs[32] == pytest.approx(10.0) == free_epochs[32]  # the reference run: B_ref 32, 10 epochs
+    largest = max(capped_epochs)
+    assert capped_epochs[largest] == pytest.approx(10.0 * largest / (32 * 2.0))
+    assert capped_epochs[largest] > free_epochs[largest]
+    assert capped["chosen"]["global_batch"] <= free["chosen"]["global_batch"]

@@ -421,20 +421,22 @@ def test_fitted_curves_drawn_in_the_browser_match_the_python_models(tab, server)
     spec = server.api.get(f"/v1/jobs/{server.handmade_id}")["spec"]
     page = tab.open(f"/jobs/{server.handmade_id}")
     wait_for_plan(page, "stored")
-    batches = [1, 3, 8, 20, 100, 1000]
+    batches = [1, 3, 8, 20, 100, 1000, 100_000]
     shapes = rec["models"]["compute"]["selection"]["candidates"]
     assert set(shapes) == set(COMPUTE_MODELS)
     assumed = {"noise_scale": None}
+    capped = {**rec["models"]["efficiency"], "max_step_gain": {"value": 3.0, "source": "spec"}}  # as with training.max_lr
     drawn = page.evaluate(
-        """async ([models, training, shapes, assumed, batches]) => {
+        """async ([models, training, shapes, assumed, capped, batches]) => {
             const curves = await import('/static/js/curves.js');
             const compute = Object.fromEntries(Object.entries(shapes).map(([name, shape]) =>
                 [name, curves.computeTimeS({name, params: shape.params}, batches)]));
             return {compute, memory: curves.memoryBytes(models.memory, batches),
                     fitted_epochs: curves.epochs(models.efficiency, training, batches),
+                    capped_epochs: curves.epochs(capped, training, batches),
                     assumed_epochs: curves.epochs(assumed, training, batches)};
         }""",
-        [rec["models"], spec["training"], shapes, assumed, batches],
+        [rec["models"], spec["training"], shapes, assumed, capped, batches],
     )
     for name, shape in shapes.items():
         model = COMPUTE_MODELS[name]()
@@ -449,5 +451,8 @@ def test_fitted_curves_drawn_in_the_browser_match_the_python_models(tab, server)
     noise_scale = rec["models"]["efficiency"]["noise_scale"]["value"]
     fitted = EpochModel(training["reference_batch"], training["reference_epochs"], noise_scale)
     assert drawn["fitted_epochs"] == pytest.approx(fitted.predict(np.array(batches)).tolist(), rel=1e-12)
+    with_gain = EpochModel(training["reference_batch"], training["reference_epochs"], noise_scale, 3.0)
+    assert with_gain.predict(100_000) > fitted.predict(100_000)  # the floor is what decides there
+    assert drawn["capped_epochs"] == pytest.approx(with_gain.predict(np.array(batches)).tolist(), rel=1e-12)
     plain = EpochModel(training["reference_batch"], training["reference_epochs"], None)
     assert drawn["assumed_epochs"] == pytest.approx(plain.predict(np.array(batches)).tolist(), rel=1e-12)

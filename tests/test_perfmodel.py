@@ -68,6 +68,27 @@ def test_epoch_model_without_noise_scale_keeps_reference_steps_beyond_reference_
     assert list(EpochModel(32, 10, None).predict(np.array([8, 32, 128]))) == [10, 10, 40]
 
 
+def test_a_max_step_gain_floors_the_steps_at_reference_steps_over_the_gain():
+    # E_ref = 8 at B_ref = 32, B_noise = 800: E_min = 8 / 1.04; a step is worth at most 12 reference steps
+    epochs = EpochModel(32, 8.0, 800.0, max_step_gain=12.0)
+    free = EpochModel(32, 8.0, 800.0)
+    batches = np.array([32, 256, 4096])
+    floor = 8.0 * batches / (32 * 12.0)  # S_ref / 12 steps: 8 * 20000/32 / 12 steps of B samples, in epochs
+    assert list(epochs.predict(batches)) == pytest.approx(list(np.maximum(free.predict(batches), floor)))
+    assert epochs.predict(32) == pytest.approx(8.0)  # the reference run is still reproduced
+    assert epochs.predict(256) == pytest.approx(free.predict(256))  # the noise bound decides below the wall
+    assert epochs.predict(4096) == pytest.approx(8.0 * 128 / 12.0)
+    assert epochs.predict(4096) > free.predict(4096)
+    steps_ref, steps_4096 = 8.0 * 20_000 / 32, epochs.predict(4096) * 20_000 / 4096
+    assert steps_4096 == pytest.approx(steps_ref / 12.0)
+    with pytest.raises(ValueError, match="max_step_gain must be >= 1"):
+        EpochModel(32, 8.0, 800.0, max_step_gain=0.5)
+
+
+def test_without_a_noise_scale_a_max_step_gain_changes_nothing():
+    assert list(EpochModel(32, 10, None, max_step_gain=4.0).predict(np.array([8, 32, 128]))) == [10, 10, 40]
+
+
 def test_leave_one_out_is_zero_on_an_exact_line_and_positive_on_a_curve():
     assert max(leave_one_out_relative_errors(MemoryModel, BATCHES, 3 + 2 * BATCHES)) < 1e-9
     assert max(leave_one_out_relative_errors(MemoryModel, BATCHES, BATCHES**2)) > 0.1

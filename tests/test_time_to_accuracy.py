@@ -227,5 +227,7 @@ def test_quick_run_end_to_end_through_a_real_server(tmp_path, capsys):
     assert digits["service"]["full"]["profiler_threads"] == [1]  # OMP_NUM_THREADS=1 reached the profiling children
     assert digits["analysis"]["regret"] >= 1.0 and digits["analysis"]["advice"]["batch"] == digits["service"]["full"]["min_time"]["global_batch"]
     assert digits["reference"]["epochs"] == digits["truth"]["32"]["epochs"]
+    capped = digits["service"]["full"]["with_max_lr"]
+    assert capped["max_lr"] >= digits["reference"]["lr"] and capped["max_step_gain"] == capped["max_lr"] / digits["reference"]["lr"]
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
     assert (REPO / "docs" / "validation.md").read_text() == docs_before  # only the full run writes the docs

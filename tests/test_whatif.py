@@ -137,3 +137,15 @@ def test_what_if_endpoint_replans_a_finished_job(live_server):
     assert a100["chosen"]["iter_time_s"]["value"] > 0 and a100["what_if"] == switch
     unknown = httpx.post(f"{live_server.url}/v1/jobs/{job['id']}/plan", json={"cluster": {"gpu_type": "b200"}})
     assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "body.cluster.gpu_type"
+
+
+def test_what_if_a_new_reference_run_or_lr_ceiling_replans_without_profiling():
+    stored = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1})).model_dump(mode="json")
+    longer = replan(stored, POINTS, WhatIf(training={"reference_epochs": 20}))
+    base = replan(stored, POINTS, WhatIf())
+    assert longer["chosen"]["epochs"]["value"] == pytest.approx(2 * base["chosen"]["epochs"]["value"])
+    capped = replan(stored, POINTS, WhatIf(training={"max_lr": 0.2}))
+    assert capped["models"]["efficiency"]["max_step_gain"]["value"] == pytest.approx(2.0)
+    assert merged_spec(stored, WhatIf(training={"max_lr": 0.2})).training.reference_lr == 0.1  # merged, not replaced
+    with pytest.raises(ValueError, match="below reference_lr"):
+        replan(stored, POINTS, WhatIf(training={"max_lr": 0.01}))

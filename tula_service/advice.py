@@ -1,7 +1,7 @@
 """How to train at the chosen configuration: learning rate, warm-up, batch ramp, AGS, runner-ups.
 
-- LR rule for a batch k = B / B_ref times the reference: linear scaling for SGD (Goyal et al. 2017),
-  square root for Adam/AdamW, and the AdaScale gain (Johnson et al. 2020), from the measured noise:
+- LR rule for a batch k = B / B_ref times the reference, never above the spec's max_lr: linear scaling
+  for SGD (Goyal et al. 2017), square root for Adam/AdamW, and the AdaScale gain (Johnson et al. 2020), from the measured noise:
       r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2),  sigma^2 = tr(Sigma) / B_ref,
   which lies in [1, k]: near k when the gradient is noise-dominated, near 1 when it is not
   (Pollux/AdaptDL use it as is for SGD and its square root for Adam).
@@ -59,7 +59,11 @@ def lr_rule(spec, global_batch: int, noise: dict[str, Any] | None) -> dict[str, 
         ),
     }
     if spec.training.reference_lr:
-        result["lr"] = {"value": spec.training.reference_lr * factor, "reference_lr": spec.training.reference_lr, "source": "predicted"}
+        lr = spec.training.reference_lr * factor
+        result["lr"] = {"value": lr, "reference_lr": spec.training.reference_lr, "source": "predicted"}
+        max_lr = spec.training.max_lr
+        if max_lr is not None and lr > max_lr:
+            result["lr"].update(value=max_lr, capped_from=lr, why=f"the rule's {lr:.4g} is above training.max_lr: capped (spec)")
     return result
 
 

@@ -101,7 +101,8 @@ def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | N
         [g["iterations"] * g["batch"] for g in with_stats],
     ) if with_stats else None
     epochs = EpochModel(
-        spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None
+        spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None,
+        spec.training.max_step_gain,
     )
 
     report = {
@@ -143,9 +144,16 @@ def _efficiency_report(noise: NoiseScaleModel | None, epochs: EpochModel) -> dic
             "epochs constant up to the reference batch, and no fewer optimizer steps than the reference "
             "run beyond it",
         }
+    floor = epochs.max_step_gain is not None
     return {
-        "formula": "E(B) = E_min (1 + B / B_noise), E_min from the reference run",
+        "formula": "E(B) = E_min (1 + B / B_noise), E_min from the reference run"
+        + ("; never below E_ref B / (B_ref max_step_gain)" if floor else ""),
         "noise_scale": {"value": noise.noise_scale_, "stderr": noise.noise_scale_stderr_, "source": "fitted"},
+        "max_step_gain": {
+            "value": epochs.max_step_gain, "source": "spec",
+            "why": "training.max_lr / reference_lr (squared for Adam): the LR, and with it the progress per step, "
+            "cannot grow past max_lr, so a step is worth at most this many reference steps",
+        } if floor else None,  # fmt: skip
         "true_grad_sq_norm": noise.true_grad_sq_norm_,
         "trace_sigma": noise.trace_sigma_,
         "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},

@@ -208,7 +208,32 @@ class TrainingSpec(_Strict):
     reference_batch: PositiveInt = Field(description="global batch of the user's reference run")
     reference_epochs: float = Field(gt=0, description="epochs the reference run needs to reach its target")
     reference_lr: float | None = Field(None, gt=0, description="learning rate of the reference run")
+    max_lr: float | None = Field(
+        None, gt=0, description="the largest learning rate this model trains stably with (e.g. the edge of an LR "
+        "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
+    )
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+
+    @model_validator(mode="after")
+    def _max_lr_above_reference(self) -> TrainingSpec:
+        if self.max_lr is None:
+            return self
+        if self.reference_lr is None:
+            raise ValueError("max_lr needs reference_lr: the cap is the ratio max_lr / reference_lr")
+        if self.max_lr < self.reference_lr:
+            raise ValueError(f"max_lr ({self.max_lr:g}) is below reference_lr ({self.reference_lr:g}): the reference run trained stably at its LR")
+        return self
+
+    @property
+    def max_step_gain(self) -> float | None:
+        """The most reference-run steps one step at a larger batch can be worth: the LR can grow by at
+        most max_lr / reference_lr, and a step's progress grows with the LR multiplier r for SGD and
+        with sqrt(r) for Adam (the AdaScale rule of tula_service.advice), so the gain is that ratio for
+        SGD and its square for Adam/AdamW."""
+        if self.max_lr is None or self.reference_lr is None:
+            return None
+        ratio = self.max_lr / self.reference_lr
+        return ratio if self.optimizer == "sgd" else ratio**2
 
 
 class ProfilingSpec(_Strict):

@@ -1,4 +1,4 @@
-"""What-if: re-plan a job's stored measurements for another cluster, GPU type, pricing or objective.
+"""What-if: re-plan a job's stored measurements for another cluster, GPU type, pricing, objective or reference run.
 
 A pure function of (stored spec, stored measurements, overrides): no profiling, and with no
 overrides it reproduces the stored recommendation exactly.
@@ -36,6 +36,9 @@ class WhatIf(BaseModel):
         None, description="e.g. {'nodes': 4}, {'device_memory_gib': 40} or {'gpu_type': 'a100_40gb_sxm'}"
     )
     pricing: dict[str, Any] | None = Field(None, description="e.g. {'kind': 'node_hour', 'price': 20}")
+    training: dict[str, Any] | None = Field(
+        None, description="e.g. {'reference_epochs': 12} or {'reference_lr': 0.1, 'max_lr': 0.4}: another reference run or LR ceiling"
+    )
     objective: str | None = None
     deadline_h: float | None = None
     budget_usd: float | None = None
@@ -76,6 +79,7 @@ def merged_spec(stored_spec: dict[str, Any], what_if: WhatIf) -> JobSpec:
     gpu_changed = "gpu_type" in cluster_overrides and cluster_overrides["gpu_type"] != spec["cluster"].get("gpu_type")
     spec["cluster"] = _merged_cluster(spec["cluster"], cluster_overrides, gpu_changed)
     spec["pricing"] = _merged_pricing(spec["pricing"], pricing_overrides, gpu_changed)
+    spec["training"] = {**spec["training"], **(what_if.training or {})}
     for key in ("objective", "deadline_h", "budget_usd"):
         value = getattr(what_if, key)
         if value is not None:

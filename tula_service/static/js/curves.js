@@ -21,12 +21,17 @@ export function memoryBytes(memory, deviceBatches) {
   return deviceBatches.map((b) => memory.static_bytes + memory.act_bytes_per_sample * b);
 }
 
-// E(B) = E_min (1 + B / B_noise) with a fitted noise scale, else E_ref max(1, B / B_ref) (assumed)
+// E(B) = E_min (1 + B / B_noise) with a fitted noise scale, never below E_ref B / (B_ref g) when the spec
+// gives max_lr (g = max_step_gain), else E_ref max(1, B / B_ref) (assumed); perfmodel/efficiency.py
 export function epochs(efficiency, training, globalBatches) {
   if (efficiency.noise_scale) {
     const minEpochs = efficiency.min_epochs.value;
     const noiseScale = efficiency.noise_scale.value;
-    return globalBatches.map((B) => minEpochs * (1 + B / noiseScale));
+    const gain = efficiency.max_step_gain ? efficiency.max_step_gain.value : null;
+    return globalBatches.map((B) => {
+      const noiseBound = minEpochs * (1 + B / noiseScale);
+      return gain ? Math.max(noiseBound, (training.reference_epochs * B) / (training.reference_batch * gain)) : noiseBound;
+    });
   }
   return globalBatches.map((B) => training.reference_epochs * Math.max(1, B / training.reference_batch));
 }
