@@ -33,7 +33,8 @@ one measured during training, and the one the measured epochs imply (E(B) = E_mi
 least squares on log epochs).
 
 Run:  .venv/bin/python benchmarks/time_to_accuracy.py [--quick] [--tasks mnist1d digits] [--seeds 3] [--profile-time-cap-s S]
-          [--workers 1] [--out docs/validation]
+          [--workers 1] [--out docs/validation] [--render]
+(--render: no runs; re-analyze OUT/results.json and write the report again.)
 Out:  OUT/results.json, OUT/time_to_accuracy.png, and (unless --quick) the generated part of docs/validation.md.
 Last line:  time_to_accuracy: tasks=N regret=X speedup_vs_largest=Y speedup_vs_default=Z epochs_err_pct=E
 (X the worst min-time regret over tasks; Y, Z, E medians over tasks; E is each task's median |error| of
@@ -413,6 +414,7 @@ def advice_check(advised: dict[str, Any] | None, truth: dict[int, dict], best_ti
         **{key: advised[key] for key in ("batch", "lr", "lr_rule", "warmup_epochs", "time_s", "epochs", "reached_seeds", "seeds")},
         "tuned_lr": truth[advised["batch"]]["lr"] if advised["batch"] in truth else None,
         "tuned_time_s": tuned, "ratio_to_tuned": advised["time_s"] / tuned, "regret": advised["time_s"] / best_time_s,
+        "tuned_epochs": truth[advised["batch"]]["epochs"], "epochs_ratio_to_tuned": advised["epochs"] / truth[advised["batch"]]["epochs"],
     }  # fmt: skip
 
 
@@ -422,7 +424,7 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
     best_time = truth[best_batch]["time_s"]
     rows = []
     for batch in grid:
-        row = {"batch": batch, **{f"measured_{k}": truth[batch][k] for k in ("time_s", "epochs", "step_s", "lr")},
+        row = {"batch": batch, **{f"measured_{k}": truth[batch][k] for k in ("time_s", "epochs", "epochs_min", "epochs_max", "step_s", "lr")},
                "reached_seeds": truth[batch]["reached_seeds"], "seeds": truth[batch]["seeds"]}  # fmt: skip
         for search in service:
             predicted = service[search]["predicted"].get(batch)
@@ -455,6 +457,7 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
     headline = picks["full_min_time"]
     epoch_errors = [abs(r["full_epochs_err_pct"]) for r in rows if r["batch"] != task.reference_batch and r["full_epochs_err_pct"] is not None]
     capped_errors = [abs(r["max_lr_epochs_err_pct"]) for r in rows if r["batch"] != task.reference_batch and r["max_lr_epochs_err_pct"] is not None]
+    inside = lambda key: sum(r["measured_epochs_min"] <= r[key] <= r["measured_epochs_max"] for r in rows if r[key] is not None)  # noqa: E731
     time_errors = [abs(r["full_time_s_err_pct"]) for r in rows if r["full_time_s_err_pct"] is not None]
     step_errors = [abs(r["full_step_s_err_pct"]) for r in rows if r["full_step_s_err_pct"] is not None]
     reference_noise = [p for p in truth[task.reference_batch]["runs"][0]["noise"]]
@@ -479,6 +482,7 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
         "epochs_err_pct_max": float(max(epoch_errors)) if epoch_errors else None,
         "max_lr_epochs_err_pct_median": float(np.median(capped_errors)) if capped_errors else None,
         "max_lr_epochs_err_pct_max": float(max(capped_errors)) if capped_errors else None,
+        "epochs_inside_seed_range": {"full": inside("full_epochs"), "max_lr": inside("max_lr_epochs"), "batches": len(rows)},
         "time_err_pct_median": float(np.median(time_errors)) if time_errors else None,
         "step_err_pct_median": float(np.median(step_errors)) if step_errors else None,
         "noise_scale": {
@@ -502,12 +506,17 @@ def fmt(value: float | None, digits: int = 2, signed: bool = False) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
+def missed_as_infinite(value: float | None) -> float:
+    """A median or extreme over seeds is None in results.json where a seed missed the target."""
+    return math.inf if value is None else value
+
+
 def task_table(task: Task, analysis: dict[str, Any]) -> str:
     """Markdown: per batch, measured (median of seeds) vs predicted (full search) time, epochs, step time."""
     lines = [
-        "| batch | LR | measured time (s) | predicted (s) | err % | measured epochs | predicted | err % | step ms measured | predicted | err % "
-        "| partial: predicted time (s) | with max_lr: epochs | err % |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | LR | measured time (s) | predicted (s) | err % | measured epochs | seeds: min-max | predicted | err % | step ms measured "
+        "| predicted | err % | partial: predicted time (s) | with max_lr: epochs | err % |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     marks = {analysis["best"]["batch"]: " (best)"}
     for row in analysis["rows"]:
@@ -515,7 +524,8 @@ def task_table(task: Task, analysis: dict[str, Any]) -> str:
         step_ms = lambda v: None if v is None else 1000 * v  # noqa: E731
         lines.append(
             f"| {label} | {row['measured_lr']:.4f} | {fmt(row['measured_time_s'])} | {fmt(row['full_time_s'])} | {fmt(row['full_time_s_err_pct'], 0, True)} "
-            f"| {fmt(row['measured_epochs'])} | {fmt(row['full_epochs'])} | {fmt(row['full_epochs_err_pct'], 0, True)} "
+            f"| {fmt(row['measured_epochs'])} | {fmt(row['measured_epochs_min'])}-{fmt(missed_as_infinite(row['measured_epochs_max']))} "
+            f"| {fmt(row['full_epochs'])} | {fmt(row['full_epochs_err_pct'], 0, True)} "
             f"| {fmt(step_ms(row['measured_step_s']), 3)} | {fmt(step_ms(row['full_step_s']), 3)} | {fmt(row['full_step_s_err_pct'], 0, True)} "
             f"| {fmt(row['partial_time_s'])} | {fmt(row.get('max_lr_epochs'))} | {fmt(row.get('max_lr_epochs_err_pct'), 0, True)} |"
         )  # fmt: skip
@@ -549,7 +559,8 @@ def advice_lines(results: dict[str, Any]) -> str:
             lines.append(
                 f"- **{name}**: batch {a['batch']} with the plan's LR {a['lr']:.4f} ({a['lr_rule']}) and {a['warmup_epochs']:.2f} warm-up "
                 f"epochs: {fmt(a['time_s'])} s, {fmt(a['epochs'])} epochs ({a['reached_seeds']}/{a['seeds']} seeds reached); with the "
-                f"tuned LR {fmt(a['tuned_lr'], 4)}: {fmt(a['tuned_time_s'])} s; ratio {fmt(a['ratio_to_tuned'])}, regret {fmt(a['regret'])}"
+                f"tuned LR {fmt(a['tuned_lr'], 4)}: {fmt(a['tuned_time_s'])} s, {fmt(a['tuned_epochs'])} epochs; ratio: time "
+                f"{fmt(a['ratio_to_tuned'])}, epochs {fmt(a['epochs_ratio_to_tuned'])}; regret {fmt(a['regret'])}"
             )  # fmt: skip
     return "\n".join(lines)
 
@@ -653,7 +664,7 @@ def generated_markdown(results: dict[str, Any], out: Path) -> str:
         "### Predicted vs measured, per batch (full search)",
     ]
     for name, result in results["tasks"].items():
-        task = Task(**{k: tuple(v) if isinstance(v, list) else v for k, v in result["task"].items()})
+        task = task_from_json(result["task"])
         a = result["analysis"]
         parts += [
             "",
@@ -661,7 +672,9 @@ def generated_markdown(results: dict[str, Any], out: Path) -> str:
             f"{100 * task.target_acc:.0f}% test accuracy, reference run B_ref = {task.reference_batch}: "
             f"{result['reference']['epochs']:.2f} epochs at LR {result['reference']['lr']:.4f}. Median |error| over the grid: "
             f"epochs {fmt(a['epochs_err_pct_median'], 1)}% (B_ref excluded), step time {fmt(a['step_err_pct_median'], 1)}%, "
-            f"total time {fmt(a['time_err_pct_median'], 1)}%.",
+            f"total time {fmt(a['time_err_pct_median'], 1)}%. Predicted epochs inside the seeds' min-max: "
+            f"{a['epochs_inside_seed_range']['full']} of {a['epochs_inside_seed_range']['batches']} batches "
+            f"({a['epochs_inside_seed_range']['max_lr']} with max_lr).",
             "",
             task_table(task, a),
         ]
@@ -692,6 +705,42 @@ def plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def task_from_json(task: dict[str, Any]) -> Task:
+    return Task(**{k: tuple(v) if isinstance(v, list) else v for k, v in task.items()})
+
+
+MEDIANS_OVER_SEEDS = ("time_s", "time_s_min", "time_s_max", "epochs", "epochs_min", "epochs_max")
+
+
+def restored(result: dict[str, Any]) -> dict[str, Any]:
+    """One task of results.json as the analysis wants it: batch keys as ints, a missed target as infinity."""
+
+    def by_batch(rows: dict[str, Any]) -> dict[int, Any]:
+        return {int(b): row for b, row in rows.items()}
+
+    def infinite(summary: dict[str, Any]) -> dict[str, Any]:
+        return summary | {k: math.inf for k in MEDIANS_OVER_SEEDS if k in summary and summary[k] is None}
+
+    service = {}
+    for search, s in result["service"].items():
+        service[search] = s | {"predicted": by_batch(s["predicted"])}
+        if s.get("with_max_lr"):
+            service[search]["with_max_lr"] = s["with_max_lr"] | {"predicted": by_batch(s["with_max_lr"]["predicted"])}
+    truth = {b: infinite(row) for b, row in by_batch(result["truth"]).items()}
+    return result | {"truth": truth, "service": service, "advised": infinite(result["advised"]) if result.get("advised") else None}
+
+
+def render(out: Path) -> dict[str, Any]:
+    """Re-analyze OUT/results.json (no training, no server) and write the report again: for a change to the
+    analysis or the report without the 12-minute run."""
+    results = json.loads((out / "results.json").read_text())
+    for name, result in results["tasks"].items():
+        result = restored(result)
+        result["analysis"] = analyze(task_from_json(result["task"]), result["truth"], result["service"], result["advised"])
+        results["tasks"][name] = result
+    return plain(results)
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -730,19 +779,8 @@ def run_task(
     }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, no LR tuning, the partial grid plus B_ref")
-    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per batch (default 3; 1 with --quick)")
-    parser.add_argument("--workers", type=int, default=1, help="training processes (more than 1 shares the cores: timings inflate)")
-    parser.add_argument("--out", type=Path, default=None, help="default docs/validation (a temporary folder with --quick)")
-    parser.add_argument("--profile-time-cap-s", type=float, default=None, help="profiling.time_cap_s of the jobs (default: the service's)")
-    args = parser.parse_args(argv)
-    seeds = args.seeds or (1 if args.quick else 3)
-    multipliers = (1.0,) if args.quick else LR_MULTIPLIERS
-    out = args.out or (Path(tempfile.gettempdir()) / "tula-time-to-accuracy-quick" if args.quick else REPO / "docs" / "validation")
-    out.mkdir(parents=True, exist_ok=True)
+def measure(args: argparse.Namespace, seeds: int, multipliers: tuple[float, ...], argv: list[str] | None) -> dict[str, Any]:
+    """Every task: ground truth, the service's two jobs, the advised run, the analysis (JSON-safe)."""
     log_path = Path(tempfile.gettempdir()) / "tula-time-to-accuracy-server.log"
     started = time.perf_counter()
     results: dict[str, Any] = {
@@ -754,16 +792,33 @@ def main(argv: list[str] | None = None) -> int:
         task = quick_task(TASKS[name]) if args.quick else TASKS[name]
         results["tasks"][name] = run_task(task, seeds, multipliers, args.workers, log_path, args.profile_time_cap_s)
     results["wall_s"] = time.perf_counter() - started
-    results = plain(results)
+    return plain(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, no LR tuning, the partial grid plus B_ref")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per batch (default 3; 1 with --quick)")
+    parser.add_argument("--workers", type=int, default=1, help="training processes (more than 1 shares the cores: timings inflate)")
+    parser.add_argument("--out", type=Path, default=None, help="default docs/validation (a temporary folder with --quick)")
+    parser.add_argument("--profile-time-cap-s", type=float, default=None, help="profiling.time_cap_s of the jobs (default: the service's)")
+    parser.add_argument("--render", action="store_true", help="no runs: re-analyze OUT/results.json and write the report again")
+    args = parser.parse_args(argv)
+    seeds = args.seeds or (1 if args.quick else 3)
+    multipliers = (1.0,) if args.quick else LR_MULTIPLIERS
+    out = args.out or (Path(tempfile.gettempdir()) / "tula-time-to-accuracy-quick" if args.quick else REPO / "docs" / "validation")
+    out.mkdir(parents=True, exist_ok=True)
+    results = render(out) if args.render else measure(args, seeds, multipliers, argv)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "time_to_accuracy.png")
     print(picks_table(results))
     for name, result in results["tasks"].items():
-        print(f"\n{name}:\n" + task_table(Task(**result["task"]), result["analysis"]))
+        print(f"\n{name}:\n" + task_table(task_from_json(result["task"]), result["analysis"]))
     print("\n" + max_lr_lines(results))
     print("\n" + advice_lines(results))
     print("\n" + noise_lines(results))
-    if out.resolve().is_relative_to((REPO / "docs").resolve()) and not args.quick:
+    if out.resolve().is_relative_to((REPO / "docs").resolve()) and not results["quick"]:
         write_docs(generated_markdown(results, out), REPO / "docs" / "validation.md")
     print(summary_line(results))
     return 0

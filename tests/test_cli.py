@@ -185,6 +185,17 @@ def test_plan_on_another_gpu_type(done_job):
     assert "cluster.gpu_type - -> h100_sxm" in planned.stdout and "chosen: global batch" in planned.stdout
 
 
+def test_plan_with_another_reference_run_and_an_lr_ceiling(done_job):
+    server, job_id, _ = done_job
+    planned = tula("plan", job_id, "--reference-epochs", "20", "--reference-lr", "0.1", "--max-lr", "0.3", "--json", "--server", server.url)
+    assert planned.returncode == 0, planned.stderr
+    body = json.loads(planned.stdout)
+    assert body["what_if"] == {"training": {"reference_epochs": 20.0, "reference_lr": 0.1, "max_lr": 0.3}}
+    assert body["models"]["efficiency"]["max_step_gain"]["value"] == pytest.approx(3.0)
+    refused = tula("plan", job_id, "--max-lr", "0.3", "--server", server.url)  # the stored spec has no reference_lr
+    assert refused.returncode == 2 and "training" in refused.stderr and "needs reference_lr" in refused.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -160,6 +160,8 @@ def profiled_job(browser, server):
     page.fill("input[name=price]", "2.5")
     page.fill("input[name=reference_batch]", "32")
     page.fill("input[name=reference_epochs]", "10")
+    page.fill("input[name=reference_lr]", "0.05")
+    page.fill("input[name=max_lr]", "0.2")
     page.click("#advanced summary")
     page.fill("textarea[name=advanced]", json.dumps({"profiling": FAST_PROFILING, "cluster": {"interconnect_gbps": 100}}))
     page.click("#submit-job")
@@ -189,6 +191,7 @@ def test_a_job_submitted_through_the_form_shows_its_progress_until_done(server, 
     assert (cluster["nodes"], cluster["gpus_per_node"], cluster["device_memory_gib"]) == (1, 2, 16)
     assert cluster["interconnect_gbps"] == 100  # the advanced JSON was merged into the form's cluster
     assert job["spec"]["profiling"]["time_cap_s"] == FAST_PROFILING["time_cap_s"]
+    assert (job["spec"]["training"]["reference_lr"], job["spec"]["training"]["max_lr"]) == (0.05, 0.2)
     assert job["state"] == "done", job["error"]
     assert seen[-1] == (3, 3, "done")
     assert any(value < maximum for value, maximum, _ in seen), f"the bar never showed a job in progress: {seen}"

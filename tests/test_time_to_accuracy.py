@@ -139,10 +139,11 @@ def test_the_advice_read_from_a_plan_is_its_lr_and_warm_up():
 
 
 def test_advice_check_compares_the_advised_run_with_the_tuned_one_and_the_best():
-    truth = {64: {"time_s": 2.0, "lr": 0.05}, 128: {"time_s": 1.6, "lr": 0.07}}
+    truth = {64: {"time_s": 2.0, "lr": 0.05, "epochs": 5.0}, 128: {"time_s": 1.6, "lr": 0.07, "epochs": 6.0}}
     advised = {"batch": 64, "lr": 0.1, "lr_rule": "adascale", "warmup_epochs": 0.5, "time_s": 3.0, "epochs": 4.0, "reached_seeds": 3, "seeds": 3}
     check = tta.advice_check(advised, truth, best_time_s=1.6)
     assert check["ratio_to_tuned"] == 1.5 and check["regret"] == pytest.approx(3.0 / 1.6) and check["tuned_lr"] == 0.05
+    assert check["epochs_ratio_to_tuned"] == 0.8 and check["tuned_epochs"] == 5.0
     assert tta.advice_check(None, truth, 1.6) is None
 
 
@@ -150,7 +151,8 @@ def handmade_results() -> tuple[tta.Task, dict, dict]:
     task = replace(DIGITS, batches=(16, 32, 64, 128), partial_batches=(16, 128))
     measured_time = {16: 4.0, 32: 3.0, 64: 2.0, 128: 2.5}
     truth = {
-        b: {"time_s": t, "epochs": 2.0 + b / 64, "step_s": 0.001 * b, "lr": 0.02, "reached_seeds": 3, "seeds": 3,
+        b: {"time_s": t, "epochs": 2.0 + b / 64, "epochs_min": 0.8 * (2.0 + b / 64), "epochs_max": 1.25 * (2.0 + b / 64) if b < 128 else 1.1 * 4.0,
+            "step_s": 0.001 * b, "lr": 0.02, "reached_seeds": 3, "seeds": 3,
             "runs": [{"noise": [{"epoch": 0.0, "noise_scale": 90.0}, {"epoch": 3.0, "noise_scale": 150.0}]}]}
         for b, t in measured_time.items()
     }  # fmt: skip
@@ -179,6 +181,7 @@ def test_analyze_scores_regret_speedups_errors_and_partial_against_full():
     assert analysis["partial_vs_full"]["same_min_time_batch"] is False
     assert analysis["partial_vs_full"]["true_time_ratio_partial_over_full"] == 1.25
     assert analysis["epochs_err_pct_median"] == pytest.approx(20.0) and analysis["time_err_pct_median"] == pytest.approx(10.0)
+    assert analysis["epochs_inside_seed_range"] == {"full": 3, "max_lr": 0, "batches": 4}  # 128: 1.2 x 4 epochs > the seeds' 4.4
     assert analysis["noise_scale"]["training_at_target"] == 150.0 and analysis["noise_scale"]["profiler"]["full"] == 85.0
 
 
@@ -210,6 +213,18 @@ def test_write_docs_replaces_only_the_generated_block(tmp_path):
         tta.write_docs("x", path)
 
 
+def test_restored_reads_results_json_back_with_int_batches_and_missed_targets_as_infinity():
+    task, truth, service = handmade_results()
+    truth[128] |= {"time_s": math.inf, "epochs": math.inf, "epochs_min": 9.0, "epochs_max": math.inf}
+    service["full"]["with_max_lr"] = {"predicted": dict(service["full"]["predicted"]), "min_time": service["full"]["min_time"]}
+    stored = __import__("json").loads(__import__("json").dumps(tta.plain({"truth": truth, "service": service, "advised": None})))
+    assert stored["truth"]["128"]["time_s"] is None
+    back = tta.restored(stored)
+    assert back["truth"][128]["time_s"] == math.inf and back["truth"][128]["epochs_min"] == 9.0 and back["truth"][64]["time_s"] == 2.0
+    assert set(back["service"]["full"]["predicted"]) == set(back["service"]["full"]["with_max_lr"]["predicted"]) == {16, 32, 64, 128}
+    assert tta.analyze(task, back["truth"], back["service"])["best"] == {"batch": 64, "time_s": 2.0}
+
+
 def test_plain_makes_results_json_safe():
     assert tta.plain({1: [math.inf, 2.0, (3, -math.inf)]}) == {"1": [None, 2.0, [3, None]]}
 
@@ -231,3 +246,10 @@ def test_quick_run_end_to_end_through_a_real_server(tmp_path, capsys):
     assert capped["max_lr"] >= digits["reference"]["lr"] and capped["max_step_gain"] == capped["max_lr"] / digits["reference"]["lr"]
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 10_000
     assert (REPO / "docs" / "validation.md").read_text() == docs_before  # only the full run writes the docs
+
+    # --render re-analyzes results.json (string keys, null for a missed target) to the same report
+    assert tta.main(["--render", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == last
+    rendered = __import__("json").loads((tmp_path / "results.json").read_text())["tasks"]["digits"]
+    assert rendered["analysis"] == digits["analysis"] and rendered["truth"] == digits["truth"]
+    assert (REPO / "docs" / "validation.md").read_text() == docs_before

@@ -434,6 +434,8 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
         pricing["kind"] = args.pricing_kind
     if args.price is not None:
         pricing["price"] = args.price
+    training = {key: value for key, value in (("reference_epochs", args.reference_epochs), ("reference_lr", args.reference_lr),
+                                              ("max_lr", args.max_lr)) if value is not None}  # fmt: skip
 
     objective = args.objective
     if objective is None and (args.deadline_h is not None or args.budget is not None):
@@ -447,7 +449,7 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
 
     what_if: dict[str, Any] = {}
     changes: list[str] = []
-    for section, overrides in (("cluster", cluster), ("pricing", pricing)):
+    for section, overrides in (("cluster", cluster), ("pricing", pricing), ("training", training)):
         if overrides:
             what_if[section] = overrides
             changes += [f"{section}.{key} {_shown(spec[section].get(key))} -> {_shown(value)}" for key, value in overrides.items()]
@@ -569,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help='print {"job": ..., "recommendation": ...}')
     show.set_defaults(func=_show)
 
-    plan = sub.add_parser("plan", parents=[client_options], help="re-plan a done job for another cluster, price or objective")
+    plan = sub.add_parser("plan", parents=[client_options], help="re-plan a done job for another cluster, price, objective or reference run")
     plan.add_argument("job_id")
     plan.add_argument("--gpus", type=positive_int, help="total devices (nodes x the job's GPUs per node)")
     plan.add_argument("--nodes", type=positive_int)
@@ -581,6 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--objective", choices=OBJECTIVES)
     plan.add_argument("--deadline", dest="deadline_h", type=duration_h, metavar="DURATION", help="4h, 90m, 2.5h, 1d, 3600s; a number is hours")
     plan.add_argument("--budget", type=positive_float, help="USD")
+    plan.add_argument("--reference-epochs", type=positive_float, help="epochs the reference run needs (re-anchors E(B))")
+    plan.add_argument("--reference-lr", type=positive_float, help="learning rate of the reference run")
+    plan.add_argument("--max-lr", type=positive_float, help="largest learning rate the model trains stably with")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
 

@@ -126,6 +126,7 @@ function specFromForm() {
       reference_epochs: numberValue(field("reference_epochs")),
       optimizer: field("optimizer").value,
       reference_lr: numberValue(field("reference_lr")),
+      max_lr: numberValue(field("max_lr")),
     }),
   });
   const advanced = field("advanced").value.trim();
