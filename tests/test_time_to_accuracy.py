@@ -47,10 +47,13 @@ def test_a_run_that_cannot_reach_the_target_ends_after_max_epochs_with_whole_epo
     assert len(result["curve"]) >= 2 * tta.EVALS_PER_EPOCH - 2  # evaluated about EVALS_PER_EPOCH times an epoch
 
 
-def test_a_tuning_run_slower_than_the_best_so_far_is_pruned_at_its_first_evaluation():
-    result = tta.train_to_target({"task": asdict(replace(DIGITS, target_acc=1.01)), "batch": 64, "lr": 0.05, "seed": 0, "prune_after_s": 0.0})
-    assert result["outcome"] == "pruned"
-    assert result["steps"] == max(1, round(math.ceil(DIGITS.train_samples / 64) / tta.EVALS_PER_EPOCH))
+def test_a_tuning_run_that_took_as_many_steps_as_the_best_so_far_is_pruned_at_its_next_evaluation():
+    task = asdict(replace(DIGITS, target_acc=1.01))
+    result = tta.train_to_target({"task": task, "batch": 64, "lr": 0.05, "seed": 0, "prune_after_steps": 1})
+    eval_every = max(1, round(math.ceil(DIGITS.train_samples / 64) / tta.EVALS_PER_EPOCH))
+    assert result["outcome"] == "pruned" and result["steps"] == eval_every
+    result = tta.train_to_target({"task": task, "batch": 64, "lr": 0.05, "seed": 0, "prune_after_steps": 2 * eval_every + 1})
+    assert result["outcome"] == "pruned" and result["steps"] == 3 * eval_every
 
 
 def test_a_diverging_run_is_reported_as_such():
@@ -81,14 +84,16 @@ def test_seed_zero_at_the_reference_batch_records_the_noise_scale_along_the_way(
     assert result["noise"][-1]["at_target"] is result["reached"]
 
 
-def test_measure_batch_keeps_the_fastest_learning_rate_and_trains_the_other_seeds_at_it():
+def test_measure_batch_keeps_the_learning_rate_with_the_fewest_steps_and_trains_the_other_seeds_at_it():
     task = replace(DIGITS, target_acc=0.85)
-    result = tta.measure_batch({"task": asdict(task), "batch": 64, "seeds": 2, "lr_multipliers": (1.0, 4.0)})
+    result = tta.measure_batch({"task": asdict(task), "batch": 64, "seeds": 2, "lr_multipliers": (1.0, 4.0, 0.25)})
     reached = [r for r in result["tuning"] if r["reached"]]
-    fastest = min(reached, key=lambda r: r["train_s"])
+    fastest = min(reached, key=lambda r: r["steps"])  # the first of equals
     assert result["lr"] == fastest["lr"] and [r["seed"] for r in result["runs"]] == [0, 1]
+    assert all(r["steps"] >= fastest["steps"] for r in result["tuning"])  # the others were pruned or slower
+    assert any(r["outcome"] == "pruned" for r in result["tuning"])  # 0.25 x falls behind
     assert all(r["lr"] == fastest["lr"] for r in result["runs"])
-    assert result["time_s"] == pytest.approx(float(np.median([r["train_s"] if r["reached"] else math.inf for r in result["runs"]])))
+    assert result["wall_s"] == pytest.approx(float(np.median([r["train_s"] if r["reached"] else math.inf for r in result["runs"]])))
 
 
 def test_summarize_runs_counts_a_seed_that_missed_the_target_as_infinitely_slow():
@@ -98,8 +103,23 @@ def test_summarize_runs_counts_a_seed_that_missed_the_target_as_infinitely_slow(
         {"reached": True, "train_s": 3.0, "epochs": 5.0, "steps": 12, "step_s": 0.25, "lr": 0.1, "lr_multiplier": 1.0},
     ]
     summary = tta.summarize_runs(runs)
-    assert summary["time_s"] == 3.0 and summary["time_s_max"] == math.inf and summary["reached_seeds"] == 2
-    assert summary["epochs"] == 5.0 and summary["steps"] == 11.0
+    assert summary["wall_s"] == 3.0 and summary["wall_s_max"] == math.inf and summary["reached_seeds"] == 2
+    assert summary["epochs"] == 5.0 and summary["epochs_max"] == math.inf and summary["steps"] == 11.0
+
+
+def test_epochs_at_every_batch_are_timed_in_the_same_rounds():
+    timing = tta.epoch_seconds(DIGITS, [64, 256], rounds=3)
+    assert sorted(timing) == [64, 256]
+    for batch, measured in timing.items():
+        assert len(measured["rounds_s"]) == 3 and all(t > 0 for t in measured["rounds_s"])
+        assert measured["epoch_s"] == float(np.median(measured["rounds_s"]))
+
+
+def test_time_to_target_is_the_measured_epochs_times_the_epoch_time():
+    summary = {"batch": 64, "epochs": 4.0, "epochs_min": 3.0, "epochs_max": math.inf, "wall_s": 9.0}
+    result = tta.timed(summary, epoch_s=0.5, num_samples=1437)
+    assert (result["time_s"], result["time_s_min"], result["time_s_max"]) == (2.0, 1.5, math.inf)
+    assert result["step_s"] == pytest.approx(0.5 / 23) and result["wall_s"] == 9.0  # ceil(1437 / 64) = 23 steps an epoch
 
 
 def test_implied_noise_scale_recovers_the_epoch_model_it_was_made_from():
@@ -121,12 +141,12 @@ def recommendation_for(batches: list[int]) -> dict:
 
 def test_single_device_rows_and_the_choice_come_from_a_real_plan():
     recommendation = recommendation_for([16, 64, 256])
-    rows = tta.single_device_rows(recommendation)
+    rows = tta.single_device_rows(recommendation, 50_000)
     assert sorted(rows) == [16, 32, 64, 128, 256]
     for batch, row in rows.items():
         model = recommendation["models"]["efficiency"]
         assert row["epochs"] == pytest.approx(model["min_epochs"]["value"] * (1 + batch / model["noise_scale"]["value"]))
-        assert row["time_s"] == pytest.approx(row["epochs"] * math.ceil(50_000 / batch) * row["step_s"])
+        assert row["time_s"] == pytest.approx(row["epochs"] * math.ceil(50_000 / batch) * row["step_s"])  # step_s: the mean step
     pick = tta.choice(recommendation)
     assert pick["global_batch"] == recommendation["chosen"]["global_batch"] and pick["devices"] == 1
 
@@ -151,7 +171,7 @@ def handmade_results() -> tuple[tta.Task, dict, dict]:
     task = replace(DIGITS, batches=(16, 32, 64, 128), partial_batches=(16, 128))
     measured_time = {16: 4.0, 32: 3.0, 64: 2.0, 128: 2.5}
     truth = {
-        b: {"time_s": t, "epochs": 2.0 + b / 64, "epochs_min": 0.8 * (2.0 + b / 64), "epochs_max": 1.25 * (2.0 + b / 64) if b < 128 else 1.1 * 4.0,
+        b: {"time_s": t, "time_s_min": 0.9 * t, "time_s_max": 1.2 * t, "wall_s": 1.1 * t, "epochs": 2.0 + b / 64, "epochs_min": 0.8 * (2.0 + b / 64), "epochs_max": 1.25 * (2.0 + b / 64) if b < 128 else 1.1 * 4.0,
             "step_s": 0.001 * b, "lr": 0.02, "reached_seeds": 3, "seeds": 3,
             "runs": [{"noise": [{"epoch": 0.0, "noise_scale": 90.0}, {"epoch": 3.0, "noise_scale": 150.0}]}]}
         for b, t in measured_time.items()
@@ -179,6 +199,7 @@ def test_analyze_scores_regret_speedups_errors_and_partial_against_full():
     assert analysis["habits"]["largest"] == {"batch": 128, "time_s": 2.5, "speedup": 1.25}
     assert analysis["habits"]["default"]["speedup"] == 1.5
     assert analysis["partial_vs_full"]["same_min_time_batch"] is False
+    assert analysis["on_wall_time"] == {"best_batch": 64, "regret": 1.0, "speedup_vs_largest": 1.25, "speedup_vs_default": 1.5}
     assert analysis["partial_vs_full"]["true_time_ratio_partial_over_full"] == 1.25
     assert analysis["epochs_err_pct_median"] == pytest.approx(20.0) and analysis["time_err_pct_median"] == pytest.approx(10.0)
     assert analysis["epochs_inside_seed_range"] == {"full": 3, "max_lr": 0, "batches": 4}  # 128: 1.2 x 4 epochs > the seeds' 4.4
@@ -237,6 +258,7 @@ def test_quick_run_end_to_end_through_a_real_server(tmp_path, capsys):
     assert re.fullmatch(r"time_to_accuracy: tasks=1 regret=[\d.]+ speedup_vs_largest=[\d.]+ speedup_vs_default=[\d.]+ epochs_err_pct=[\d.]+", last)
     results = __import__("json").loads((tmp_path / "results.json").read_text())
     digits = results["tasks"]["digits"]
+    assert digits["seeds"] == 1 and results["tasks"]["digits"]["truth"]["32"]["seeds"] == 1
     assert sorted(int(b) for b in digits["truth"]) == sorted(set(tta.quick_task(tta.TASKS["digits"]).batches) | {digits["advised"]["batch"]})
     assert digits["service"]["partial"]["batches"] == list(tta.TASKS["digits"].partial_batches)
     assert digits["service"]["full"]["profiler_threads"] == [1]  # OMP_NUM_THREADS=1 reached the profiling children

@@ -4,8 +4,10 @@ Per candidate (per-device batch b, devices n, accumulation steps a; global batch
 
     T_iter  = (T_comp(b)^g + T_net(n)^g)^(1/g)   (overlap; g = 1 is no overlap, the conservative default)
     T_step  = (a - 1) T_comp(b) + T_iter          (design.md; AdaptDL's goodput model)
-    steps   = ceil(D / B) per epoch
-    time    = E(B) * steps * T_step
+    epoch   = floor(D / B) T_step + T_last        (a loader without drop_last: the last step holds r = D mod B)
+    T_last  = (k - 1) T_comp(b) + (T_comp(l)^g + T_net(n)^g)^(1/g)  when r > 0 (else 0), where each device
+              gets ceil(r / n) samples in k = ceil(ceil(r / n) / b) micro-batches, the last of l samples
+    time    = E(B) * epoch
     cost    = overhead + time_h * price * { n                (gpu_hour)
                                           { ceil(n / gpus_per_node)   (node_hour: whole nodes are rented)
                                           { n * M(b) / GiB   (memory_gb_hour: memory actually used)
@@ -78,6 +80,27 @@ def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, memory_
     return inputs.fixed_overhead_usd + hours * billed * inputs.price
 
 
+def epoch_seconds(
+    models: FittedModels, num_samples: int, b: np.ndarray, n: np.ndarray, a: np.ndarray, step_time_s: np.ndarray
+) -> np.ndarray:
+    """Seconds per epoch of D samples at per-device batch b, n devices, a accumulation steps (formula above).
+
+    The last step of an epoch holds the r = D mod B samples left over, as a DataLoader (or DistributedSampler)
+    without drop_last delivers them; counting it as a full step, ceil(D / B) T_step, overstates an epoch
+    by up to 2x once B nears D (docs/validation.md: digits, B = 1024 of D = 1437 samples, +43%).
+    """
+    global_batch = b * n * a
+    full_steps = np.floor(num_samples / global_batch)
+    left_over = num_samples - full_steps * global_batch
+    per_device = np.ceil(left_over / n)
+    micro_steps = np.maximum(1.0, np.ceil(per_device / b))
+    last_micro = np.maximum(1.0, per_device - (micro_steps - 1) * b)
+    last_step_s = (micro_steps - 1) * models.compute.predict(b) + models.overlap.combine(
+        models.compute.predict(last_micro), models.network.predict(n)
+    )
+    return full_steps * step_time_s + np.where(left_over > 0, last_step_s, 0.0)
+
+
 def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
     max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
     batches = inputs.device_batches[inputs.device_batches <= max_batch]
@@ -91,9 +114,8 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
     compute_s = models.compute.predict(b)
     iter_time_s = models.overlap.combine(compute_s, models.network.predict(n))
     step_time_s = (a - 1) * compute_s + iter_time_s
-    steps_per_epoch = np.ceil(inputs.num_samples / global_batch)
     epochs = models.epochs.predict(global_batch)
-    epoch_time_s = steps_per_epoch * step_time_s
+    epoch_time_s = epoch_seconds(models, inputs.num_samples, b, n, a, step_time_s)
     total_time_s = epochs * epoch_time_s
     return {
         "device_batch": b,
