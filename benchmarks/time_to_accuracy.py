@@ -275,7 +275,7 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def epoch_seconds(task: Task, batches: list[int], rounds: int) -> dict[int, dict[str, Any]]:
+def epoch_seconds_in_rounds(task: Task, batches: list[int], rounds: int) -> dict[int, dict[str, Any]]:
     """Seconds per training epoch at each batch, all timed in the same rounds (see the module docstring).
 
     A round trains one epoch at every batch, the order rotating by one each round; the step loop is the
@@ -322,7 +322,7 @@ def ground_truth(task: Task, batches: list[int], seeds: int, lr_multipliers: tup
             results = list(pool.map(measure_batch, jobs))
     else:
         results = [measure_batch(job) for job in jobs]
-    timing = epoch_seconds(task, sorted(batches), EPOCH_TIMING_ROUNDS)
+    timing = epoch_seconds_in_rounds(task, sorted(batches), EPOCH_TIMING_ROUNDS)
     results = [timed(r, timing[r["batch"]]["epoch_s"], task.train_samples) | {"epoch_rounds_s": timing[r["batch"]]["rounds_s"]} for r in results]
     for result in sorted(results, key=lambda r: r["batch"]):
         print(f"  {task.dataset:8s} B={result['batch']:<5d} lr={result['lr']:.4f} time={result['time_s']:.2f}s (in-run wall "

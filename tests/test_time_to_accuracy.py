@@ -108,7 +108,7 @@ def test_summarize_runs_counts_a_seed_that_missed_the_target_as_infinitely_slow(
 
 
 def test_epochs_at_every_batch_are_timed_in_the_same_rounds():
-    timing = tta.epoch_seconds(DIGITS, [64, 256], rounds=3)
+    timing = tta.epoch_seconds_in_rounds(DIGITS, [64, 256], rounds=3)
     assert sorted(timing) == [64, 256]
     for batch, measured in timing.items():
         assert len(measured["rounds_s"]) == 3 and all(t > 0 for t in measured["rounds_s"])
