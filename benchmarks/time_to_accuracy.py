@@ -509,22 +509,14 @@ def analyze(task: Task, truth: dict[int, dict], service: dict[str, Any], advised
             row[f"max_lr_{key}"] = capped[key] if capped else None
             row[f"max_lr_{key}_err_pct"] = error_pct(capped[key], truth[batch][key]) if capped else None
         rows.append(row)
-    picks = {}
-    for search in service:
-        for objective in ("min_time", "knee"):
-            batch = service[search][objective]["global_batch"]
-            picks[f"{search}_{objective}"] = {
-                "global_batch": batch, "accumulation": service[search][objective]["accumulation"],
-                "measured_time_s": measured(truth, batch), "regret": measured(truth, batch) / best_time,
-                "predicted_time_s": service[search][objective]["predicted_time_s"],
-            }  # fmt: skip
+    def scored(pick: dict[str, Any]) -> dict[str, Any]:
+        batch = pick["global_batch"]
+        return {"global_batch": batch, "accumulation": pick["accumulation"], "measured_time_s": measured(truth, batch),
+                "regret": measured(truth, batch) / best_time, "predicted_time_s": pick["predicted_time_s"]}  # fmt: skip
+
+    picks = {f"{search}_{objective}": scored(service[search][objective]) for search in service for objective in ("min_time", "knee")}
     if service["full"].get("with_max_lr"):
-        batch = service["full"]["with_max_lr"]["min_time"]["global_batch"]
-        picks["full_max_lr_min_time"] = {
-            "global_batch": batch, "accumulation": service["full"]["with_max_lr"]["min_time"]["accumulation"],
-            "measured_time_s": measured(truth, batch), "regret": measured(truth, batch) / best_time,
-            "predicted_time_s": service["full"]["with_max_lr"]["min_time"]["predicted_time_s"],
-        }  # fmt: skip
+        picks["full_max_lr_min_time"] = scored(service["full"]["with_max_lr"]["min_time"])
     largest = max(b for b in grid if b <= min(service["full"]["max_device_batch"], task.train_samples))
     headline = picks["full_min_time"]
     epoch_errors = [abs(r["full_epochs_err_pct"]) for r in rows if r["batch"] != task.reference_batch and r["full_epochs_err_pct"] is not None]

@@ -81,9 +81,10 @@ def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, memory_
 
 
 def epoch_seconds(
-    models: FittedModels, num_samples: int, b: np.ndarray, n: np.ndarray, a: np.ndarray, step_time_s: np.ndarray
+    models: FittedModels, num_samples: int, b: np.ndarray, n: np.ndarray, a: np.ndarray, compute_s: np.ndarray, step_time_s: np.ndarray
 ) -> np.ndarray:
-    """Seconds per epoch of D samples at per-device batch b, n devices, a accumulation steps (formula above).
+    """Seconds per epoch of D samples at per-device batch b, n devices, a accumulation steps (formula above);
+    compute_s = T_comp(b) and step_time_s = T_step as the sweep computed them.
 
     The last step of an epoch holds the r = D mod B samples left over, as a DataLoader (or DistributedSampler)
     without drop_last delivers them; counting it as a full step, ceil(D / B) T_step, overstates an epoch
@@ -95,7 +96,7 @@ def epoch_seconds(
     per_device = np.ceil(left_over / n)
     micro_steps = np.maximum(1.0, np.ceil(per_device / b))
     last_micro = np.maximum(1.0, per_device - (micro_steps - 1) * b)
-    last_step_s = (micro_steps - 1) * models.compute.predict(b) + models.overlap.combine(
+    last_step_s = (micro_steps - 1) * compute_s + models.overlap.combine(
         models.compute.predict(last_micro), models.network.predict(n)
     )
     return full_steps * step_time_s + np.where(left_over > 0, last_step_s, 0.0)
@@ -115,7 +116,7 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
     iter_time_s = models.overlap.combine(compute_s, models.network.predict(n))
     step_time_s = (a - 1) * compute_s + iter_time_s
     epochs = models.epochs.predict(global_batch)
-    epoch_time_s = epoch_seconds(models, inputs.num_samples, b, n, a, step_time_s)
+    epoch_time_s = epoch_seconds(models, inputs.num_samples, b, n, a, compute_s, step_time_s)
     total_time_s = epochs * epoch_time_s
     return {
         "device_batch": b,
