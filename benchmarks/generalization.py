@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from offline_data import data_shape, load_data  # noqa: E402
 from profiler.ags import AdaptiveGradientScaler  # noqa: E402
 from tula_service.advice import WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION, ags_config  # noqa: E402
+from tula_service.recommend import measured_variability, usable_measurements  # noqa: E402
 
 SMALL_BATCH = 32
 MOMENTUM = 0.9
@@ -233,8 +234,8 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
     measurements = [profile_point(point_request(spec, batch)) for batch in spec.batch_sizes]
     recommendation = plan(spec, measurements)
     efficiency = recommendation["models"]["efficiency"]
-    noise = efficiency if efficiency["source"] == "fitted" else None
-    variability = [v for m in measurements if m["status"] == "ok" for v in (m.get("gradient") or {}).get("variability_series", [])]
+    noise = efficiency["noise_scale"]["value"] if efficiency["source"] == "fitted" else None
+    variability = measured_variability(spec, usable_measurements(measurements)[0], None)
     chosen = recommendation["chosen"]["global_batch"]
     planned = recommendation["training_advice"]["ags"]
     if json.dumps(ags_config(chosen, spec, noise, variability)) != json.dumps(planned):

@@ -18,9 +18,16 @@ def _plan(params=None, **overrides):
 
 
 def test_adascale_gain_runs_from_one_to_k():
-    assert adascale_gain(8, true_grad_sq_norm=1.0, trace_sigma=1e-9, reference_batch=32) == pytest.approx(1.0)
-    assert adascale_gain(8, true_grad_sq_norm=1e-9, trace_sigma=1.0, reference_batch=32) == pytest.approx(8.0)
-    assert 1 < adascale_gain(8, 1.0, 32.0, 32) < 8
+    assert adascale_gain(8, noise_scale=1e-9, reference_batch=32) == pytest.approx(1.0)
+    assert adascale_gain(8, noise_scale=1e12, reference_batch=32) == pytest.approx(8.0)
+    assert 1 < adascale_gain(8, 32.0, 32) < 8
+
+
+def test_adascale_gain_equals_the_variance_form():
+    # r = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2), sigma^2 = tr(Sigma) / B_ref; B_noise = tr(Sigma) / |G|^2
+    true_sq, trace, k, reference = 0.3, 120.0, 4.0, 32
+    variance = trace / reference
+    assert adascale_gain(k, trace / true_sq, reference) == pytest.approx((variance + true_sq) / (variance / k + true_sq))
 
 
 def test_lr_rule_uses_the_measured_adascale_gain_for_sgd():
@@ -36,7 +43,7 @@ def test_lr_rule_uses_the_measured_adascale_gain_for_sgd():
 def test_lr_rule_for_adam_takes_square_roots():
     rule = _plan(objective="min_time", training={"optimizer": "adam"})["training_advice"]["lr_rule"]
     k = rule["batch_ratio_k"]
-    assert rule["multipliers"]["adascale"] == pytest.approx(math.sqrt(adascale_gain(k, 1.0, 100.0, 32)))
+    assert rule["multipliers"]["adascale"] == pytest.approx(math.sqrt(adascale_gain(k, 100.0, 32)))
 
 
 def test_without_noise_measurement_lr_rule_is_linear_and_assumed():
@@ -65,14 +72,27 @@ def test_batch_ramp_starts_near_the_noise_scale_and_ends_at_the_chosen_batch():
         assert stages[0]["from_epoch_fraction"] == 0.0 and all(s["device_batch"] <= 128 for s in stages)
 
 
-def test_ags_delta_is_the_median_measured_variability_and_s_is_capped():
+def test_ags_delta_is_the_median_variability_scaled_to_the_chosen_batch_and_s_is_capped():
     spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", cluster={"gpus_per_node": 16, "interconnect_gbps": 1000}))
-    points = [measurement(b, trace_sigma=1e5) for b in BATCHES]
-    for point, series in zip(points, ([0.1, 0.3], [0.2], [0.4, 0.5], [0.6], [0.7])):
-        point["gradient"]["variability_series"] = series
-    ags = plan(spec, points)["training_advice"]["ags"]
-    assert ags["delta"] == {"value": pytest.approx(0.4), "source": "measured", "why": ags["delta"]["why"]}
+    points = [measurement(b, trace_sigma=1e3) for b in BATCHES]  # B_noise = 1000 (|G|^2 = 1)
+    series = ([0.1, 0.3], [0.2], [0.4, 0.5], [0.6], [0.7])
+    for point, values in zip(points, series):
+        point["gradient"]["variability_series"] = values
+    rec = plan(spec, points)
+    ags, chosen = rec["training_advice"]["ags"], rec["chosen"]["global_batch"]
+    noise_scale = rec["models"]["efficiency"]["noise_scale"]["value"]
+    scaled = [v * math.sqrt((b + noise_scale) / (chosen + noise_scale)) for b, values in zip(BATCHES, series) for v in values]
+    assert chosen > max(BATCHES)  # so that the scaling matters
+    assert ags["delta"]["value"] == pytest.approx(sorted(scaled)[len(scaled) // 2]) and ags["delta"]["source"] == "predicted"
+    assert ags["delta"]["value"] < 0.4  # a larger batch has a steadier gradient norm
     assert ags["s"]["value"] <= AGS_MAX_SCALE and ags["s"]["source"] == "fitted"
+
+
+def test_ags_delta_comes_from_the_reference_runs_variability_when_given():
+    records = [{"samples": 320 * i, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 400.0, "variability": 0.2 + 0.01 * i} for i in range(20)]
+    rec = _plan(objective="min_time", training={"reference_run": {"gradient_stats": records}})
+    delta = rec["training_advice"]["ags"]["delta"]
+    assert delta["evidence"] == "reference run" and "batch 32" in delta["why"]
 
 
 def test_ags_defaults_to_the_studys_delta_without_measurements():

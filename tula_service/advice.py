@@ -3,8 +3,9 @@
 - LR rule for a batch k = B / B_ref times the reference, never above the spec's max_lr: linear scaling
   for SGD (Goyal et al. 2017), square root for Adam/AdamW, and the AdaScale gain (Johnson et al. 2020), from the measured noise:
       r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2),  sigma^2 = tr(Sigma) / B_ref,
+  i.e. with B_noise = tr(Sigma) / |G|^2:  r(k) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)),
   which lies in [1, k]: near k when the gradient is noise-dominated, near 1 when it is not
-  (Pollux/AdaptDL use it as is for SGD and its square root for Adam).
+  (Pollux/AdaptDL use it as is for SGD and its square root for Adam). B_noise is the efficiency model's.
 - Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
   batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
 - Batch ramp: the noise scale grows as the loss falls (McCandlish et al. 2018), so start at the
@@ -12,9 +13,13 @@
   the batch at stated epoch fractions until the chosen batch, with devices and accumulation kept
   within the device memory.
 - AGS (Tula): scale the update by s on iterations whose gradient variability is below delta. delta is
-  the median of the measured variability (about half the updates scaled, the study's balanced
-  setting; 0.5 when nothing was measured); s is the AdaScale gain at the chosen batch, capped at
-  AGS_MAX_SCALE because too large an s hurts convergence (Tula seed paper, Fig. 7).
+  the median of the variability predicted at the chosen batch B (about half the updates scaled, the
+  study's balanced setting; 0.5 when nothing was measured), from values measured at batch b along the
+  reference run or pilot (else at the profiled points): the step-to-step change of the gradient norm is
+  taken to be sampling noise, whose size relative to |g_B| is sqrt(tr(Sigma)/B / (|G|^2 + tr(Sigma)/B)), so
+      v(B) = v(b) sqrt((b + B_noise) / (B + B_noise)).
+  s is the AdaScale gain at the chosen batch, capped at AGS_MAX_SCALE because too large an s hurts
+  convergence (Tula seed paper, Fig. 7).
 """
 
 from __future__ import annotations
@@ -31,29 +36,29 @@ WARMUP_MAX_FRACTION = 0.10
 RAMP_EPOCH_FRACTIONS = (0.0, 0.2, 0.4, 0.6)
 
 
-def adascale_gain(k: float, true_grad_sq_norm: float, trace_sigma: float, reference_batch: int) -> float:
-    variance = trace_sigma / reference_batch
-    return (variance + true_grad_sq_norm) / (variance / k + true_grad_sq_norm)
+def adascale_gain(k: float, noise_scale: float, reference_batch: int) -> float:
+    """r(k) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)) (module docstring)."""
+    return (1.0 + noise_scale / reference_batch) / (1.0 + noise_scale / (k * reference_batch))
 
 
-def lr_rule(spec, global_batch: int, noise: dict[str, Any] | None) -> dict[str, Any]:
+def lr_rule(spec, global_batch: int, noise_scale: float | None) -> dict[str, Any]:
     k = global_batch / spec.training.reference_batch
     rules = {"linear": k, "sqrt": math.sqrt(k)}
-    if noise:
-        gain = adascale_gain(k, noise["true_grad_sq_norm"], noise["trace_sigma"], spec.training.reference_batch)
+    if noise_scale:
+        gain = adascale_gain(k, noise_scale, spec.training.reference_batch)
         rules["adascale"] = gain if spec.training.optimizer == "sgd" else math.sqrt(gain)
-    recommended = "adascale" if noise else ("linear" if spec.training.optimizer == "sgd" else "sqrt")
+    recommended = "adascale" if noise_scale else ("linear" if spec.training.optimizer == "sgd" else "sqrt")
     factor = rules[recommended]
     result = {
         "batch_ratio_k": k,
         "optimizer": spec.training.optimizer,
         "multipliers": rules,
         "recommended": recommended,
-        "multiplier": {"value": factor, "source": "fitted" if noise else "assumed"},
+        "multiplier": {"value": factor, "source": "fitted" if noise_scale else "assumed"},
         "why": (
-            "AdaScale gain from the measured |G|^2 and tr(Sigma)"
+            f"AdaScale gain from the efficiency model's B_noise ({noise_scale:.3g})"
             + (" (square root for Adam)" if spec.training.optimizer != "sgd" else "")
-            if noise
+            if noise_scale
             else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else "square-root scaling for Adam")
             + "; no noise measurement for AdaScale"
         ),
@@ -108,15 +113,31 @@ def batch_ramp(chosen: dict[str, Any], noise_scale: float | None, smallest_batch
     }
 
 
-def ags_config(global_batch: int, spec, noise: dict[str, Any] | None, variability: list[float]) -> dict[str, Any]:
-    if variability:
-        delta = {"value": float(np.median(variability)), "source": "measured",
-                 "why": f"median of {len(variability)} measured gradient-variability values: about half the updates are scaled"}  # fmt: skip
+def variability_at_batch(measured: list[tuple[float, int]], global_batch: int, noise_scale: float | None) -> list[float]:
+    """v(B) = v(b) sqrt((b + B_noise) / (B + B_noise)) for each (v, b) measured (module docstring); as
+    measured when there is no noise scale."""
+    if not noise_scale:
+        return [value for value, _ in measured]
+    return [value * math.sqrt((batch + noise_scale) / (global_batch + noise_scale)) for value, batch in measured]
+
+
+def ags_config(global_batch: int, spec, noise_scale: float | None, variability: dict[str, Any]) -> dict[str, Any]:
+    """variability: {"values": [(v, batch it was measured at), ...], "source": where they come from}."""
+    measured = variability.get("values") or []
+    if measured:
+        predicted = variability_at_batch(measured, global_batch, noise_scale)
+        batches = sorted({batch for _, batch in measured})
+        delta = {"value": float(np.median(predicted)), "source": "predicted" if noise_scale else "measured",
+                 "evidence": variability.get("source"),
+                 "why": f"median of {len(measured)} gradient-variability values measured along the {variability.get('source')} "
+                 f"at batch {'/'.join(map(str, batches))}"
+                 + (f", scaled to batch {global_batch} by sqrt((b + B_noise) / (B + B_noise))" if noise_scale else "")
+                 + ": about half the updates are scaled"}  # fmt: skip
     else:
         delta = {"value": AGS_DEFAULT_DELTA, "source": "assumed", "why": "no variability measured: the Tula study's 0.5"}
     k = global_batch / spec.training.reference_batch
-    if noise and k > 1:
-        gain = adascale_gain(k, noise["true_grad_sq_norm"], noise["trace_sigma"], spec.training.reference_batch)
+    if noise_scale and k > 1:
+        gain = adascale_gain(k, noise_scale, spec.training.reference_batch)
         scale = {"value": min(gain, AGS_MAX_SCALE), "source": "fitted",
                  "why": f"AdaScale gain {gain:.2f} at k={k:g}, capped at {AGS_MAX_SCALE:g} (too large an s hurts, Tula Fig. 7)"}  # fmt: skip
     elif k > 1:

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from tula_service.catalogs import interconnect
-from tula_service.perfmodel import EpochModel, MemoryModel, NoiseScaleModel
+from tula_service.efficiency_evidence import epoch_model
+from tula_service.perfmodel import MemoryModel
 from tula_service.perfmodel.comm_fit import fit_comm_record
 from tula_service.perfmodel.compute import select_compute_model
 from tula_service.perfmodel.network import ASSUMED_LATENCY_S, HierarchicalAllReduce, Link
@@ -83,11 +84,12 @@ def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) ->
     return HierarchicalAllReduce(gradient_bytes, cluster.gpus_per_node, intra, inter), report
 
 
-def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None) -> tuple[FittedModels, dict[str, Any]]:
+def fit_models(
+    spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None, pilot: dict[str, Any] | None = None
+) -> tuple[FittedModels, dict[str, Any]]:
     batch = np.array([m["batch_size"] for m in ok], dtype=float)
     peak_bytes = np.array([m["memory"]["peak_bytes"] for m in ok], dtype=float)
     iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
-    with_stats = [m["gradient"] for m in ok if m.get("gradient")]
 
     memory = MemoryModel().fit(batch, peak_bytes)
     compute, compute_report = select_compute_model(batch, iter_time_s)
@@ -95,15 +97,7 @@ def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | N
     gradient_bytes = ok[0]["model"]["gradient_bytes"]
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
-    noise = NoiseScaleModel().fit(
-        [g["true_grad_sq_norm"] for g in with_stats],
-        [g["trace_sigma"] for g in with_stats],
-        [g["iterations"] * g["batch"] for g in with_stats],
-    ) if with_stats else None
-    epochs = EpochModel(
-        spec.training.reference_batch, spec.training.reference_epochs, noise.noise_scale_ if noise else None,
-        spec.training.max_step_gain,
-    )
+    epochs, efficiency_report = epoch_model(spec, ok, pilot)
 
     report = {
         "memory": {
@@ -128,37 +122,6 @@ def fit_models(spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | N
             "g": {"value": overlap.g_, "source": overlap.source_,
                   "note": "no multi-device iteration measured: no compute/communication overlap assumed (conservative)"},
         },
-        "efficiency": _efficiency_report(noise, epochs),
+        "efficiency": efficiency_report,
     }
     return FittedModels(memory, compute, network, epochs, overlap), report
-
-
-def _efficiency_report(noise: NoiseScaleModel | None, epochs: EpochModel) -> dict[str, Any]:
-    if noise is None or not noise.informative_:
-        return {
-            "formula": "E(B) = reference_epochs * max(1, B / reference_batch)",
-            "noise_scale": None,
-            "source": "assumed",
-            "note": "no informative noise-scale measurement (none taken, or the pooled |G|^2 or tr(Sigma) "
-            "is not positive: the gradient signal is below what the profiled batches resolve); assumed: "
-            "epochs constant up to the reference batch, and no fewer optimizer steps than the reference "
-            "run beyond it",
-        }
-    floor = epochs.max_step_gain is not None
-    return {
-        "formula": "E(B) = E_min (1 + B / B_noise), E_min from the reference run"
-        + ("; never below E_ref B / (B_ref max_step_gain)" if floor else ""),
-        "noise_scale": {"value": noise.noise_scale_, "stderr": noise.noise_scale_stderr_, "source": "fitted"},
-        "max_step_gain": {
-            "value": epochs.max_step_gain, "source": "spec",
-            "why": "training.max_lr / reference_lr (squared for Adam): the LR, and with it the progress per step, "
-            "cannot grow past max_lr, so a step is worth at most this many reference steps",
-        } if floor else None,  # fmt: skip
-        "true_grad_sq_norm": noise.true_grad_sq_norm_,
-        "trace_sigma": noise.trace_sigma_,
-        "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
-        "source": "fitted",
-        "points": noise.points_,
-        "note": "noise scale measured in the first iterations of training; it grows as the loss falls "
-        "(McCandlish et al. 2018), so E(B) is anchored to the reference run",
-    }

@@ -49,7 +49,8 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             + (f" (out of memory at {oom_batches})" if oom_batches else "")
         )
     comm = next((m for m in measurements if m.get("kind") == "comm" and m.get("status") == "ok"), None)
-    models, report = fit_models(spec, ok, comm)
+    pilot = next((m for m in reversed(measurements) if m.get("kind") == "pilot" and m.get("status") == "ok"), None)
+    models, report = fit_models(spec, ok, comm, pilot)
     inputs = PlanInputs(
         device_batches=candidate_device_batches([m["batch_size"] for m in ok], oom_batches),
         total_devices=spec.cluster.total_devices,
@@ -75,16 +76,16 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         for row in rows:
             row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
     max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
-    noise = report["efficiency"] if report["efficiency"]["source"] == "fitted" else None
-    variability = [v for m in ok for v in (m.get("gradient") or {}).get("variability_series", [])]
+    noise_scale = report["efficiency"]["noise_scale"]["value"] if report["efficiency"]["source"] == "fitted" else None
+    variability = measured_variability(spec, ok, pilot)
     return {
         "objective": spec.objective,
         "constraint": choice.constraint,
         "training_advice": {
-            "lr_rule": lr_rule(spec, rows[chosen]["global_batch"], noise),
+            "lr_rule": lr_rule(spec, rows[chosen]["global_batch"], noise_scale),
             "warmup": warmup(spec, rows[chosen]),
-            "batch_ramp": batch_ramp(rows[chosen], noise and noise["noise_scale"]["value"], int(inputs.device_batches.min()), max_batch),
-            "ags": ags_config(rows[chosen]["global_batch"], spec, noise, variability),
+            "batch_ramp": batch_ramp(rows[chosen], noise_scale, int(inputs.device_batches.min()), max_batch),
+            "ags": ags_config(rows[chosen]["global_batch"], spec, noise_scale, variability),
         },
         "runner_ups": runner_ups(rows, chosen, _objective_order(candidates, spec.objective, front, rows[chosen])),
         "batch_unit": {"unit": "sequences" if tokens_per_sample else "samples", "tokens_per_sample": tokens_per_sample},
@@ -124,6 +125,22 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "points": [_point_summary(m) for m in ok],
         },
     }
+
+
+def measured_variability(spec: JobSpec, ok: list[dict[str, Any]], pilot: dict[str, Any] | None) -> dict[str, Any]:
+    """Gradient variability with the batch it was measured at: along the reference run, else the pilot
+    (both at training.reference_batch, through training), else the profiled points (at initialization)."""
+    reference = spec.training.reference_run
+    trajectories = (("reference run", list(reference.gradient_stats) if reference else []),
+                    ("pilot", (pilot or {}).get("trajectory") or []))  # fmt: skip
+    for source, records in trajectories:
+        values = [(r["variability"] if isinstance(r, dict) else r.variability, r["batch"] if isinstance(r, dict) else r.batch)
+                  for r in records]  # fmt: skip
+        values = [(v, b) for v, b in values if v is not None]
+        if values:
+            return {"values": values, "source": source}
+    values = [(v, m["gradient"]["batch"]) for m in ok if m.get("gradient") for v in m["gradient"].get("variability_series", [])]
+    return {"values": values, "source": "profiled points (initial weights)"}
 
 
 def _objective_order(candidates: dict[str, np.ndarray], objective: str, front: np.ndarray, chosen: dict[str, Any]) -> np.ndarray:

@@ -204,6 +204,46 @@ class PricingSpec(_Strict):
         return self
 
 
+class GradientStatsRecord(_Strict):
+    """Gradient statistics taken along a training run (the pilot point, or the user's reference run through
+    `profiler.reference_logger`): the unbiased two-batch estimates of |G|^2 and tr(Sigma) (McCandlish et al.
+    2018, App. A.1), averaged over a window of steps, numerator and denominator separately. B_simple =
+    trace_sigma / grad_sqr. A noisy window may give a slightly negative estimate: it is data, not an error."""
+
+    samples: int = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
+    batch: PositiveInt = Field(description="global batch of those steps")
+    grad_sqr: float = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
+    trace_sigma: float = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
+    loss: float | None = Field(None, allow_inf_nan=False, description="training loss, mean over the window")
+    metric: float | None = Field(None, allow_inf_nan=False, description="the run's evaluation metric at this record")
+    step: int | None = Field(None, ge=0)
+    window_steps: PositiveInt | None = Field(None, description="optimizer steps the record averages")
+    variability: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS)"
+    )
+    precond_grad_sqr: float | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
+    precond_trace_sigma: float | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+
+
+MAX_GRADIENT_STATS_RECORDS = 20_000
+
+
+class ReferenceRunSpec(_Strict):
+    """Evidence from the user's own reference run (at training.reference_batch, on their cluster and data)."""
+
+    gradient_stats: list[GradientStatsRecord] = Field(
+        default_factory=list, max_length=MAX_GRADIENT_STATS_RECORDS,
+        description="records written by profiler.reference_logger (JSONL: `tula submit --reference-stats FILE`)",
+    )
+
+
+class RunResult(_Strict):
+    """Another run of the user's: epochs to the same target at another global batch."""
+
+    batch: PositiveInt = Field(description="global batch of that run")
+    epochs: float = Field(gt=0, allow_inf_nan=False, description="epochs it needed to reach the same target")
+
+
 class TrainingSpec(_Strict):
     reference_batch: PositiveInt = Field(description="global batch of the user's reference run")
     reference_epochs: float = Field(gt=0, description="epochs the reference run needs to reach its target")
@@ -213,6 +253,20 @@ class TrainingSpec(_Strict):
         "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
     )
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    reference_run: ReferenceRunSpec | None = Field(
+        None, description="gradient statistics along the reference run: the best evidence for the noise scale"
+    )
+    other_runs: list[RunResult] = Field(
+        default_factory=list, max_length=64,
+        description="epochs to the same target at other batches: with them E_min and B_noise are fitted directly",
+    )
+
+    @model_validator(mode="after")
+    def _other_runs_differ(self) -> TrainingSpec:
+        batches = [run.batch for run in self.other_runs]
+        if len(set(batches)) != len(batches) or self.reference_batch in batches:
+            raise ValueError("other_runs: one run per batch, none at reference_batch (that one is reference_epochs)")
+        return self
 
     @model_validator(mode="after")
     def _max_lr_above_reference(self) -> TrainingSpec:
@@ -254,6 +308,16 @@ class ProfilingSpec(_Strict):
     timeout_s: float = Field(600, gt=0, le=86_400, description="per attempt of a point; then the worker is killed")
     max_attempts: int = Field(
         3, ge=1, le=10, description="starts of a point whose worker dies (signal, timeout) before it is marked failed"
+    )
+    pilot: bool = Field(
+        False, description="a pilot point: train the model at training.reference_batch with the spec's optimizer and "
+        "reference_lr, recording gradient statistics along the way (the noise scale grows as the loss falls)"
+    )
+    pilot_steps: int = Field(300, ge=10, le=100_000, description="the pilot's most optimizer steps")
+    pilot_seconds: float = Field(30.0, gt=0, le=3600, description="the pilot's most seconds of training")
+    pilot_record_every: int = Field(10, ge=1, le=10_000, description="pilot steps per gradient-statistics record")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch threads of a CPU point (match the training loop's, e.g. 1)"
     )
 
 

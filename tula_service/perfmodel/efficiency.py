@@ -1,14 +1,17 @@
 """Statistical efficiency: how many epochs a global batch B needs to reach the user's target.
 
 Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"):
-B_simple = tr(Sigma) / |G|^2. Each profiling point estimates |G|^2 and tr(Sigma) with the unbiased
-two-batch estimator (profiler.gradstats); here the points are pooled: numerator and denominator are
-averaged separately, each point weighted by the samples behind it (iterations x batch: a small
-batch barely resolves |G|^2 when the noise dominates), and only then divided. Epochs follow
+B_simple = tr(Sigma) / |G|^2. Epochs follow
 
     E(B) = E_min (1 + B / B_noise),
 
-with E_min calibrated so that E(reference_batch) = reference_epochs (the user's reference run).
+with E_min calibrated so that E(reference_batch) = reference_epochs (the user's reference run), or, with
+epochs measured at two or more batches, E_min and B_noise fitted to them (`fit_epochs_to_runs`).
+Where B_noise comes from is decided in tula_service.efficiency_evidence; the noise scale along a
+training run is read by perfmodel.noise_trajectory. At initialization, each profiling point estimates
+|G|^2 and tr(Sigma) with the unbiased two-batch estimator (profiler.gradstats), and NoiseScaleModel pools
+the points: numerator and denominator are averaged separately, every point with the same weight (a
+weight by samples let the two largest batches carry 75% of it), and only then divided.
 
 Without an informative noise scale the assumption is conservative: epochs stay at the reference
 value up to the reference batch, and beyond it the run needs as many optimizer steps as the reference
@@ -31,12 +34,13 @@ import numpy as np
 
 
 class NoiseScaleModel:
-    """Pools per-point (|G|^2, tr Sigma) estimates into one B_noise with a delta-method std. error."""
+    """Pools per-point (|G|^2, tr Sigma) estimates into one B_noise with a delta-method std. error; each
+    point weighs the same."""
 
-    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray, samples: np.ndarray) -> "NoiseScaleModel":
+    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray) -> "NoiseScaleModel":
         g = np.asarray(true_grad_sq_norm, dtype=float)
         s = np.asarray(trace_sigma, dtype=float)
-        w = np.asarray(samples, dtype=float) / np.sum(samples)
+        w = np.full(g.size, 1.0 / g.size)
         self.true_grad_sq_norm_ = float(w @ g)
         self.trace_sigma_ = float(w @ s)
         self.points_ = int(g.size)
@@ -59,16 +63,21 @@ class EpochModel:
     """E(B) = E_min (1 + B / B_noise), E_min from the reference run; E_ref max(1, B / B_ref) without B_noise;
     with a max_step_gain g, never below E_ref B / (B_ref g) (see the module docstring)."""
 
-    def __init__(self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None):
+    def __init__(
+        self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
+        min_epochs: float | None = None,
+    ):  # fmt: skip
+        """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run."""
         if max_step_gain is not None and max_step_gain < 1:
             raise ValueError(f"max_step_gain must be >= 1 (a step at the reference LR is worth one reference step), got {max_step_gain}")
         self.reference_batch = reference_batch
         self.reference_epochs = reference_epochs
         self.noise_scale = noise_scale
         self.max_step_gain = max_step_gain
-        self.min_epochs = (
-            reference_epochs / (1.0 + reference_batch / noise_scale) if noise_scale else reference_epochs
-        )
+        if min_epochs is not None and noise_scale:
+            self.min_epochs = min_epochs
+        else:
+            self.min_epochs = reference_epochs / (1.0 + reference_batch / noise_scale) if noise_scale else reference_epochs
 
     def predict(self, global_batch: np.ndarray | float) -> np.ndarray:
         batch = np.asarray(global_batch, dtype=float)
@@ -82,3 +91,38 @@ class EpochModel:
     def step_floor_epochs(self, global_batch: np.ndarray | float) -> np.ndarray:
         """E_ref B / (B_ref g): the epochs of S_ref / g steps at batch B."""
         return self.reference_epochs * np.asarray(global_batch, dtype=float) / (self.reference_batch * self.max_step_gain)
+
+
+PERFECT_SCALING_NOISE_SCALE_FACTOR = 1e3  # B_noise reported for runs that show no efficiency loss: 1000 x their largest batch
+
+
+def fit_epochs_to_runs(batches: list[int], epochs: list[float]) -> dict[str, float | bool]:
+    """E_min and B_noise of E(B) = E_min (1 + B / B_noise) fitted to epochs measured at two or more global
+    batches (least squares on log epochs, which weighs relative errors alike). Linear in the unknowns:
+    E(B) = E_min + (E_min / B_noise) B, so a non-negative least-squares line through (B, E) starts it.
+    When the epochs do not grow with the batch (slope <= 0), the runs show no loss of efficiency within
+    their range: B_noise is then only bounded from below, and reported as
+    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set."""
+    from scipy.optimize import least_squares
+
+    batch = np.asarray(batches, dtype=float)
+    measured = np.asarray(epochs, dtype=float)
+    if batch.size < 2 or np.unique(batch).size < 2:
+        raise ValueError("fitting E_min and B_noise needs epochs at two or more distinct batches")
+    slope, intercept = np.polyfit(batch, measured, 1)
+    if slope <= 0 or intercept <= 0:
+        noise_scale = PERFECT_SCALING_NOISE_SCALE_FACTOR * float(batch.max())
+        min_epochs = float(np.exp(np.mean(np.log(measured / (1 + batch / noise_scale)))))
+        return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": True, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+
+    def residuals(log_params: np.ndarray) -> np.ndarray:
+        min_epochs, noise_scale = np.exp(log_params)
+        return np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)
+
+    fit = least_squares(residuals, np.log([intercept, intercept / slope]))
+    min_epochs, noise_scale = (float(v) for v in np.exp(fit.x))
+    return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+
+
+def _rms_log(batch: np.ndarray, measured: np.ndarray, min_epochs: float, noise_scale: float) -> float:
+    return float(np.sqrt(np.mean((np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)) ** 2)))

@@ -63,7 +63,7 @@ export function renderRecommendation(container, rec, context) {
       item("Memory per device", [sourced(chosen.memory_bytes, formatBytes), " of ",
         sourced(rec.device.memory_gib, (gib) => `${significant(gib)} GiB`)]),
       item("Price", sourced(price, (usd) => `${formatUsd(usd)} ${PRICE_UNIT[rec.pricing.kind]}`)),
-      efficiency.noise_scale ? item("Noise scale", badged(`${significant(efficiency.noise_scale.value)} ± ${significant(efficiency.noise_scale.stderr)}`, "fitted")) : [],
+      efficiency.noise_scale ? noiseScaleItem(efficiency) : [],
       lrItem(lr),
       warmupItem(rec.training_advice.warmup),
       rampItem(rec.training_advice.batch_ramp, efficiency.source === "fitted" ? "fitted" : "assumed"),
@@ -72,6 +72,15 @@ export function renderRecommendation(container, rec, context) {
     copyBlock("CLI command", "copy-cli", cliCommand(context.jobId, context.whatIfBody, location.origin), true),
     copyBlock("Python (AGS)", "copy-python", agsSnippet(rec, context.jobId), false),
   );
+}
+
+// B_noise with its interval and the evidence it was read from (efficiency_evidence.py), and why it may be weak.
+function noiseScaleItem(efficiency) {
+  const noise = efficiency.noise_scale;
+  const range = noise.interval ? ` [${significant(noise.interval[0])}, ${significant(noise.interval[1])}]` : "";
+  const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}`;
+  const why = [efficiency.note, ...(efficiency.warnings || [])].filter(Boolean).join(" ");
+  return item("Noise scale", badged(text + (efficiency.weak ? " (weak evidence)" : ""), "fitted"), why);
 }
 
 function copyBlock(label, id, text, open) {

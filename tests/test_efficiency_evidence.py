@@ -1,0 +1,86 @@
+"""Which evidence sets B_noise: runs at other batches, then the reference run's statistics, then the pilot,
+then the initial weights; each labelled, the others reported beside it."""
+
+import pytest
+
+from tula_service.recommend import plan
+from tula_service.spec import JobSpec
+from tula_service.whatif import WhatIf, replan
+from tests.handmade import measurement, spec_dict
+
+BATCHES = [8, 16, 32, 64, 128]
+POINTS = [measurement(b) for b in BATCHES]  # B_noise at initialization: 100
+TARGET_SAMPLES = 10 * 50_000  # reference_epochs x num_samples of the hand-made spec
+
+
+def records(noise_scale_at, count=30, last=TARGET_SAMPLES, batch=32):
+    """A reference-run trajectory whose noise scale is noise_scale_at(samples)."""
+    step = last // count
+    return [{"samples": step * (i + 1), "batch": batch, "grad_sqr": 1.0, "trace_sigma": float(noise_scale_at(step * (i + 1))),
+             "window_steps": 5, "variability": 0.3} for i in range(count)]  # fmt: skip
+
+
+def efficiency(training=None, measurements=POINTS, **overrides):
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training=training or {}, **overrides))
+    return plan(spec, measurements)["models"]["efficiency"]
+
+
+def test_without_training_evidence_the_initial_noise_scale_is_used_and_flagged_weak():
+    report = efficiency()
+    assert report["noise_scale"]["evidence"] == "initialization" and report["noise_scale"]["value"] == pytest.approx(100.0)
+    assert report["weak"] and "grows" in report["warnings"][0]
+
+
+def test_the_reference_runs_statistics_win_over_the_initial_weights():
+    report = efficiency({"reference_run": {"gradient_stats": records(lambda s: 1000.0 * s / TARGET_SAMPLES)}})
+    assert report["noise_scale"]["evidence"] == "reference_run"
+    assert report["noise_scale"]["value"] == pytest.approx(500.0, rel=0.05)  # read half-way to the target
+    assert not report["weak"] and report["noise_scale"]["interval"][0] <= report["noise_scale"]["value"]
+    initial = next(c for c in report["evidence"]["candidates"] if c["source"] == "initialization")
+    assert initial["ratio_to_used"] == pytest.approx(100.0 / report["noise_scale"]["value"])
+
+
+def test_a_larger_noise_scale_along_training_predicts_fewer_epochs_at_large_batches():
+    at_init = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time")), POINTS)
+    trained = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={
+        "reference_run": {"gradient_stats": records(lambda s: 2000.0)}})), POINTS)  # fmt: skip
+    epochs = lambda rec: {r["global_batch"]: r["epochs"]["value"] for r in rec["candidates"] if r["devices"] == 1}  # noqa: E731
+    assert epochs(trained)[128] < epochs(at_init)[128]
+    assert epochs(trained)[32] == pytest.approx(10.0) == epochs(at_init)[32]  # both anchored to the reference run
+
+
+def test_a_pilot_trajectory_is_used_when_the_user_gives_none_and_is_labelled_extrapolated():
+    pilot = {"kind": "pilot", "status": "ok", "batch_size": 32,
+             "trajectory": records(lambda s: 50.0 * (s / 3200.0) ** 0.5, count=20, last=32_000)}  # fmt: skip
+    report = efficiency(measurements=[*POINTS, pilot])
+    assert report["noise_scale"]["evidence"] == "pilot"
+    assert any("extrapolated" in w for w in report["warnings"]) and report["weak"]  # 6% of the run covered
+    low, high = report["noise_scale"]["interval"]
+    assert low <= report["noise_scale"]["value"] < high
+
+
+def test_epochs_at_other_batches_fit_e_min_and_b_noise_and_win_over_statistics():
+    training = {"reference_run": {"gradient_stats": records(lambda s: 50.0)},
+                "other_runs": [{"batch": 256, "epochs": 10.0 * (1 + 256 / 800) / (1 + 32 / 800)}]}  # fmt: skip
+    report = efficiency(training)
+    assert report["noise_scale"]["evidence"] == "other_runs" and report["noise_scale"]["value"] == pytest.approx(800.0, rel=1e-3)
+    assert "fitted to the measured runs" in report["formula"]
+    assert {c["source"] for c in report["evidence"]["candidates"]} == {"other_runs", "reference_run", "initialization"}
+
+
+def test_other_runs_must_not_repeat_a_batch():
+    with pytest.raises(ValueError, match="one run per batch"):
+        JobSpec.model_validate(spec_dict(training={"other_runs": [{"batch": 32, "epochs": 3.0}]}))
+
+
+def test_a_what_if_takes_reference_run_statistics():
+    stored = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)).model_dump(mode="json")
+    rec = replan(stored, POINTS, WhatIf(training={"reference_run": {"gradient_stats": records(lambda s: 3000.0)}}))
+    assert rec["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
+
+
+def test_a_bad_record_names_its_field():
+    bad = records(lambda s: 100.0)
+    bad[3]["grad_sqr"] = float("nan")
+    with pytest.raises(ValueError, match="gradient_stats.3.grad_sqr"):
+        JobSpec.model_validate(spec_dict(training={"reference_run": {"gradient_stats": bad}}))

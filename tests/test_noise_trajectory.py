@@ -1,0 +1,103 @@
+"""The noise scale for the target read from a training run's gradient statistics, and E_min/B_noise from runs."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tula_service.perfmodel.efficiency import PERFECT_SCALING_NOISE_SCALE_FACTOR, EpochModel, fit_epochs_to_runs
+from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale
+
+
+def power_law_records(count: int, last_samples: float, slope: float = 1.0, level: float = 100.0, start: float = 1000.0, noise: float = 0.0, seed: int = 0):
+    """Records whose noise scale is level (samples / start)^slope, |G|^2 = 1 (times multiplicative noise)."""
+    rng = np.random.default_rng(seed)
+    samples = np.geomspace(start, last_samples, count)
+    records = []
+    for s in samples:
+        grad_sqr = 1.0 * (1 + noise * rng.standard_normal())
+        records.append({"samples": int(s), "batch": 32, "grad_sqr": grad_sqr, "trace_sigma": level * (s / start) ** slope, "window_steps": 10})
+    return records
+
+
+def test_a_full_trajectory_is_read_half_way_to_the_target():
+    target = 1e6
+    estimate = TrajectoryNoiseScale().fit(power_law_records(40, target), target)
+    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.5 * target / 1000.0), rel=0.02)
+    assert not estimate.extrapolated_ and estimate.coverage_ == pytest.approx(1.0, rel=0.01)
+    assert estimate.slope_ == pytest.approx(1.0, abs=0.01)
+
+
+def test_records_past_the_target_are_not_used():
+    target = 1e5
+    longer = power_law_records(30, 1e5) + [{"samples": 10**7, "batch": 32, "grad_sqr": 1e-6, "trace_sigma": 1.0}] * 10
+    assert TrajectoryNoiseScale().fit(longer, target).noise_scale_ == pytest.approx(
+        TrajectoryNoiseScale().fit(power_law_records(30, 1e5), target).noise_scale_)
+
+
+def test_a_short_run_is_extrapolated_with_the_later_trend_and_says_so():
+    target = 1e7
+    estimate = TrajectoryNoiseScale().fit(power_law_records(30, 1e5, slope=0.5), target)
+    assert estimate.extrapolated_ and estimate.coverage_ == pytest.approx(0.01, rel=0.05)
+    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.5 * target / 1000.0) ** 0.5, rel=0.05)
+
+
+def test_a_falling_early_trend_is_not_extended():
+    target = 1e7
+    falling = power_law_records(30, 1e5, slope=-0.5)
+    estimate = TrajectoryNoiseScale().fit(falling, target)
+    last = 100.0 * (1e5 / 1000.0) ** -0.5
+    assert estimate.slope_ == 0.0 and estimate.noise_scale_ == pytest.approx(last, rel=0.1)
+
+
+def test_numerator_and_denominator_are_pooled_in_a_bin_before_dividing():
+    # two records in one bin: |G|^2 of 2 and -0.5 (a noisy window) pool to 0.75, tr Sigma 150: B = 200
+    records = [{"samples": 100, "batch": 8, "grad_sqr": 2.0, "trace_sigma": 100.0}, {"samples": 120, "batch": 8, "grad_sqr": -0.5, "trace_sigma": 50.0}]
+    estimate = TrajectoryNoiseScale().fit(records, 1000.0)
+    assert estimate.noise_scale_ == pytest.approx(100.0)  # sum w tr / sum w g = 150 / 1.5
+    assert "pooled ratio" in estimate.method_
+
+
+def test_the_interval_widens_with_noisier_records_and_holds_the_estimate():
+    target = 1e6
+    quiet = TrajectoryNoiseScale().fit(power_law_records(60, target, noise=0.05), target)
+    noisy = TrajectoryNoiseScale().fit(power_law_records(60, target, noise=0.4), target)
+    for estimate in (quiet, noisy):
+        low, high = estimate.interval_
+        assert low <= estimate.noise_scale_ <= high
+    assert math.log(noisy.interval_[1] / noisy.interval_[0]) > math.log(quiet.interval_[1] / quiet.interval_[0])
+
+
+def test_unresolved_statistics_give_no_noise_scale():
+    records = [{"samples": 100 * i, "batch": 8, "grad_sqr": -1.0, "trace_sigma": 5.0} for i in range(1, 10)]
+    estimate = TrajectoryNoiseScale().fit(records, 1e4)
+    assert estimate.noise_scale_ is None and estimate.interval_ is None
+
+
+def test_preconditioned_statistics_are_read_when_asked():
+    records = [dict(r, precond_grad_sqr=1.0, precond_trace_sigma=10 * r["trace_sigma"]) for r in power_law_records(20, 1e5)]
+    raw = TrajectoryNoiseScale().fit(records, 1e5).noise_scale_
+    assert TrajectoryNoiseScale(statistic="preconditioned").fit(records, 1e5).noise_scale_ == pytest.approx(10 * raw)
+
+
+def test_runs_at_several_batches_give_e_min_and_b_noise():
+    batches = [32, 128, 512, 2048]
+    epochs = [10.0 * (1 + b / 400.0) for b in batches]
+    fit = fit_epochs_to_runs(batches, epochs)
+    assert fit["min_epochs"] == pytest.approx(10.0, rel=1e-4) and fit["noise_scale"] == pytest.approx(400.0, rel=1e-4)
+    assert not fit["lower_bound"] and fit["rms_log_error"] < 1e-6
+
+
+def test_runs_that_scale_perfectly_bound_b_noise_from_below():
+    fit = fit_epochs_to_runs([32, 256], [10.0, 9.5])
+    assert fit["lower_bound"] and fit["noise_scale"] == PERFECT_SCALING_NOISE_SCALE_FACTOR * 256
+
+
+def test_one_run_is_not_enough_to_fit():
+    with pytest.raises(ValueError, match="two or more"):
+        fit_epochs_to_runs([32, 32], [10.0, 11.0])
+
+
+def test_epoch_model_takes_a_fitted_e_min():
+    model = EpochModel(32, 12.0, noise_scale=400.0, min_epochs=10.0)
+    assert model.predict(400) == pytest.approx(20.0)  # not anchored to the reference run's 12

@@ -1,0 +1,199 @@
+"""The gradient noise scale for a job's target, read from gradient statistics taken along a training run.
+
+The noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) grows 10-1000x as the loss falls, so
+one value read at initialization under-predicts the useful batch. The epochs model E(B) = E_min (1 + B /
+B_noise) needs one B_noise for the whole run to the target; this module reads it from the trajectory of a
+run at the reference batch (the user's reference run, or the pilot point):
+
+1. Pool. The records (each already a window average of unbiased per-step estimates) are sorted by samples
+   seen and grouped into at most MAX_BINS contiguous bins of at least MIN_RECORDS_PER_BIN records. In each
+   bin the numerator and the denominator are averaged separately, weighted by the window's steps, and only
+   then divided: B_bin = sum(w tr Sigma) / sum(w |G|^2) (never an average of ratios, which a near-zero
+   |G|^2 would blow up). A bin whose pooled |G|^2 or tr(Sigma) is not positive is unresolved and dropped.
+2. Trend. log B_bin = a + c log(samples_bin), least squares: the noise scale as a power law of the
+   samples seen, the shape it takes in real runs (the Pollux traces: c ~ 0.4-1.4).
+3. Read. B_noise = the trend at samples* = RUN_FRACTION x T, where T = E_ref x D is the reference run's
+   samples to the target. Which fraction is a choice made by measured error across tasks
+   (benchmarks/statistical_efficiency.py, docs/validation.md): the noise scale half-way through the run
+   predicted the other batches' epochs best, and a time-weighted mean of a power law sits near it too.
+   Records past T (a run logged beyond the target) are not used.
+4. Extrapolation. When the records stop before samples*, the trend of the later half of the bins is
+   extended, with its slope floored at 0: early in training the noise scale can first fall (a transient
+   of the initialization) before it grows, and McCandlish et al. find it grows as the loss falls, so a
+   falling early trend is not extended. The result is labelled extrapolated, with the covered fraction.
+5. Interval. A seeded bootstrap over the bins (resampled with replacement, the trend refitted):
+   the INTERVAL_QUANTILES of the estimate. With fewer than 3 resolved bins there is no trend: the pooled
+   ratio of all records is used (slope 0) and the interval comes from the bootstrap over records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+MAX_BINS = 16
+MIN_RECORDS_PER_BIN = 2
+RUN_FRACTION = 0.5
+INTERVAL_QUANTILES = (0.1, 0.9)
+BOOTSTRAP_RESAMPLES = 200
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class Bin:
+    samples: float  # geometric mean of the records' samples seen
+    noise_scale: float
+
+
+def _field(record: Any, name: str) -> Any:
+    return record.get(name) if isinstance(record, dict) else getattr(record, name, None)
+
+
+def record_arrays(records: Sequence[Any], statistic: str = "raw") -> dict[str, np.ndarray]:
+    """samples, weights (window steps), |G|^2 and tr(Sigma) of the records, sorted by samples seen.
+    statistic "preconditioned" reads the Adam-preconditioned pair (records without it are skipped)."""
+    keys = ("grad_sqr", "trace_sigma") if statistic == "raw" else ("precond_grad_sqr", "precond_trace_sigma")
+    rows = [
+        (float(_field(r, "samples")), float(_field(r, "window_steps") or 1), float(_field(r, keys[0])), float(_field(r, keys[1])))
+        for r in records
+        if _field(r, keys[0]) is not None and _field(r, keys[1]) is not None
+    ]
+    rows.sort(key=lambda row: row[0])
+    samples, weights, grad_sqr, trace_sigma = (np.array(column, dtype=float) for column in zip(*rows)) if rows else (np.array([]),) * 4
+    return {"samples": samples, "weights": weights, "grad_sqr": grad_sqr, "trace_sigma": trace_sigma}
+
+
+def pooled_ratio(weights: np.ndarray, grad_sqr: np.ndarray, trace_sigma: np.ndarray) -> float | None:
+    """sum(w tr Sigma) / sum(w |G|^2), or None when either pooled estimate is not positive."""
+    g, s = float(weights @ grad_sqr), float(weights @ trace_sigma)
+    return s / g if g > 0 and s > 0 else None
+
+
+def bins_of(arrays: dict[str, np.ndarray]) -> tuple[list[Bin], int]:
+    """Contiguous bins of records (see the module docstring) and how many bins were unresolved."""
+    count = arrays["samples"].size
+    n_bins = max(1, min(MAX_BINS, count // MIN_RECORDS_PER_BIN))
+    bins, unresolved = [], 0
+    for index in np.array_split(np.arange(count), n_bins):
+        ratio = pooled_ratio(arrays["weights"][index], arrays["grad_sqr"][index], arrays["trace_sigma"][index])
+        if ratio is None:
+            unresolved += 1
+            continue
+        position = float(np.exp(np.mean(np.log(np.maximum(arrays["samples"][index], 1.0)))))
+        bins.append(Bin(position, ratio))
+    return bins, unresolved
+
+
+def _trend(bins: list[Bin]) -> tuple[float, float]:
+    """(a, c) of log B = a + c log(samples)."""
+    x = np.log([b.samples for b in bins])
+    y = np.log([b.noise_scale for b in bins])
+    if np.ptp(x) == 0:
+        return float(np.mean(y)), 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(intercept), float(slope)
+
+
+def read_trend(bins: list[Bin], at_samples: float) -> tuple[float, float, bool]:
+    """(B_noise at `at_samples`, the slope used, extrapolated?) from the bins' power-law trend."""
+    covered = bins[-1].samples
+    if at_samples <= covered:
+        intercept, slope = _trend(bins)
+        return float(np.exp(intercept + slope * np.log(at_samples))), slope, False
+    later = bins[len(bins) // 2 :] if len(bins) >= 6 else bins
+    intercept, fitted_slope = _trend(later)
+    start = np.log(covered)
+    level = intercept + fitted_slope * start  # the later trend's value at the last bin
+    slope = max(fitted_slope, 0.0)
+    return float(np.exp(level + slope * (np.log(at_samples) - start))), slope, True
+
+
+class TrajectoryNoiseScale:
+    """B_noise for the target from a run's gradient-statistics records (see the module docstring).
+
+    window=(lo, hi): read the pooled ratio of the records between lo T and hi T when they reach the
+    window's middle, else extrapolate the trend to the middle; window=None: read the trend at run_fraction T."""
+
+    def __init__(self, run_fraction: float = RUN_FRACTION, statistic: str = "raw", window: tuple[float, float] | None = None):
+        self.run_fraction = (window[0] + window[1]) / 2 if window else run_fraction
+        self.window = window
+        self.statistic = statistic
+
+    def fit(self, records: Sequence[Any], target_samples: float) -> "TrajectoryNoiseScale":
+        arrays = record_arrays(records, self.statistic)
+        within = arrays["samples"] <= target_samples
+        arrays = {key: value[within] for key, value in arrays.items()}
+        self.records_ = int(arrays["samples"].size)
+        self.target_samples_ = float(target_samples)
+        self.at_samples_ = self.run_fraction * target_samples
+        self.covered_samples_ = float(arrays["samples"].max()) if self.records_ else 0.0
+        self.coverage_ = min(1.0, self.covered_samples_ / target_samples) if target_samples > 0 else 0.0
+        bins, self.unresolved_bins_ = bins_of(arrays) if self.records_ else ([], 0)
+        self.bins_ = bins
+        self.noise_scale_, self.slope_, self.extrapolated_, self.method_ = self._estimate(bins, arrays)
+        self.interval_ = self._interval(bins, arrays) if self.noise_scale_ is not None else None
+        return self
+
+    def _window(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The records inside the window, when they reach its middle (else None: extrapolate)."""
+        if self.window is None or self.covered_samples_ < self.at_samples_:
+            return None
+        low, high = (fraction * self.target_samples_ for fraction in self.window)
+        inside = (arrays["samples"] >= low) & (arrays["samples"] <= high)
+        return {key: value[inside] for key, value in arrays.items()} if inside.sum() >= MIN_RECORDS_PER_BIN else None
+
+    def _estimate(self, bins: list[Bin], arrays: dict[str, np.ndarray]) -> tuple[float | None, float | None, bool, str]:
+        window = self._window(arrays)
+        if window is not None:
+            ratio = pooled_ratio(window["weights"], window["grad_sqr"], window["trace_sigma"])
+            low, high = self.window
+            return ratio, None, False, f"pooled ratio of the records between {low:.0%} and {high:.0%} of the run to the target"
+        if len(bins) >= 3:
+            value, slope, extrapolated = read_trend(bins, self.at_samples_)
+            return value, slope, extrapolated, "power-law trend of the binned noise scale"
+        ratio = pooled_ratio(arrays["weights"], arrays["grad_sqr"], arrays["trace_sigma"]) if self.records_ else None
+        extrapolated = self.covered_samples_ < self.at_samples_
+        return ratio, (0.0 if ratio else None), extrapolated, "pooled ratio of all records (too few resolved bins for a trend)"
+
+    def _interval(self, bins: list[Bin], arrays: dict[str, np.ndarray]) -> tuple[float, float] | None:
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        window = self._window(arrays)
+        if window is not None:  # resample the window's records
+            arrays, bins = window, []
+        records = arrays["samples"].size
+        estimates = []
+        for _ in range(BOOTSTRAP_RESAMPLES):
+            if len(bins) >= 3:
+                chosen = sorted((bins[i] for i in rng.integers(0, len(bins), len(bins))), key=lambda b: b.samples)
+                if len({b.samples for b in chosen}) < 2:
+                    continue
+                estimates.append(read_trend(chosen, self.at_samples_)[0])
+            else:
+                index = rng.integers(0, records, records)
+                ratio = pooled_ratio(arrays["weights"][index], arrays["grad_sqr"][index], arrays["trace_sigma"][index])
+                if ratio is not None:
+                    estimates.append(ratio)
+        if len(estimates) < BOOTSTRAP_RESAMPLES // 2:
+            return None
+        low, high = np.quantile(estimates, INTERVAL_QUANTILES)
+        return float(min(low, self.noise_scale_)), float(max(high, self.noise_scale_))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "method": self.method_,
+            "statistic": self.statistic,
+            "records": self.records_,
+            "resolved_bins": len(self.bins_),
+            "unresolved_bins": self.unresolved_bins_,
+            "read_at_samples": self.at_samples_,
+            "run_fraction": self.run_fraction,
+            "window": list(self.window) if self.window else None,
+            "target_samples": self.target_samples_,
+            "coverage": self.coverage_,
+            "extrapolated": self.extrapolated_,
+            "slope": self.slope_,
+            "interval": list(self.interval_) if self.interval_ else None,
+            "interval_quantiles": list(INTERVAL_QUANTILES),
+        }
