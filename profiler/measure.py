@@ -70,8 +70,18 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, sgd")
 
 
+def apply_threads(request: dict[str, Any]) -> int:
+    """torch's intra-op threads for this point: request["threads"] (profiling.threads) when given, so
+    profiled steps match the user's training loop (e.g. one thread); else torch's default. Returns
+    the threads in use."""
+    if request.get("threads"):
+        torch.set_num_threads(int(request["threads"]))
+    return torch.get_num_threads()
+
+
 def profile_point(request: dict[str, Any]) -> dict[str, Any]:
     """Measure one batch size; see `tula_service.jobs.point_request` for the request's keys."""
+    threads = apply_threads(request)
     device = pick_device(request.get("device", "auto"))
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
@@ -82,7 +92,8 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "threads_source": "spec" if request.get("threads") else "torch default",
         "options": {
             "dtype": request.get("dtype", "fp32"),
             "channels_last": bool(request.get("channels_last", False)),
@@ -113,7 +124,7 @@ def host_load(load_before: float) -> dict[str, Any]:
     }
 
 
-class _Trainer:
+class Trainer:
     """One training step of a workload with the requested precision, layout and optimizer."""
 
     def __init__(self, workload: Workload, request: dict[str, Any], device: torch.device):
@@ -172,7 +183,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     seed = int(request.get("seed", 0))
     torch.manual_seed(seed)
     workload = build_workload(request)
-    trainer = _Trainer(workload, request, device)
+    trainer = Trainer(workload, request, device)
     rss_before_bytes = peak_rss_bytes()
     limit = apply_memory_limit(request.get("memory_limit_bytes"), device)
     data_gen = torch.Generator().manual_seed(seed + batch_size)
@@ -218,7 +229,7 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-def _memory(trainer: _Trainer, host_batch, device: torch.device) -> dict[str, Any]:
+def _memory(trainer: Trainer, host_batch, device: torch.device) -> dict[str, Any]:
     static = static_bytes(trainer.model, trainer.optimizer)
     static_total = sum(static.values())
     counter = SavedActivationCounter(trainer.model)
@@ -242,7 +253,7 @@ def _memory(trainer: _Trainer, host_batch, device: torch.device) -> dict[str, An
     return memory
 
 
-def _gradient_statistics(trainer: _Trainer, workload: Workload, batch_size: int, data_gen, request) -> dict[str, Any] | None:
+def _gradient_statistics(trainer: Trainer, workload: Workload, batch_size: int, data_gen, request) -> dict[str, Any] | None:
     """k micro-batch gradients and their mean (the full-batch gradient) per iteration, then a step.
 
     Micro-batches keep at least MIN_MICRO_BATCH samples (batch norm needs two values per channel),

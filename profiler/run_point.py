@@ -1,9 +1,11 @@
 """Child-process entry point: `python -m profiler.run_point --request JSON --out FILE`.
 
-Writes one JSON measurement to FILE. Exit code 0 means FILE holds a record: status "ok", "oom", or
-"failed" when the point itself raised (a bad dataset path, a model that does not build), with the
-error and the traceback's tail; such a point would fail again, so it is not retried. Any other exit
-(a signal, a crash before the record is written) means the worker died, and the server retries.
+Writes one JSON measurement to FILE: a compute point (`profiler.measure.profile_point`), or the pilot
+(`profiler.pilot.run_pilot`) when the request's "kind" is "pilot". Exit code 0 means FILE holds a
+record: status "ok", "oom", or "failed" when the point itself raised (a bad dataset path, a model
+that does not build), with the error and the traceback's tail; such a point would fail again, so it
+is not retried. Any other exit (a signal, a crash before the record is written) means the worker
+died, and the server retries.
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="where to write the measurement JSON")
     args = parser.parse_args(argv)
 
-    from profiler.measure import profile_point  # imports torch; after argument parsing
-
     request = json.loads(args.request)
+    kind = request.get("kind", "compute")
+    if kind == "pilot":  # imports torch; after argument parsing
+        from profiler.pilot import run_pilot as measure
+    else:
+        from profiler.measure import profile_point as measure
     try:
-        measurement = profile_point(request)
+        measurement = measure(request)
     except Exception as error:  # noqa: BLE001 - the point's own failure is data, not a dead worker
         measurement = {
-            "kind": "compute",
+            "kind": kind,
             "status": "failed",
             "batch_size": request.get("batch_size"),
             "error": f"{type(error).__name__}: {error}",

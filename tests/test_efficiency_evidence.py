@@ -84,3 +84,40 @@ def test_a_bad_record_names_its_field():
     bad[3]["grad_sqr"] = float("nan")
     with pytest.raises(ValueError, match="gradient_stats.3.grad_sqr"):
         JobSpec.model_validate(spec_dict(training={"reference_run": {"gradient_stats": bad}}))
+
+
+# -- over HTTP: a real server (API only) on SQLite, the job played through the real store --------------------
+
+
+@pytest.fixture
+def api(make_server, tmp_path):
+    import httpx
+
+    database_url = f"sqlite:///{tmp_path / 'evidence.db'}"
+    server = make_server("--executor", "none", database_url=database_url)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        client.database_url = database_url
+        yield client
+
+
+def test_a_job_submitted_with_reference_run_statistics_plans_from_them(api):
+    from tests.api_fixtures import finished_job, store_for
+
+    stats = records(lambda s: 1000.0 * s / TARGET_SAMPLES)
+    job_id = finished_job(store_for(api.database_url), training={"reference_run": {"gradient_stats": stats}})
+    rec = api.get(f"/v1/jobs/{job_id}/recommendation").json()
+    assert rec["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
+    assert rec["models"]["efficiency"]["noise_scale"]["value"] == pytest.approx(500.0, rel=0.05)
+
+
+def test_a_what_if_over_http_takes_reference_run_statistics_and_rejects_a_bad_record(api):
+    from tests.api_fixtures import finished_job, store_for
+
+    job_id = finished_job(store_for(api.database_url))
+    stats = records(lambda s: 3000.0)
+    response = api.post(f"/v1/jobs/{job_id}/plan", json={"training": {"reference_run": {"gradient_stats": stats}}})
+    assert response.status_code == 200, response.text
+    assert response.json()["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
+    stats[2].pop("grad_sqr")
+    bad = api.post(f"/v1/jobs/{job_id}/plan", json={"training": {"reference_run": {"gradient_stats": stats}}})
+    assert bad.status_code == 422 and "grad_sqr" in bad.text

@@ -188,20 +188,53 @@ def _client(args: argparse.Namespace) -> TulaClient:
     return TulaClient(args.server, token=args.token)
 
 
-def _validated_spec(path: str) -> dict[str, Any]:
+def _reference_stats(path: str) -> list[dict[str, Any]]:
+    """The records of `--reference-stats FILE` (JSONL or a JSON list), each checked."""
+    from tula_service.gradient_stats_file import coarsen_records, read_gradient_stats
+    from tula_service.spec import MAX_GRADIENT_STATS_RECORDS
+
+    try:
+        records = read_gradient_stats(path)
+    except OSError as error:
+        raise CliError(f"cannot read reference stats {path}: {error.strerror}") from None
+    except ValueError as error:
+        problems = "\n".join(f"  {line}" for line in str(error).splitlines())  # one line per problem, the first 20
+        raise CliError(f"{path} is not a gradient-statistics file:\n{problems}") from None
+    if len(records) > MAX_GRADIENT_STATS_RECORDS:
+        merged = coarsen_records(records, MAX_GRADIENT_STATS_RECORDS)
+        print(f"reference stats: {len(records)} records merged into {len(merged)} windows (a job holds at most "
+              f"{MAX_GRADIENT_STATS_RECORDS}; numerators and denominators are pooled, so the noise scale is unchanged)",
+              file=sys.stderr)  # fmt: skip
+        records = merged
+    return records
+
+
+def with_reference_stats(spec: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The spec with `training.reference_run.gradient_stats` set to the records (replacing any)."""
+    training = spec.setdefault("training", {})
+    reference_run = (training.get("reference_run") or {}) if isinstance(training, dict) else None
+    if not isinstance(reference_run, dict):
+        raise CliError("--reference-stats needs the spec's training and training.reference_run to be mappings of fields")
+    training["reference_run"] = {**reference_run, "gradient_stats": records}
+    return spec
+
+
+def _validated_spec(path: str, reference_stats: str | None = None) -> dict[str, Any]:
     from tula_service.spec import JobSpec  # the catalogs behind it take a second to import
     from tula_service.specfile import load_spec_file
 
     try:
         data = load_spec_file(path)
+        if reference_stats is not None:
+            with_reference_stats(data, _reference_stats(reference_stats))
         JobSpec.model_validate(data)  # fail here, naming the field, before anything is sent
     except OSError as error:
-        raise SystemExit(f"error: cannot read spec {path}: {error.strerror}") from None
+        raise CliError(f"cannot read spec {path}: {error.strerror}") from None
     except ValidationError as error:
         lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()]
-        raise SystemExit(f"error: {path} is not a valid job spec:\n" + "\n".join(lines)) from None
+        raise CliError(f"{path} is not a valid job spec:\n" + "\n".join(lines)) from None
     except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+        raise CliError(str(error)) from None
     return data
 
 
@@ -284,9 +317,12 @@ def _points(job: JobView) -> str:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    spec = _validated_spec(args.spec)
+    spec = _validated_spec(args.spec, args.reference_stats)
     # With --json, stdout is one JSON document; the narration goes to stderr.
     narration = sys.stderr if args.json else sys.stdout
+    if args.reference_stats:
+        records = spec["training"]["reference_run"]["gradient_stats"]
+        print(f"reference run: {len(records)} gradient-statistics records from {args.reference_stats}", file=narration, flush=True)
     with _client(args) as client:
         job = client.submit(spec, idempotency_key=args.idempotency_key)
         print(f"submitted job {job.id} ({job.progress.points_total} points)", file=narration, flush=True)
@@ -345,7 +381,7 @@ def _status(args: argparse.Namespace) -> int:
 def _point_label(kind: str, batch_size: int | None) -> str:
     if kind == "comm":
         return "all-reduce"
-    return f"{batch_size}" + (" (search)" if kind == "search" else "")
+    return f"{batch_size}" + {"search": " (search)", "pilot": " (pilot)"}.get(kind, "")
 
 
 def _one_line(text: str | None, width: int = 90) -> str:
@@ -555,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--wait", action="store_true", help="show progress and print the recommendation")
     submit.add_argument("--json", action="store_true", help="print JSON (the job, or with --wait the recommendation)")
     submit.add_argument("--idempotency-key", help="submitting again with this key returns the same job")
+    submit.add_argument("--reference-stats", metavar="FILE",
+                        help="gradient statistics of the reference run (JSONL of profiler.reference_logger, or a JSON list): "
+                        "sent as training.reference_run.gradient_stats")
     submit.add_argument("--poll-s", type=positive_float, default=1.0)
     submit.add_argument("--timeout-s", type=positive_float, default=None)
     submit.set_defaults(func=_submit)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tula_service.db import Job, Point
-from tula_service.jobs import advance, comm_command_args, point_request
+from tula_service.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request
 from tula_service.spec import JobSpec
 from tula_service.store import Store
 
@@ -61,7 +61,8 @@ def point_command(python: str, job: Job, point: Point) -> list[str]:
     """The child's command line, without `--out FILE` (the runner adds it)."""
     if point.kind == "comm":
         return [python, "-m", "profiler.comm", *comm_command_args(job)]
-    request = point_request(JobSpec.model_validate(job.spec), point.batch_size)
+    spec = JobSpec.model_validate(job.spec)
+    request = pilot_request(spec) if point.kind == "pilot" else point_request(spec, point.batch_size)
     return [python, "-m", "profiler.run_point", "--request", json.dumps(request)]
 
 
@@ -141,10 +142,15 @@ def run_child(
 
 
 def inferred_oom(job: Job, point: Point) -> Outcome | None:
-    """A point whose batch is above one that already ran out of memory is not run: it would too."""
-    if point.kind == "comm":
+    """A compute point whose batch is above one that already ran out of memory is not run: it would
+    too. Not for a pilot (it runs micro-batches of its batch), nor from one: the pilot's memory is not
+    a compute point's at the same batch."""
+    if point.kind not in COMPUTE_POINT_KINDS:
         return None
-    smaller = [p.batch_size for p in job.points if p.state == "oom" and p.batch_size < point.batch_size]
+    smaller = [
+        p.batch_size for p in job.points
+        if p.kind in COMPUTE_POINT_KINDS and p.state == "oom" and p.batch_size < point.batch_size
+    ]  # fmt: skip
     if not smaller:
         return None
     reason = f"not run: batch {min(smaller)} already ran out of memory on this device"

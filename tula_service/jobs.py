@@ -15,6 +15,8 @@ from tula_service.store import ACTIVE_JOB_STATES, Store
 log = logging.getLogger(__name__)
 
 MIN_COMM_MAX_BYTES = 4 * 2**20  # below this, small models' all-reduces are latency-bound: bandwidth unresolved
+COMPUTE_POINT_KINDS = ("grid", "search")  # one batch size timed and sized; "pilot" trains, "comm" all-reduces
+DEFAULT_LR = 0.01  # the LR points train with when the spec gives no training.reference_lr
 
 
 def point_request(spec: JobSpec, batch_size: int) -> dict:
@@ -35,10 +37,27 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
         "dtype": profiling.dtype,
         "channels_last": profiling.channels_last,
         "optimizer": spec.training.optimizer,
-        "lr": spec.training.reference_lr or 0.01,
+        "lr": spec.training.reference_lr or DEFAULT_LR,
         "memory_limit_bytes": int(profiling.memory_limit_gib * GIB) if profiling.memory_limit_gib else None,
         "device": profiling.device,
         "seed": profiling.seed,
+        "threads": profiling.threads,
+    }
+
+
+def pilot_request(spec: JobSpec) -> dict:
+    """The request of the pilot point (`profiler.pilot.run_pilot`): training at the reference batch with
+    the spec's optimizer and LR, within the pilot's step and time budget. The LR says whether it came
+    from the spec or is the points' assumed default; a spec warm-up field, when one exists, is used."""
+    profiling, training = spec.profiling, spec.training
+    return {
+        **point_request(spec, training.reference_batch),
+        "kind": "pilot",
+        "lr_source": "spec" if training.reference_lr else "assumed",
+        "warmup_steps": getattr(training, "warmup_steps", None),
+        "pilot_steps": profiling.pilot_steps,
+        "pilot_seconds": profiling.pilot_seconds,
+        "pilot_record_every": profiling.pilot_record_every,
     }
 
 
@@ -49,7 +68,7 @@ def comm_command_args(job: Job) -> list[str]:
     gradient_bytes = [
         p.measurement["model"]["gradient_bytes"]
         for p in job.points
-        if p.state == "done" and p.kind != "comm" and p.measurement
+        if p.state == "done" and p.kind in COMPUTE_POINT_KINDS and p.measurement
     ]
     max_bytes = max([MIN_COMM_MAX_BYTES, *gradient_bytes])
     return ["--max-bytes", str(max_bytes), "--backend", "auto"]

@@ -32,7 +32,7 @@ class Progress(BaseModel):
 
 class PointView(BaseModel):
     id: int
-    kind: str = Field(description="grid | search | comm")
+    kind: str = Field(description="grid | search | comm | pilot")
     batch_size: int | None
     state: str = Field(description="queued | running | done | oom | failed | cancelled")
     attempts: int = Field(description="times a worker started this point")
@@ -52,12 +52,16 @@ class PointView(BaseModel):
         )  # fmt: skip
 
 
+def _point_noun(kind: str, batch_size: int | None) -> str:
+    return {"comm": "all-reduce", "pilot": f"pilot training at batch {batch_size}"}.get(kind, f"batch {batch_size}")
+
+
 def _step(job: Job) -> str:
     if job.state == "profiling" or job.state == "queued":
         running = [p for p in job.points if p.state == "running"]
         if running:
             return "; ".join(
-                f"profiling {'all-reduce' if p.kind == 'comm' else f'batch {p.batch_size}'}"
+                f"profiling {_point_noun(p.kind, p.batch_size)}"
                 + (f" (attempt {p.attempts})" if p.attempts > 1 else "")
                 + (f" on {p.worker}" if p.worker else "")
                 for p in running

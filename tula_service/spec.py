@@ -225,7 +225,7 @@ class GradientStatsRecord(_Strict):
     precond_trace_sigma: float | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
 
 
-MAX_GRADIENT_STATS_RECORDS = 20_000
+MAX_GRADIENT_STATS_RECORDS = 2_000  # ~600 kB of JSON, inside the 1 MiB request cap; `tula submit` merges longer files
 
 
 class ReferenceRunSpec(_Strict):

@@ -55,6 +55,7 @@ class Store:
             existing = self._job_by_key(idempotency_key, digest)
             if existing is not None:
                 return existing, False
+        pilot = [Point(kind="pilot", batch_size=spec.training.reference_batch, state="queued")] if spec.profiling.pilot else []
         job = Job(
             id=uuid.uuid4().hex,
             name=spec.name,
@@ -63,7 +64,8 @@ class Store:
             idempotency_key=idempotency_key,
             spec_sha256=digest,
             points=[Point(kind="grid", batch_size=b, state="queued") for b in spec.batch_sizes]
-            + ([Point(kind="comm", state="queued")] if spec.measures_communication() else []),
+            + ([Point(kind="comm", state="queued")] if spec.measures_communication() else [])
+            + pilot,
         )
         try:
             with self.session() as session, session.begin():

@@ -4,7 +4,9 @@ import { el, replaceChildren, table } from "./dom.js";
 import { formatDuration } from "./format.js";
 
 function what(point) {
-  return point.kind === "comm" ? "all-reduce" : `batch ${point.batch_size}${point.kind === "search" ? " (max-batch search)" : ""}`;
+  if (point.kind === "comm") return "all-reduce";
+  if (point.kind === "pilot") return `pilot at batch ${point.batch_size}`;
+  return `batch ${point.batch_size}${point.kind === "search" ? " (max-batch search)" : ""}`;
 }
 
 export function renderPoints(node, job) {

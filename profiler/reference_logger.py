@@ -1,0 +1,419 @@
+"""Gradient statistics along the user's own PyTorch training run, written as Tula's JSONL records.
+
+Two lines in a plain loop (then `tula submit SPEC --reference-stats stats.jsonl`):
+
+    logger = GradientStatsLogger("stats.jsonl", model, optimizer, every=20)   # once, after wrapping in DDP
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()                        # under DDP: returns after the all-reduce
+        logger.step(loss=loss.item())          # after backward(), before optimizer.step()
+        optimizer.step()
+    logger.close()                             # or `with GradientStatsLogger(...) as logger:`
+
+One process: accumulate k micro-batches per step and say so (the small batches of the estimator):
+
+    logger = GradientStatsLogger("stats.jsonl", model, optimizer, every=20, accumulation=4)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        for x, t in zip(inputs.chunk(4), targets.chunk(4)):
+            (F.cross_entropy(model(x), t) / 4).backward()
+        logger.step()
+        optimizer.step()
+
+The samples per micro-batch are read from each forward pass's first tensor argument (dim 0); pass
+`device_batch=` when that is not the batch (dict inputs keyed otherwise, sequence-first tensors, a
+model called twice per micro-batch).
+
+Estimator: the two-batch one of McCandlish et al. 2018 ("An Empirical Model of Large-Batch
+Training", App. A.1), `profiler.gradstats.two_batch_estimates`. With n gradients g_b of b samples each
+whose mean is the step's gradient g_B of B = n b samples:
+
+    |G|^2     ~ (B |g_B|^2 - b mean|g_b|^2) / (B - b)
+    tr(Sigma) ~ (mean|g_b|^2 - |g_B|^2) / (1/b - 1/B)          per sample: B_simple = tr(Sigma) / |G|^2
+
+Where the two batches come from, at no extra forward or backward pass:
+- DistributedDataParallel over W ranks: each rank's local gradient (b = per-device batch) is read by
+  a tensor hook on every parameter, which autograd runs before the gradient is accumulated and DDP
+  all-reduces it; g_B is `.grad` after backward (B = W b). mean|g_b|^2 is the mean over the ranks.
+- Gradient accumulation over k micro-batches (`accumulation=k`, one process, or DDP with `no_sync()`
+  on all but the last micro-batch): the same hooks see each micro-batch's own gradient, so the small
+  batch is the micro-batch (b = its samples, B = W k b, mean over all W k micro-batches).
+- One process without accumulation has one gradient per step: nothing to compare, so the
+  constructor refuses it; split each batch into k >= 2 micro-batches (`(loss / k).backward()` on each)
+  and pass `accumulation=k`.
+
+Hooks rather than a DDP communication hook: a model keeps its own comm hook (fp16 compression,
+PowerSGD: DDP takes only one), the micro-batches of `no_sync()` accumulation stay visible, and the
+code path is the same with and without DDP.
+
+Loss scaling. Each micro-batch's loss is the mean over its samples (PyTorch's default reduction).
+With `loss_divided_by_accumulation=True` (the usual `(loss / k).backward()`) the hook sees g_b / k and
+`.grad` holds g_B; with False, the hook sees g_b and `.grad` holds k g_B. Either way the logger
+converts to g_b and g_B. A wrong setting scales grad_sqr and trace_sigma by the same k^2: their ratio,
+B_simple, does not change.
+
+AMP. With `grad_scaler=` (torch.amp.GradScaler), step() calls `grad_scaler.unscale_(optimizer)` (a
+no-op if the loop already did, e.g. to clip), so `.grad` is the true gradient and
+`grad_scaler.step(optimizer)` does not unscale again; the hooks saw scaled gradients and are divided
+by the scale squared. A step whose gradients are inf/nan (the scaler skips it) counts its samples
+but gives no statistics.
+
+Adam/AdamW. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
+P = diag(1 / (sqrt(v_hat) + eps)), v_hat = exp_avg_sq / (1 - beta2^t) (max_exp_avg_sq with amsgrad)
+from the optimizer state as it stands between backward() and step(); the same P for every
+micro-batch gradient and for g_B. On the first step the state is empty: null.
+
+Windows. Every `every` optimizer steps one record: |G|^2 and tr(Sigma) averaged over the window's
+steps separately (never per-step ratios), samples (all ranks, cumulative), batch (global), step,
+loss (mean over the window, over the ranks too), metric (the last one passed in the window, rank 0's),
+window_steps, variability (median over the window of | |g_t| - |g_t-1| | / |g_t-1|, g_t the step's
+global gradient) and the precond pair. Steps whose micro-batches differ in size (an epoch's last,
+smaller batch) count their samples but are left out of the statistics. Rank 0 writes and flushes each
+line, so a crash loses at most one window; every rank gets the record back from step().
+
+Cost: per backward, one norm per parameter (two with Adam); per step, one pass over `.grad`; per
+window, one all-reduce of a (steps x 10) tensor. No host synchronization per step, except
+`grad_scaler.get_scale()` under AMP.
+
+Not supported: FSDP, ZeRO or tensor parallelism (a rank holds a shard, not a gradient), and other
+backward passes through the model's parameters between two step() calls (they would count as
+micro-batches: step() then raises).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from profiler.gradstats import two_batch_estimates
+
+RECORD_KEYS = (
+    "samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step",
+    "window_steps", "variability", "precond_grad_sqr", "precond_trace_sigma",
+)  # fmt: skip
+
+# One row per optimizer step; summed over the ranks at the end of a window (one all-reduce).
+MICRO_SQ, FULL_SQ, PRE_MICRO_SQ, PRE_FULL_SQ = range(4)  # device values: sums of squared norms
+LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(4, 10)  # host values
+
+NOTHING_TO_COMPARE = (
+    "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to "
+    "compare. Split each batch into k >= 2 micro-batches, call (loss / k).backward() on each, then "
+    "logger.step(), and pass accumulation=k; or run under DistributedDataParallel, where the ranks' local "
+    "gradients are the small batches"
+)
+
+
+@dataclass
+class _StepTally:
+    """What the hooks saw since the last step(): backward calls per parameter, forward batch sizes,
+    squared norms of each backward's gradient per parameter (raw and preconditioned)."""
+
+    backward_counts: Counter[int] = field(default_factory=Counter)
+    forward_sizes: list[int | None] = field(default_factory=list)
+    micro_sq: list[torch.Tensor] = field(default_factory=list)
+    precond_micro_sq: list[torch.Tensor] = field(default_factory=list)
+    precond_missing: bool = False
+
+
+class GradientStatsLogger:
+    """Writes gradient-statistics records of a training run to a JSONL file (see the module docstring).
+
+    path: the JSONL file (rank 0 writes it). model: the module as trained (the DDP wrapper under DDP).
+    optimizer: for the Adam/AdamW precond pair and for grad_scaler's unscaling; optional otherwise.
+    every: optimizer steps per record. accumulation: micro-batches (backward calls) per optimizer step
+    on each rank. device_batch: samples per micro-batch on one rank; None reads it from each forward
+    pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's
+    loss is divided by `accumulation` before backward(). grad_scaler: torch.amp.GradScaler under AMP.
+    start_step, start_samples: counts already done (a resumed run); append: add to an existing file.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        every: int = 20,
+        accumulation: int = 1,
+        device_batch: int | None = None,
+        loss_divided_by_accumulation: bool = True,
+        grad_scaler: Any = None,
+        start_step: int = 0,
+        start_samples: int = 0,
+        append: bool = False,
+    ):
+        counts = {"every": (every, 1), "accumulation": (accumulation, 1), "device_batch": (1 if device_batch is None else device_batch, 1),
+                  "start_step": (start_step, 0), "start_samples": (start_samples, 0)}  # fmt: skip
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if grad_scaler is not None and optimizer is None:
+            raise ValueError("grad_scaler needs the optimizer: GradScaler unscales the gradients per optimizer")
+        self.process_group, self.world_size, self.rank = _distributed_setup(model)
+        if self.world_size == 1 and accumulation == 1:
+            raise ValueError(NOTHING_TO_COMPARE)
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no parameter that requires a gradient")
+        self.optimizer = optimizer
+        self.every = every
+        self.accumulation = accumulation
+        self.device_batch = device_batch
+        self.loss_divided_by_accumulation = loss_divided_by_accumulation
+        self.grad_scaler = grad_scaler
+        self.steps = start_step
+        self.samples = start_samples
+        self.last_record: dict[str, Any] | None = None
+        self._device = self.parameters[0].device
+        self._dtype = torch.float32 if self._device.type == "mps" else torch.float64
+        self._adam_groups = _adam_groups(optimizer, self.parameters)
+        self._rows_device: list[torch.Tensor] = []
+        self._rows_host: list[list[float]] = []
+        self._metric: float | None = None
+        self._prev_norm: float | None = None
+        self._tally = _StepTally()
+        self._hooks = [p.register_hook(partial(self._on_grad, index)) for index, p in enumerate(self.parameters)]
+        if device_batch is None:
+            self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._file = open(path, "a" if append else "w") if self.rank == 0 else None
+        self._closed = False
+
+    # -- during backward ---------------------------------------------------------------------------
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            self._tally.forward_sizes.append(_leading_dim(args, kwargs))
+
+    def _on_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Autograd calls this with the parameter's gradient from this backward pass alone (before it is
+        accumulated into .grad and before DDP all-reduces it)."""
+        grad, tally = grad.detach(), self._tally
+        tally.backward_counts[index] += 1
+        tally.micro_sq.append(self._sq_norm(grad))
+        if index in self._adam_groups:
+            denominator = self._adam_denominator(index)
+            if denominator is None:
+                tally.precond_missing = True
+            else:
+                tally.precond_micro_sq.append(self._sq_norm(grad / denominator))
+
+    def _sq_norm(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
+
+    def _adam_denominator(self, index: int) -> torch.Tensor | None:
+        """sqrt(v_hat) + eps, v_hat = exp_avg_sq / (1 - beta2^t): Adam's own denominator for the next step."""
+        param, group = self.parameters[index], self._adam_groups[index]
+        state = self.optimizer.state.get(param)
+        if not state or "exp_avg_sq" not in state:
+            return None
+        second_moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+        step = state["step"]
+        if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+            step = float(step)  # as Adam does: 1 - beta2^t in float32 loses digits at small t
+        bias_correction = 1 - group["betas"][1] ** step
+        return (second_moment / bias_correction).sqrt_().add_(group["eps"])
+
+    # -- once per optimizer step -------------------------------------------------------------------
+
+    def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
+        """After the step's last backward() (and DDP's all-reduce), before optimizer.step().
+
+        loss: this rank's training loss of the step (averaged over the ranks and the window).
+        metric: an evaluation metric, when there is one (the record keeps the window's last).
+        Returns the record when this step closes a window (on every rank), else None."""
+        if self._closed:
+            raise RuntimeError("step() after close(): make a new GradientStatsLogger")
+        tally, self._tally = self._tally, _StepTally()  # a step that raises below is dropped
+        micro_batches = max(tally.backward_counts.values(), default=0)
+        if micro_batches == 0:
+            raise RuntimeError("step() found no backward pass since the last step: call it after backward(), before optimizer.step()")
+        if micro_batches != self.accumulation:
+            raise ValueError(
+                f"{micro_batches} backward passes since the last step, but accumulation={self.accumulation}: pass the number "
+                "of micro-batches per optimizer step (and run no other backward pass through the model between steps)"
+            )
+        sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
+        squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
+        self._rows_device.append(squared_norms)
+        self._rows_host.append([
+            0.0 if loss is None else float(loss), float(loss is not None), float(micro_batches),
+            float(sum(sizes)), float(sum(s * s for s in sizes)), float(precond_ok),
+        ])  # fmt: skip
+        if metric is not None:
+            self._metric = float(metric)
+        self.steps += 1
+        return self._write_window() if len(self._rows_device) >= self.every else None
+
+    def _squared_norms(self, tally: _StepTally, micro_batches: int) -> tuple[torch.Tensor, bool]:
+        """This rank's [sum over micro-batches of |g_b|^2, |g_B|^2, the same two of P g], true scale (see
+        the module docstring for the loss and AMP factors), and whether the precond pair is there."""
+        scale = self._unscale()
+        divided = self.loss_divided_by_accumulation
+        micro_factor = (micro_batches**2 if divided else 1.0) / scale**2  # hooks saw scale * g_b / k (or scale * g_b)
+        full_factor = 1.0 if divided else 1.0 / micro_batches**2  # .grad holds g_B (or k g_B), unscaled
+        with_grad = [(i, p.grad) for i, p in enumerate(self.parameters) if p.grad is not None]
+        micro_sq = torch.stack(tally.micro_sq).sum() * micro_factor
+        full_sq = torch.stack([self._sq_norm(g) for _, g in with_grad]).sum() * full_factor
+        precond_ok = bool(self._adam_groups) and bool(tally.precond_micro_sq) and not tally.precond_missing
+        if not precond_ok:
+            zero = torch.zeros((), device=self._device, dtype=self._dtype)
+            return torch.stack([micro_sq, full_sq, zero, zero]), False
+        pre_micro_sq = torch.stack(tally.precond_micro_sq).sum() * micro_factor
+        pre_full = [self._sq_norm(g / self._adam_denominator(i)) for i, g in with_grad if i in self._adam_groups]
+        return torch.stack([micro_sq, full_sq, pre_micro_sq, torch.stack(pre_full).sum() * full_factor]), True
+
+    def _micro_sizes(self, sizes: list[int | None], micro_batches: int) -> list[int]:
+        if self.device_batch is not None:
+            return [self.device_batch] * micro_batches
+        if None in sizes:
+            raise ValueError("a forward pass had no tensor argument to read its batch size from: pass device_batch=")
+        if len(sizes) != micro_batches:
+            raise ValueError(
+                f"{len(sizes)} forward passes with gradients enabled for {micro_batches} backward passes since the last "
+                "step: pass device_batch= (samples per micro-batch on one rank)"
+            )
+        return sizes
+
+    def _unscale(self) -> float:
+        """Unscales .grad in place (GradScaler remembers, its step() will not unscale again); returns the scale."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        try:
+            scaler.unscale_(self.optimizer)
+        except RuntimeError as error:  # the loop unscaled already (e.g. to clip)
+            if "already been called" not in str(error):
+                raise
+        return float(scaler.get_scale())
+
+    # -- once per window ---------------------------------------------------------------------------
+
+    def _write_window(self) -> dict[str, Any] | None:
+        host = torch.tensor(self._rows_host, device=self._device, dtype=self._dtype)
+        rows = torch.cat([torch.stack(self._rows_device), host], dim=1)
+        self._rows_device, self._rows_host = [], []
+        if self.world_size > 1:
+            dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.process_group)
+        record = self._record(rows.cpu().tolist())
+        self._metric = None
+        if record is None:
+            return None
+        self.last_record = record
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        return record
+
+    def _record(self, rows: list[list[float]]) -> dict[str, Any] | None:
+        """One record from a window's rows, summed over the ranks; None when no step gave statistics."""
+        world = self.world_size
+        steps: list[tuple[int, float, float, float, float, float]] = []
+        variabilities, losses = [], []
+        for row in rows:
+            self.samples += round(row[SAMPLES])
+            if row[LOSS_COUNT] > 0:
+                losses.append(row[LOSS_SUM] / row[LOSS_COUNT])
+            full_sq = row[FULL_SQ] / world  # identical on every rank: the mean is the value
+            if not math.isfinite(full_sq):
+                continue  # an AMP overflow: the scaler skips this step
+            norm = math.sqrt(full_sq)
+            if self._prev_norm:
+                variabilities.append(abs(norm - self._prev_norm) / self._prev_norm)
+            self._prev_norm = norm
+            count, samples = row[MICRO_COUNT], row[SAMPLES]
+            equal_micro_batches = count * row[SAMPLES_SQ] == samples * samples
+            if equal_micro_batches and math.isfinite(row[MICRO_SQ]):
+                precond = row[PRE_OK] == world and math.isfinite(row[PRE_MICRO_SQ] + row[PRE_FULL_SQ])
+                steps.append((round(samples), samples / count, row[MICRO_SQ] / count, full_sq,
+                              row[PRE_MICRO_SQ] / count if precond else math.nan, row[PRE_FULL_SQ] / world))  # fmt: skip
+        if not steps:
+            return None
+        batch = Counter(s[0] for s in steps).most_common(1)[0][0]
+        steps = [s for s in steps if s[0] == batch]
+        micro_batch = round(steps[0][1])
+        plain = [two_batch_estimates([s[2]], s[3], micro_batch, batch) for s in steps]
+        precond = [two_batch_estimates([s[4]], s[5], micro_batch, batch) for s in steps if not math.isnan(s[4])]
+        return {
+            "samples": self.samples,
+            "batch": batch,
+            "grad_sqr": statistics.fmean(g for g, _ in plain),
+            "trace_sigma": statistics.fmean(t for _, t in plain),
+            "loss": statistics.fmean(losses) if losses else None,
+            "metric": self._metric,
+            "step": self.steps,
+            "window_steps": len(steps),
+            "variability": statistics.median(variabilities) if variabilities else None,
+            "precond_grad_sqr": statistics.fmean(g for g, _ in precond) if precond else None,
+            "precond_trace_sigma": statistics.fmean(t for _, t in precond) if precond else None,
+        }
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Writes the last, partial window (a collective under DDP: every rank calls close()), removes the hooks."""
+        if self._closed:
+            return
+        try:
+            if self._rows_device:
+                self._write_window()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._file is not None:
+            self._file.close()
+        self._closed = True
+
+    def __enter__(self) -> GradientStatsLogger:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # no collective on the way out of an error: other ranks may be gone
+            self._release()
+
+
+def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
+    """(process group, world size, rank): DDP's group, or one process."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        group = model.process_group
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"torch.distributed runs {dist.get_world_size()} processes but the model is not a DistributedDataParallel: "
+            "pass the DDP-wrapped model (the logger reads each rank's local gradient before DDP's all-reduce)"
+        )
+    return None, 1, 0
+
+
+def _adam_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
+    """Parameter index -> its Adam/AdamW param group; empty for other optimizers (no precond pair)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return {}
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    return {index: group_of[id(p)] for index, p in enumerate(parameters) if id(p) in group_of}
+
+
+def _leading_dim(args: tuple, kwargs: dict) -> int | None:
+    """Dim 0 of the first tensor among a forward call's arguments (one level into lists and dicts)."""
+    for value in [*args, *kwargs.values()]:
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in inner:
+            if isinstance(item, torch.Tensor) and item.dim() > 0:
+                return int(item.shape[0])
+    return None

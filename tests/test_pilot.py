@@ -1,0 +1,223 @@
+"""The pilot point: real training at the reference batch on CPU, with gradient statistics along the way,
+run in-process, as the child process the server runs, and end to end through the store and executor."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from profiler.pilot import StepStats, run_pilot, settled, split_batch, warmup_steps_for  # noqa: E402
+from tests.processes import submit, wait_for_job  # noqa: E402
+from tula_service.db import Job, Point, make_engine, make_session_factory  # noqa: E402
+from tula_service.dispatch import inferred_oom  # noqa: E402
+from tula_service.executor import LocalExecutor  # noqa: E402
+from tula_service.jobs import pilot_request  # noqa: E402
+from tula_service.spec import GradientStatsRecord, JobSpec  # noqa: E402
+from tula_service.store import Store  # noqa: E402
+from tests.handmade import spec_dict  # noqa: E402
+
+IMAGES = {"name": "synthetic_images", "channels": 3, "image_size": 16, "num_classes": 10, "num_samples": 2000}
+MNIST1D = {"name": "mnist1d", "num_samples": 2000}
+
+
+def _pilot(model: str, dataset: dict, batch_size: int, **extra) -> dict:
+    request = {"model": model, "dataset": dataset, "batch_size": batch_size, "device": "cpu", "threads": 1, **extra}
+    return run_pilot(request)
+
+
+class OffsetBias(nn.Module):
+    """Logits = a learnable bias, 4 nats towards class 0, whatever the input. Its per-sample gradient is
+    softmax(bias) - onehot(label): a large mean and a fixed spread, so at a tiny LR the noise scale is
+    constant (about 1.4 samples) and well resolved at a batch of 64."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(num_classes))
+        self.bias.data[0] = 4.0
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.bias.expand(inputs.shape[0], -1)
+
+
+def offset_bias(*, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+    return OffsetBias(num_classes)
+
+
+def _assert_contract(records: list[dict], batch: int) -> None:
+    for record in records:
+        GradientStatsRecord.model_validate(record)  # the shared contract, strict: no extra keys
+        assert record["batch"] == batch and record["metric"] is None
+        assert record["samples"] == record["step"] * batch
+    samples = [r["samples"] for r in records]
+    assert samples == sorted(samples) and len(set(samples)) == len(samples)
+
+
+def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=30, pilot_record_every=10, grad_microbatches=4)
+    assert pilot["status"] == "ok" and pilot["kind"] == "pilot" and pilot["stopped_by"] == "steps"
+    assert pilot["steps"] == 30 and pilot["samples"] == 30 * 16 and pilot["batch_size"] == 16
+    assert [r["step"] for r in pilot["trajectory"]] == [10, 20, 30]
+    assert all(r["window_steps"] == 10 for r in pilot["trajectory"])
+    _assert_contract(pilot["trajectory"], 16)
+    first = pilot["trajectory"][0]
+    assert first["trace_sigma"] > 0 and math.isfinite(first["grad_sqr"]) and first["variability"] > 0
+    assert first["precond_grad_sqr"] is None and first["precond_trace_sigma"] is None  # SGD: no preconditioner
+    assert pilot["lr"] == {"value": 0.01, "source": "assumed"} and pilot["optimizer"] == "sgd"
+    assert pilot["warmup_steps"] == warmup_steps_for(30) == 3
+    assert pilot["gradient"]["micro_batches"] == 4 and pilot["gradient"]["micro_batch"] == 4
+    assert pilot["threads"] == 1 and pilot["host_load"]["cores"] >= 1 and pilot["elapsed_s"] >= pilot["train_seconds"]
+
+
+def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_falls():
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="adam", lr=3e-3, pilot_steps=60, pilot_record_every=20)
+    assert pilot["status"] == "ok" and pilot["lr"] == {"value": 3e-3, "source": "spec"}
+    records = pilot["trajectory"]
+    _assert_contract(records, 32)
+    for record in records:
+        assert math.isfinite(record["precond_grad_sqr"]) and record["precond_trace_sigma"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]  # it trains: the statistics are taken along training
+
+
+def test_pilot_stops_at_its_time_budget():
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=100_000, pilot_seconds=0.5, pilot_record_every=5)
+    assert pilot["stopped_by"] == "seconds" and 0 < pilot["steps"] < 100_000
+    assert 0.5 <= pilot["train_seconds"] < 0.5 + 1.0  # at most one step past the budget
+    _assert_contract(pilot["trajectory"], 16)  # the last, partial window is kept
+    assert pilot["trajectory"][-1]["step"] == pilot["steps"]
+
+
+def test_settle_rule_fires_where_the_noise_scale_is_constant():
+    pilot = _pilot(
+        "tests.test_pilot:offset_bias", IMAGES, 64, allowed_model_modules=["tests.test_pilot"], lr=1e-5,
+        grad_microbatches=8, pilot_steps=300, pilot_record_every=20,
+    )  # fmt: skip
+    assert pilot["stopped_by"] == "settled" and pilot["steps"] < 300
+    noise_scales = [r["trace_sigma"] / r["grad_sqr"] for r in pilot["trajectory"]]
+    assert all(1.0 < b < 2.0 for b in noise_scales)
+
+
+def _steps(grad_sqr: float, trace_sigma: float, count: int = 10, spread: float = 0.0) -> list[StepStats]:
+    """Per-step estimates alternating +-spread around the given means."""
+    signs = [1 if i % 2 else -1 for i in range(count)]
+    return [StepStats(1.0, grad_sqr * (1 + s * spread), trace_sigma * (1 - s * spread), 1.0) for s in signs]
+
+
+def _records(noise_scales: list[float], window_steps: int = 10) -> list[dict]:
+    return [
+        {"grad_sqr": 1.0, "trace_sigma": b, "step": (i + 1) * window_steps, "window_steps": window_steps}
+        for i, b in enumerate(noise_scales)
+    ]
+
+
+def test_settle_rule_needs_steady_precise_estimates_after_the_warm_up():
+    steady = [_steps(1.0, 100.0, spread=0.01)] * 4
+    assert settled(_records([100, 101, 100, 102]), steady, warmup_steps=0)
+    assert not settled(_records([100, 101, 100, 102]), steady, warmup_steps=20)  # only 2 records after it
+    assert not settled(_records([100, 120, 95, 100]), steady, warmup_steps=0)  # up and back: 25% in total
+    noisy = [_steps(1.0, 100.0, spread=0.9)] * 4  # steady values, but the estimate cannot resolve 10%
+    assert not settled(_records([100, 101, 100, 101]), noisy, warmup_steps=0)
+    assert not settled(_records([100, 101, -50, 101]), steady, warmup_steps=0)  # |G|^2 unresolved
+
+
+def test_settle_rule_on_records_that_change_by_a_little_under_ten_percent_in_total():
+    steady = [_steps(1.0, 100.0, spread=0.01)] * 3
+    assert settled(_records([100, 104, 100]), steady, warmup_steps=0)  # 4% + 3.8%
+    assert not settled(_records([100, 106, 100]), steady, warmup_steps=0)  # 6% + 5.7%
+
+
+def test_a_diverging_loss_ends_the_pilot_with_what_it_has():
+    pilot = _pilot("cnn1d", MNIST1D, 16, lr=1e4, pilot_steps=100, pilot_record_every=5)
+    assert pilot["status"] == "ok" and pilot["stopped_by"] == "diverged" and pilot["steps"] < 100
+    assert "diverged" in pilot and pilot["diverged"]["step"] == pilot["steps"] + 1
+    _assert_contract(pilot["trajectory"], 16)
+
+
+def test_batch_split_into_equal_micro_batches_of_at_least_two():
+    assert split_batch(32, 4) == (4, 8)
+    assert split_batch(6, 4) == (3, 2)
+    assert split_batch(10, 8) == (5, 2)
+    assert split_batch(13, 4) == (4, 3)  # prime: the remainder is dropped and the record says 12
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        split_batch(3, 4)
+
+
+def test_pilot_out_of_memory_in_the_child_process_is_data(tmp_path):
+    # Micro-batches of 1024 x 32x32 images need ~350 MB of activations; the child may use 64 MiB more.
+    request = {
+        "kind": "pilot", "model": "small_cnn", "dataset": {**IMAGES, "image_size": 32}, "batch_size": 4096,
+        "device": "cpu", "threads": 1, "pilot_steps": 10, "memory_limit_bytes": 64 * 2**20,
+    }  # fmt: skip
+    out = tmp_path / "pilot.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "profiler.run_point", "--request", json.dumps(request), "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert record["kind"] == "pilot" and record["status"] == "oom" and "allocate" in record["error"]
+    assert record["trajectory"] == []
+
+
+def _store(tmp_path) -> Store:
+    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
+
+
+def test_a_job_gets_a_pilot_point_at_the_reference_batch_only_when_asked(tmp_path):
+    store = _store(tmp_path)
+    with_pilot = submit(store, batch_sizes=[8, 16], profiling={"pilot": True})
+    assert [(p.kind, p.batch_size) for p in with_pilot.points] == [("grid", 8), ("grid", 16), ("pilot", 32)]
+    assert all(p.kind != "pilot" for p in submit(store, name="no-pilot", batch_sizes=[8, 16]).points)
+
+
+def test_pilot_request_carries_the_budget_the_lr_and_its_source():
+    spec = JobSpec.model_validate(spec_dict(
+        training={"optimizer": "adamw", "reference_lr": 0.002},
+        profiling={"pilot": True, "pilot_steps": 50, "pilot_seconds": 5, "pilot_record_every": 5, "threads": 1},
+    ))  # fmt: skip
+    request = pilot_request(spec)
+    assert request["kind"] == "pilot" and request["batch_size"] == 32 and request["optimizer"] == "adamw"
+    assert (request["lr"], request["lr_source"]) == (0.002, "spec") and request["threads"] == 1
+    assert (request["pilot_steps"], request["pilot_seconds"], request["pilot_record_every"]) == (50, 5, 5)
+    assumed = pilot_request(JobSpec.model_validate(spec_dict(profiling={"pilot": True})))
+    assert (assumed["lr"], assumed["lr_source"]) == (0.01, "assumed")
+
+
+def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():
+    pilot_oom = Point(id=1, kind="pilot", batch_size=32, state="oom")
+    grid = Point(id=2, kind="grid", batch_size=64, state="queued")
+    assert inferred_oom(Job(points=[pilot_oom, grid]), grid) is None
+    grid_oom = Point(id=3, kind="grid", batch_size=16, state="oom")
+    pilot = Point(id=4, kind="pilot", batch_size=32, state="queued")
+    assert inferred_oom(Job(points=[grid_oom, pilot]), pilot) is None
+    assert inferred_oom(Job(points=[grid_oom, grid]), grid).state == "oom"  # compute points still are
+
+
+@pytest.mark.e2e
+def test_a_job_with_a_pilot_ends_done_with_its_trajectory_and_threads_reach_the_child(tmp_path):
+    store = _store(tmp_path)
+    profiling = {
+        "time_cap_s": 0.2, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2, "threads": 1,
+        "pilot": True, "pilot_steps": 20, "pilot_record_every": 5,
+    }  # fmt: skip
+    job = submit(store, batch_sizes=[8, 16], dataset={"name": "synthetic_images", "num_samples": 2000}, profiling=profiling)
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        finished = wait_for_job(store, job.id, timeout_s=120)
+    finally:
+        executor.stop()
+    assert finished.state == "done", finished.error
+    [pilot] = [p for p in finished.points if p.kind == "pilot"]
+    assert pilot.state == "done" and pilot.attempts == 1 and pilot.batch_size == 32
+    measurement = pilot.measurement
+    assert measurement["kind"] == "pilot" and measurement["steps"] == 20 and len(measurement["trajectory"]) == 4
+    _assert_contract(measurement["trajectory"], 32)
+    assert measurement["threads"] == 1 and measurement["threads_source"] == "spec"
+    assert all(p.measurement["threads"] == 1 for p in finished.points if p.kind == "grid")
+    assert finished.recommendation["profiled"]["failed"] == []  # planned from the compute points as before

@@ -1,0 +1,344 @@
+"""The drop-in gradient-statistics logger in real training loops: accumulation, DDP on gloo, Adam, AMP."""
+
+import contextlib
+import json
+import math
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from profiler.gradstats import two_batch_estimates  # noqa: E402
+from profiler.reference_logger import RECORD_KEYS, GradientStatsLogger  # noqa: E402
+
+torch.set_num_threads(1)
+
+BATCH = 32
+STEPS = 6
+
+
+def _tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batches(steps: int = STEPS, batch: int = BATCH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 8, generator=generator), torch.randint(0, 4, (batch,), generator=generator)) for _ in range(steps)]
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+
+
+def _train(model, optimizer, logger, batches, micro_batches: int, divide: bool = True, part: slice = slice(None), grad_scaler=None):
+    """SGD/Adam steps on rows `part` of each batch, each as `micro_batches` accumulated pieces (DDP's
+    no_sync on all but the last); returns the records step() gave back."""
+    records = []
+    for inputs, targets in batches:
+        inputs, targets = inputs[part], targets[part]
+        optimizer.zero_grad()
+        pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)))
+        total_loss = 0.0
+        for index, (piece_in, piece_t) in enumerate(pieces):
+            syncing = index == len(pieces) - 1 or not hasattr(model, "no_sync")
+            loss = F.cross_entropy(model(piece_in), piece_t) / (micro_batches if divide else 1)
+            total_loss += loss.item() / (1 if divide else micro_batches)
+            with contextlib.nullcontext() if syncing else model.no_sync():
+                (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+        record = logger.step(loss=total_loss)
+        if record is not None:
+            records.append(record)
+        if grad_scaler:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            optimizer.step()
+    return records
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]).double()
+
+
+def _by_hand(model: nn.Module, optimizer: torch.optim.Optimizer, inputs, targets, micro_batches: int) -> dict:
+    """One step's statistics computed directly: each micro-batch's gradient by its own autograd.grad on a
+    hook-free copy of the model, g_B their mean; P from Adam's state as the next step would use it."""
+    reference = _tiny_model()
+    reference.load_state_dict(model.state_dict())
+    params = list(reference.parameters())
+    micro = [_flat(torch.autograd.grad(F.cross_entropy(reference(x), t), params))
+             for x, t in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))]  # fmt: skip
+    full = torch.stack(micro).mean(0)
+    b, B = len(inputs) // micro_batches, len(inputs)
+    result = {"plain": two_batch_estimates([float(g @ g) for g in micro], float(full @ full), b, B), "norm": float(full.norm())}
+    states = [optimizer.state.get(p) for p in model.parameters()]
+    if isinstance(optimizer, torch.optim.Adam) and all(states):
+        beta2, eps = optimizer.param_groups[0]["betas"][1], optimizer.param_groups[0]["eps"]
+        precond = 1 / _flat((s["exp_avg_sq"] / (1 - beta2 ** float(s["step"]))).sqrt() + eps for s in states)  # float32, as Adam
+        result["precond"] = two_batch_estimates([float((precond * g) @ (precond * g)) for g in micro], float((precond * full) @ (precond * full)), b, B)
+    return result
+
+
+# -- the record ----------------------------------------------------------------------------------
+
+
+def test_records_follow_the_contract_and_each_line_is_on_disk_when_its_window_closes(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    path = tmp_path / "stats.jsonl"
+    logger = GradientStatsLogger(path, model, optimizer, every=3, accumulation=4)
+    records = _train(model, optimizer, logger, _batches(3), micro_batches=4)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records  # flushed, logger still open
+    _train(model, optimizer, logger, _batches(4), micro_batches=4)
+    logger.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [list(r) for r in lines] == [list(RECORD_KEYS)] * 3
+    assert [(r["samples"], r["batch"], r["step"], r["window_steps"]) for r in lines] == [(96, 32, 3, 3), (192, 32, 6, 3), (224, 32, 7, 1)]
+    for r in lines:
+        assert all(math.isfinite(r[k]) for k in ("grad_sqr", "trace_sigma", "loss"))
+        assert r["trace_sigma"] > 0 and r["metric"] is None and r["precond_grad_sqr"] is None and r["precond_trace_sigma"] is None
+    assert lines[0]["variability"] > 0 and lines[2]["variability"] > 0
+    from tula_service.gradient_stats_file import read_gradient_stats  # here: the DDP test's processes need not import it
+
+    assert read_gradient_stats(path) == lines  # the service's reader takes the file as written
+
+
+def test_loss_is_the_window_mean_and_metric_the_last_passed(tmp_path):
+    model = _tiny_model()
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, every=2, accumulation=2)
+    for (inputs, targets), metric in zip(_batches(2), (0.25, 0.75)):
+        model.zero_grad()
+        for x, t in zip(inputs.chunk(2), targets.chunk(2)):
+            (F.cross_entropy(model(x), t) / 2).backward()
+        record = logger.step(loss=1.0 if metric < 0.5 else 2.0, metric=metric)
+    assert record["loss"] == 1.5 and record["metric"] == 0.75 and record["window_steps"] == 2
+    logger.close()
+
+
+# -- accumulation: the micro-batches are the small batches --------------------------------------------
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["loss-divided", "loss-summed"])
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+def test_four_micro_batches_give_the_two_batch_estimates_computed_by_hand(tmp_path, optimizer_name, divide):
+    model = _tiny_model()
+    optimizer = _optimizer(optimizer_name, model)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=1, accumulation=4, loss_divided_by_accumulation=divide)
+    expected, records = [], []
+    for inputs, targets in _batches():
+        expected.append(_by_hand(model, optimizer, inputs, targets, 4))
+        records += _train(model, optimizer, logger, [(inputs, targets)], micro_batches=4, divide=divide)
+    logger.close()
+    for step, (record, truth) in enumerate(zip(records, expected)):
+        assert (record["grad_sqr"], record["trace_sigma"]) == pytest.approx(truth["plain"], rel=1e-5)  # float32 gradients
+        if optimizer_name == "adam" and step > 0:
+            assert (record["precond_grad_sqr"], record["precond_trace_sigma"]) == pytest.approx(truth["precond"], rel=1e-5)
+        else:
+            assert record["precond_grad_sqr"] is None and record["precond_trace_sigma"] is None
+    norms = [truth["norm"] for truth in expected]
+    assert [r["variability"] for r in records[1:]] == pytest.approx([abs(b - a) / a for a, b in zip(norms, norms[1:])], rel=1e-4)
+
+
+def test_a_window_averages_numerator_and_denominator_over_its_steps(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=STEPS, accumulation=4)
+    expected = []
+    for inputs, targets in _batches():
+        expected.append(_by_hand(model, optimizer, inputs, targets, 4)["plain"])
+        _train(model, optimizer, logger, [(inputs, targets)], micro_batches=4)
+    logger.close()
+    assert (logger.last_record["grad_sqr"], logger.last_record["trace_sigma"]) == pytest.approx(
+        (sum(g for g, _ in expected) / STEPS, sum(t for _, t in expected) / STEPS), rel=1e-6
+    )
+
+
+def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("adam", model)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=3, accumulation=2)
+    records = _train(model, optimizer, logger, _batches(), micro_batches=2)
+    logger.close()
+    assert len(records) == 2
+    for record in records:  # the first window's first step has no state; its other two steps do
+        assert math.isfinite(record["precond_grad_sqr"]) and record["precond_trace_sigma"] > 0
+    # 1/(sqrt(v_hat)+eps) normalizes each coordinate: the preconditioned gradient is far larger than the raw one
+    assert records[1]["precond_trace_sigma"] > 10 * records[1]["trace_sigma"]
+
+
+# -- a problem whose answer is known ---------------------------------------------------------------
+
+
+def test_linear_regression_with_known_noise_gives_the_analytic_trace_and_gradient_norm(tmp_path):
+    """Loss 0.5 (x.w - y)^2, x ~ N(0, I_d), y = x.w* + eps, eps ~ N(0, s^2): per-sample gradient
+    x (x.delta - eps) with delta = w - w*, so |G|^2 = |delta|^2 and tr(Sigma) = d (|delta|^2 + s^2) + |delta|^2."""
+    dim, noise_std, batch, micro_batches, steps = 10, 1.0, 256, 4, 300
+    generator = torch.Generator().manual_seed(0)
+    w_star = torch.randn(dim, generator=generator)
+    delta = 0.4 * torch.randn(dim, generator=generator)
+    model = nn.Linear(dim, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(w_star + delta)
+    true_sq = float(delta @ delta)
+    trace = dim * (true_sq + noise_std**2) + true_sq
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, every=steps, accumulation=micro_batches)
+    for _ in range(steps):  # the weights stay put: every step samples the same G and Sigma
+        x = torch.randn(batch, dim, generator=generator)
+        y = x @ w_star + noise_std * torch.randn(batch, generator=generator)
+        model.zero_grad()
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            (0.5 * (model(xs).squeeze(1) - ys).pow(2).mean() / micro_batches).backward()
+        record = logger.step()
+    logger.close()
+    assert record["trace_sigma"] == pytest.approx(trace, rel=0.05)
+    assert record["grad_sqr"] == pytest.approx(true_sq, rel=0.15)
+    assert record["trace_sigma"] / record["grad_sqr"] == pytest.approx(trace / true_sq, rel=0.15)
+
+
+# -- AMP and batches that differ ---------------------------------------------------------------------
+
+
+def test_grad_scaler_gives_the_statistics_of_the_unscaled_run(tmp_path):
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        model = _tiny_model()
+        optimizer = _optimizer("adam", model)
+        logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=2, accumulation=2, grad_scaler=scaler)
+        runs.append(_train(model, optimizer, logger, _batches(), micro_batches=2, grad_scaler=scaler))
+        logger.close()
+    plain, scaled = runs
+    for a, b in zip(plain, scaled):
+        assert a.keys() == b.keys()
+        for key in RECORD_KEYS:
+            assert a[key] == (None if b[key] is None else pytest.approx(b[key], rel=1e-5)), key
+
+
+def test_an_overflowed_step_counts_its_samples_but_gives_no_statistics(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=3, accumulation=2, grad_scaler=scaler)
+    for index, (inputs, targets) in enumerate(_batches(3)):
+        optimizer.zero_grad()
+        for x, t in zip(inputs.chunk(2), targets.chunk(2)):
+            scaler.scale(F.cross_entropy(model(x), t) / 2).backward()
+        if index == 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        record = logger.step()
+        scaler.step(optimizer)
+        scaler.update()
+    logger.close()
+    assert (record["samples"], record["window_steps"], record["step"]) == (3 * BATCH, 2, 3)
+    assert math.isfinite(record["grad_sqr"]) and math.isfinite(record["variability"])
+
+
+def test_a_smaller_last_batch_counts_its_samples_but_not_in_the_statistics(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=10, accumulation=4)  # batch read from the inputs
+    batches = _batches(2) + _batches(1, batch=20) + _batches(1, batch=30)  # 20: 4 x 5 (another batch); 30: 8, 8, 8, 6
+    _train(model, optimizer, logger, batches, micro_batches=4)
+    logger.close()
+    record = logger.last_record
+    assert (record["samples"], record["batch"], record["window_steps"], record["step"]) == (2 * BATCH + 50, BATCH, 2, 4)
+
+
+# -- mistakes a user can make ------------------------------------------------------------------------
+
+
+def test_one_process_without_micro_batches_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match=r"nothing to compare.*accumulation=k"):
+        GradientStatsLogger(tmp_path / "s.jsonl", _tiny_model())
+    with pytest.raises(ValueError, match="device_batch must be a whole number >= 1"):
+        GradientStatsLogger(tmp_path / "s.jsonl", _tiny_model(), accumulation=2, device_batch=0)
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_a_wrong_accumulation_count_is_named_at_the_first_step(tmp_path):
+    model = _tiny_model()
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, every=2, accumulation=4)
+    inputs, targets = _batches(1)[0]
+    for x, t in zip(inputs.chunk(2), targets.chunk(2)):
+        (F.cross_entropy(model(x), t) / 2).backward()
+    with pytest.raises(ValueError, match="2 backward passes since the last step, but accumulation=4"):
+        logger.step()
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        logger.step()
+    logger.close()
+
+
+def test_an_error_inside_the_context_keeps_the_written_records_and_removes_the_hooks(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    path = tmp_path / "s.jsonl"
+    with pytest.raises(KeyboardInterrupt), GradientStatsLogger(path, model, optimizer, every=2, accumulation=2) as logger:
+        _train(model, optimizer, logger, _batches(3), micro_batches=2)
+        raise KeyboardInterrupt
+    assert len(path.read_text().splitlines()) == 1  # the partial window is dropped
+    F.cross_entropy(model(_batches(1)[0][0]), _batches(1)[0][1]).backward()  # no hook left to record it
+    assert logger._tally.micro_sq == []
+
+
+# -- DDP: two gloo processes against one process on the same data ------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+DDP_CASES = (("adam", 1), ("sgd", 2))  # (optimizer, micro-batches per rank): one backward, then no_sync accumulation
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        results = {}
+        try:
+            GradientStatsLogger(f"{out_dir}/refused.jsonl", _tiny_model(), accumulation=2)
+        except ValueError as error:  # 2 processes, a model DDP does not wrap: its .grad would be local
+            results["refused"] = str(error)
+        for optimizer_name, micro_batches in DDP_CASES:
+            model = nn.parallel.DistributedDataParallel(_tiny_model())
+            optimizer = _optimizer(optimizer_name, model)
+            path = f"{out_dir}/{optimizer_name}.jsonl"
+            with GradientStatsLogger(path, model, optimizer, every=2, accumulation=micro_batches) as logger:
+                results[optimizer_name] = _train(model, optimizer, logger, _batches(), micro_batches, part=half)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro_batches(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert all("not a DistributedDataParallel" in results.get("refused", "") for results in ranks)
+    for optimizer_name, micro_batches in DDP_CASES:
+        # one process, accumulating the same pieces in rank order: rank 0's half, then rank 1's
+        model = _tiny_model()
+        optimizer = _optimizer(optimizer_name, model)
+        with GradientStatsLogger(tmp_path / "single.jsonl", model, optimizer, every=2, accumulation=2 * micro_batches) as logger:
+            single = _train(model, optimizer, logger, _batches(), 2 * micro_batches)
+        written = [json.loads(line) for line in (tmp_path / f"{optimizer_name}.jsonl").read_text().splitlines()]
+        assert written == ranks[0][optimizer_name] == ranks[1][optimizer_name]  # every rank agrees; rank 0 wrote it
+        assert len(written) == len(single) == STEPS // 2
+        for ddp_record, single_record in zip(written, single):
+            assert ddp_record["batch"] == BATCH and ddp_record["samples"] == single_record["samples"]
+            for key in ("grad_sqr", "trace_sigma", "loss", "variability", "precond_grad_sqr", "precond_trace_sigma"):
+                if single_record[key] is None:
+                    assert ddp_record[key] is None, key
+                else:
+                    assert ddp_record[key] == pytest.approx(single_record[key], rel=1e-4), (optimizer_name, key)
+        assert (written[-1]["precond_grad_sqr"] is not None) == (optimizer_name == "adam")
