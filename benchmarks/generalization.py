@@ -10,11 +10,13 @@ that exists offline, at the same epoch budget (the Tula seed paper's Table I and
           recommends for the job (below), the paper's "Tula" column.
 
 Where AGS's config comes from: for each workload the service's own profiler measures the model at a few
-batch sizes (`profiler.measure.profile_point` on `tula_service.jobs.point_request` of a JobSpec), and
-`tula_service.recommend.plan` plans on those measurements; delta and s are read from its
-`training_advice.ags`. That object is for the batch the plan chooses; at the other batches of the table
-the same rule (`tula_service.advice.ags_config`) is applied to the plan's fitted noise and the measured
-variability (and checked to reproduce the plan's own object at its chosen batch).
+batch sizes (`profiler.measure.profile_point` on `tula_service.jobs.point_request` of a JobSpec) and runs
+the pilot point at the reference batch (`profiler.pilot.run_pilot`: training with gradient statistics
+along the way), and `tula_service.recommend.plan` plans on those measurements; delta and s are read from
+its `training_advice.ags`: delta from the variability measured along the pilot, scaled to the batch, and s
+from the noise scale read along it. That object is for the batch the plan chooses; at the other batches
+of the table the same rule (`tula_service.advice.ags_config`) is applied to the plan's B_noise and the
+pilot's variability (and checked to reproduce the plan's own object at its chosen batch).
 
 Sensitivity (Figs. 7-8): accuracy vs s at the recommended delta, and vs delta at the recommended s, at
 one large batch per data set. s = 1 and delta = 0 are LBT exactly (nothing is scaled), so those points
@@ -213,7 +215,8 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
     """Profile the workload with the service's profiler, plan with the service's planner, and read the
     AGS config per large batch (see the module docstring)."""
     from profiler.measure import profile_point
-    from tula_service.jobs import point_request
+    from profiler.pilot import run_pilot
+    from tula_service.jobs import pilot_request, point_request
     from tula_service.recommend import plan
     from tula_service.spec import JobSpec
 
@@ -229,13 +232,17 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
         "training": {"reference_batch": SMALL_BATCH, "reference_epochs": workload.epochs,
                      "reference_lr": workload.lr, "optimizer": "sgd"},
         "profiling": {"warmup_iters": 2, "timed_iters": 5, "time_cap_s": 0.3 if quick else 1.0,
-                      "grad_iters": 8 if quick else 16, "device": "cpu"},
+                      "grad_iters": 8 if quick else 16, "device": "cpu", "threads": 1,
+                      "pilot": True, "pilot_seconds": 10 if quick else 30, "pilot_steps": 300 if quick else 1000},
     })  # fmt: skip
     measurements = [profile_point(point_request(spec, batch)) for batch in spec.batch_sizes]
-    recommendation = plan(spec, measurements)
+    pilot = run_pilot(pilot_request(spec))
+    if pilot["status"] != "ok":
+        raise RuntimeError(f"the pilot of {dataset} ended {pilot['status']}: {pilot.get('error')}")
+    recommendation = plan(spec, [*measurements, pilot])
     efficiency = recommendation["models"]["efficiency"]
     noise = efficiency["noise_scale"]["value"] if efficiency["source"] == "fitted" else None
-    variability = measured_variability(spec, usable_measurements(measurements)[0], None)
+    variability = measured_variability(spec, usable_measurements(measurements)[0], pilot)
     chosen = recommendation["chosen"]["global_batch"]
     planned = recommendation["training_advice"]["ags"]
     if json.dumps(ags_config(chosen, spec, noise, variability)) != json.dumps(planned):
@@ -249,7 +256,11 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
         "plan_chosen_global_batch": chosen,
         "plan_training_advice_ags": planned,
         "noise_scale": (efficiency.get("noise_scale") or {}).get("value"),
-        "variability_values": len(variability),
+        "noise_scale_evidence": (efficiency.get("noise_scale") or {}).get("evidence"),
+        "efficiency_warnings": efficiency.get("warnings"),
+        "pilot": {key: pilot.get(key) for key in ("steps", "samples", "train_seconds", "stopped_by")},
+        "variability_values": len(variability["values"]),
+        "variability_source": variability["source"],
         "profiled_batches": spec.batch_sizes,
         "profile_s": time.perf_counter() - started,
     }

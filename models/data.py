@@ -1,5 +1,6 @@
 """Datasets by catalog name (torch side). Generated, bundled in a package, or read from a worker path;
-nothing is downloaded. Every dataset is a `BatchSource`."""
+nothing is downloaded. Or a user dataset "package.module:factory" (models.user_contract). Every dataset
+is a `BatchSource`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from models.datasets_bundled import MNIST1D, Digits
 from models.datasets_files import ImageFolderSource, TokenFile
 from models.datasets_synthetic import SyntheticImages, SyntheticTokens
-from models.registry import DATASETS, unknown_name_message
+from models.registry import DATASETS, is_user_ref, unknown_name_message
+from models.user_contract import build_user_dataset
 
 
 class BatchSource(Protocol):
@@ -38,11 +40,17 @@ def dataset_fields(name: str, given: dict[str, object]) -> dict[str, object]:
     return {**filled, **{field: value for field, value in given.items() if value is not None}}
 
 
-def build_dataset(name: str, *, seed: int = 0, num_samples: int | None = None, **fields: object) -> BatchSource:
-    """A dataset by catalog name, e.g. `build_dataset("synthetic_images", channels=3, image_size=32, num_classes=10)`.
+def build_dataset(
+    name: str, *, seed: int = 0, num_samples: int | None = None, allowed_modules: list[str] | None = None, **fields: object
+) -> BatchSource:
+    """A dataset by catalog name, e.g. `build_dataset("synthetic_images", channels=3, image_size=32, num_classes=10)`,
+    or by "package.module:factory" when that module is under one of `allowed_modules`.
 
-    `seed` fixes generated structure (teachers, Markov chains); `num_samples` bounds what mnist1d generates.
+    `seed` fixes generated structure (teachers, Markov chains); `num_samples` is how many samples mnist1d
+    generates; a user factory receives both when its signature names them.
     """
+    if is_user_ref(name):
+        return build_user_dataset(name, allowed_prefixes=list(allowed_modules or []), num_samples=num_samples, seed=seed, **fields)
     if name not in DATASETS:
         raise KeyError(unknown_name_message("dataset", name, DATASETS))
     fields = dataset_fields(name, fields)

@@ -8,6 +8,9 @@ Input kinds (what a dataset gives and a model consumes):
 - "image":    float tensors (batch, channels, image_size, image_size), integer class labels (batch,)
 - "signal1d": float tensors (batch, length), integer class labels (batch,)
 - "tokens":   integer token ids (batch, seq_len), next-token targets (batch, seq_len)
+
+User code ("package.module:factory" models and datasets, allowlisted by TULA_ALLOWED_MODEL_MODULES) follows
+the contract of `models.user_contract` (docs/user_models.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,17 @@ import re
 from dataclasses import dataclass, field
 
 ALLOWED_MODULES_ENV = "TULA_ALLOWED_MODEL_MODULES"
+
+# What a dataset of each input kind reports in `shape`, i.e. the keyword arguments a model factory receives.
+SHAPE_KEYS: dict[str, tuple[str, ...]] = {
+    "image": ("in_channels", "image_size", "num_classes"),
+    "signal1d": ("length", "num_classes"),
+    "tokens": ("vocab_size", "seq_len"),
+}
+
+# The dataset fields a job spec may give besides name and num_samples (`tula_service.spec.DatasetSpec`).
+# A catalog dataset takes the ones in its DatasetInfo.fields; a user dataset factory receives those given.
+DATASET_SPEC_FIELDS = ("channels", "image_size", "num_classes", "seq_len", "vocab_size", "path", "scaling", "split")
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,8 @@ class DatasetInfo:
     fields: dict[str, object] = field(default_factory=dict)  # spec fields besides name/num_samples -> default (None: none)
     required: tuple[str, ...] = ()
     fixed_num_samples: int | None = None  # the data set's own size, when it has one (then num_samples may be omitted)
+    split_sizes: dict[str, int] = field(default_factory=dict)  # its size per `split` value (fixed_num_samples: the default's)
+    max_num_samples: int | None = None  # the most samples a generated data set makes
 
 
 # Classification models built from torchvision by name (random init, `weights=None`). Each name is in
@@ -140,6 +156,9 @@ MODELS: dict[str, ModelInfo] = {
     info.name: info for info in (*_OWN_MODELS, *(_torchvision_info(name) for name in TORCHVISION_CLASSIFIERS))
 }
 
+DIGITS_SPLIT_SIZES = {"train": 1437, "all": 1797}  # 1797 - ceil(0.2 * 1797): models.datasets_bundled.Digits
+MNIST1D_MAX_SAMPLES = 200_000  # generating takes ~0.3 ms per sample on one idle core (50 000 in ~17 s), in every profiling point
+
 DATASETS: dict[str, DatasetInfo] = {
     info.name: info
     for info in (
@@ -158,17 +177,23 @@ DATASETS: dict[str, DatasetInfo] = {
         ),
         DatasetInfo(
             "digits",
-            "scikit-learn's bundled handwritten digits: 1797 grayscale 8x8 images, 10 classes (real data, no download);"
+            "scikit-learn's bundled handwritten digits (1797 grayscale 8x8 images, 10 classes; real data, no download)"
+            " as a training run sees them: split 'train' (default) = the train part of scikit-learn's"
+            " train_test_split(test_size=0.2, random_state=0), 1437 images; 'all' = the 1797; scaling 'unit'"
+            " (default: X/16, pixels in [0, 1]), 'standard' (mean/std of the split's pixels) or 'raw' (0..16);"
             " resized to image_size.",
             "image",
-            fields={"image_size": 8},
-            fixed_num_samples=1797,
+            fields={"image_size": 8, "scaling": "unit", "split": "train"},
+            fixed_num_samples=DIGITS_SPLIT_SIZES["train"],
+            split_sizes=DIGITS_SPLIT_SIZES,
         ),
         DatasetInfo(
             "mnist1d",
-            "MNIST-1D (Greydanus 2020): length-40 signals of 10 classes, generated offline by the mnist1d package"
-            " (at most 5000 generated; more samples are drawn from those).",
+            "MNIST-1D (Greydanus 2020): length-40 signals of 10 classes, generated offline by the mnist1d package:"
+            f" num_samples of them (rounded up to a multiple of 10), at most {MNIST1D_MAX_SAMPLES}"
+            " (~0.3 ms each, again in every profiling point).",
             "signal1d",
+            max_num_samples=MNIST1D_MAX_SAMPLES,
         ),
         DatasetInfo(
             "image_folder",
@@ -197,12 +222,24 @@ def unknown_name_message(kind: str, name: str, known: dict[str, object]) -> str:
     return f"{kind} '{name}' is not in the catalog{hint}; known: {', '.join(sorted(known))}"
 
 
-_USER_MODEL_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_USER_CODE_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
-def is_user_model_ref(name: str) -> bool:
-    """True for a "package.module:factory" reference to a model outside the catalog."""
-    return _USER_MODEL_REF.fullmatch(name) is not None
+def is_user_ref(name: str) -> bool:
+    """True for a "package.module:factory" reference to a model or dataset outside the catalog."""
+    return _USER_CODE_REF.fullmatch(name) is not None
+
+
+is_user_model_ref = is_user_ref  # the name model code has always used
+
+
+def not_allowlisted_message(kind: str, ref: str) -> str:
+    """Why a user `kind` ("model" or "dataset") reference is refused, and the operator's fix."""
+    module = ref.split(":", 1)[0]
+    return (
+        f"user {kind} module '{module}' is not allowlisted (importing it runs its code); the server "
+        f"operator can allow it with {ALLOWED_MODULES_ENV}={module} (comma-separated module prefixes)"
+    )
 
 
 def user_model_allowed(ref: str, allowed_prefixes: list[str]) -> bool:
@@ -218,10 +255,13 @@ def user_model_allowed(ref: str, allowed_prefixes: list[str]) -> bool:
 
 
 def compatible(model_name: str, dataset_name: str) -> bool:
-    """A catalog model fits a dataset when both have the same input kind; user models always may try."""
+    """A catalog model fits a catalog dataset when both have the same input kind; user models and user
+    datasets always may try (their input kind is known once built: the submit-time contract check)."""
+    if is_user_ref(dataset_name):
+        return True
     if dataset_name not in DATASETS:
         raise KeyError(unknown_name_message("dataset", dataset_name, DATASETS))
-    if is_user_model_ref(model_name):
+    if is_user_ref(model_name):
         return True
     if model_name not in MODELS:
         raise KeyError(unknown_name_message("model", model_name, MODELS))

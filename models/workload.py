@@ -1,8 +1,9 @@
 """The one entry point the profiler calls: a profiling request -> model, data and loss.
 
 Request keys: `model` (catalog name or allowlisted "package.module:factory"), `model_options` (dict),
-`dataset` (dict: `name`, `num_samples` and the dataset's own fields), `seed` (default 0),
-`allowed_model_modules` (module prefixes user models may come from; default none).
+`dataset` (dict: `name`, a catalog name or allowlisted "package.module:factory", `num_samples` and the
+dataset's own fields), `seed` (default 0), `allowed_model_modules` (module prefixes user models and
+datasets may come from; default none). User code follows models.user_contract.
 
 Same seed => the same initial weights; the batch sequence is a function of the generator passed to
 `data.batch` (and, for generated data, of the seed). The global torch RNG is left as it was.
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from models.data import BatchSource, build_dataset
-from models.registry import DATASETS, MODELS, compatible
+from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref
 from models.zoo import build_model
 
 
@@ -41,9 +42,20 @@ class Workload:
     tokens_per_sample: int | None  # sequence length for token workloads, else None
 
 
+def _catalog_model_fits(model_name: str, dataset_name: str, data: BatchSource) -> None:
+    """A catalog model on a user dataset: the kinds must match (known only once the dataset is built)."""
+    kind = MODELS[model_name].input_kind
+    if kind != data.input_kind:
+        raise ValueError(f"model '{model_name}' takes {kind} inputs but dataset '{dataset_name}' gives {data.input_kind}")
+    problem = image_size_problem(model_name, data.shape["image_size"]) if kind == "image" else None
+    if problem:
+        raise ValueError(problem)
+
+
 def build_workload(request: dict[str, Any]) -> Workload:
     """Build the request's dataset, then its model sized for that data, with weights seeded by `seed`."""
     seed = int(request.get("seed", 0))
+    allowed_modules = list(request.get("allowed_model_modules") or [])
     dataset = dict(request["dataset"])
     dataset_name, model_name = dataset.pop("name"), request["model"]
     if not compatible(model_name, dataset_name):
@@ -51,14 +63,13 @@ def build_workload(request: dict[str, Any]) -> Workload:
             f"model '{model_name}' takes {MODELS[model_name].input_kind} inputs but dataset "
             f"'{dataset_name}' gives {DATASETS[dataset_name].input_kind}"
         )
-    data = build_dataset(dataset_name, seed=seed, **dataset)
+    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, **dataset)
+    if is_user_ref(dataset_name) and model_name in MODELS:
+        _catalog_model_fits(model_name, dataset_name, data)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = build_model(
-            model_name,
-            options=request.get("model_options") or {},
-            allowed_model_modules=list(request.get("allowed_model_modules") or []),
-            **data.shape,
+            model_name, options=request.get("model_options") or {}, allowed_model_modules=allowed_modules, **data.shape
         )
     is_tokens = data.input_kind == "tokens"
     return Workload(

@@ -12,6 +12,8 @@ from tests.conftest import REPO
 from tests.handmade import spec_dict
 
 USER_MODEL = "tests.user_models_fixture:tiny_classifier"
+USER_DATASET = {"name": "tests.user_models_fixture:blob_images", "num_samples": 512}
+ALLOWLISTED = {"TULA_ALLOWED_MODEL_MODULES": "tests.user_models_fixture"}
 FAST = {"time_cap_s": 0.2, "grad_iters": 2, "timed_iters": 2, "warmup_iters": 1}
 
 
@@ -22,7 +24,9 @@ def test_catalog_lists_models_and_datasets_with_their_fields(live_server):
     assert names["gpt"]["input_kind"] == "tokens" and names["gpt"]["options"]["layers"] == 2
     datasets = {d["name"]: d for d in httpx.get(f"{live_server.url}/v1/catalog/datasets").json()["datasets"]}
     assert {"synthetic_images", "synthetic_tokens", "digits", "mnist1d", "image_folder", "token_file"} <= set(datasets)
-    assert datasets["image_folder"]["required"] == ["path"] and datasets["digits"]["fixed_num_samples"] == 1797
+    assert datasets["image_folder"]["required"] == ["path"] and datasets["digits"]["fixed_num_samples"] == 1437
+    assert datasets["digits"]["fields"] == {"image_size": 8, "scaling": "unit", "split": "train"}
+    assert datasets["mnist1d"]["max_num_samples"] == 200_000
 
 
 def test_cli_lists_the_catalog(live_server):
@@ -58,6 +62,44 @@ def test_user_model_outside_the_allowlist_is_422_with_the_fix(live_server):
 def test_allowlisted_user_model_is_profiled_and_planned(make_server):
     server = make_server(env={"TULA_ALLOWED_MODEL_MODULES": "tests.user_models_fixture"})
     spec = spec_dict(model=USER_MODEL, model_options={"hidden": 16}, batch_sizes=[8, 16, 32], profiling=FAST)
+    with TulaClient(server.url) as client:
+        job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
+        assert job.state == "done", job.error
+        assert client.recommendation(job.id)["chosen"]["total_time_s"]["value"] > 0
+
+
+def test_digits_default_is_the_train_split_and_a_mnist1d_beyond_its_bound_is_refused():
+    assert JobSpec.model_validate(spec_dict(dataset={"name": "digits", "num_samples": None})).dataset.num_samples == 1437
+    spec = JobSpec.model_validate(spec_dict(dataset={"name": "digits", "num_samples": None, "split": "all"}))
+    assert spec.dataset.num_samples == 1797 and spec.dataset.scaling == "unit"
+    with pytest.raises(ValueError, match="dataset 'mnist1d' generates at most 200000 samples"):
+        JobSpec.model_validate(spec_dict(dataset={"name": "mnist1d", "num_samples": 250_000}))
+
+
+def test_user_code_that_breaks_the_contract_is_a_422_naming_the_field(make_server):
+    server = make_server(env=ALLOWLISTED)
+    wrong_batch = spec_dict(model=USER_MODEL, dataset={"name": "tests.user_models_fixture:wrong_batch_shape", "num_samples": 100})
+    response = httpx.post(f"{server.url}/v1/jobs", json=wrong_batch, timeout=60)
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["field"] == "body.dataset.name"
+    assert "gave inputs of shape [2, 1, 8, 7]" in response.json()["errors"][0]["message"]
+    wrong_signature = spec_dict(model="tests.user_models_fixture:needs_width", dataset=USER_DATASET)
+    fields = {e["field"] for e in httpx.post(f"{server.url}/v1/jobs", json=wrong_signature, timeout=60).json()["errors"]}
+    assert fields == {"body.model", "body.model_options.width"}
+    accepted = httpx.post(f"{server.url}/v1/jobs", json=spec_dict(model=USER_MODEL, dataset=USER_DATASET), timeout=60)
+    assert accepted.status_code == 202
+
+
+def test_user_dataset_outside_the_allowlist_is_422_with_the_fix(live_server):
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec_dict(dataset=USER_DATASET))
+    assert response.status_code == 422 and response.json()["errors"][0]["field"] == "body.dataset.name"
+    assert "user dataset module 'tests.user_models_fixture' is not allowlisted" in response.json()["errors"][0]["message"]
+
+
+@pytest.mark.e2e
+def test_allowlisted_user_dataset_is_profiled_and_planned(make_server):
+    server = make_server(env=ALLOWLISTED)
+    spec = spec_dict(model="small_cnn", dataset=USER_DATASET, batch_sizes=[8, 16, 32], profiling=FAST)
     with TulaClient(server.url) as client:
         job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
         assert job.state == "done", job.error

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from models.data import build_dataset
-from models.registry import DATASETS
+from models.registry import DATASETS, MNIST1D_MAX_SAMPLES
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -36,7 +36,7 @@ def test_defaults_come_from_the_catalog():
 
 
 def test_unknown_and_missing_fields_are_explained():
-    with pytest.raises(ValueError, match=r"fields \['channels'\] do not apply to dataset 'digits' \(it takes: image_size\)"):
+    with pytest.raises(ValueError, match=r"fields \['channels'\] do not apply to dataset 'digits' \(it takes: image_size, scaling, split\)"):
         build_dataset("digits", channels=3)
     with pytest.raises(ValueError, match="dataset 'token_file' needs the field"):
         build_dataset("token_file")
@@ -66,12 +66,36 @@ def test_synthetic_tokens_have_learnable_bigram_structure():
     assert successors_seen.max() <= 8  # each token has at most 8 possible successors, out of 64
 
 
-def test_digits_are_the_bundled_scikit_learn_images(no_network):
-    assert DATASETS["digits"].fixed_num_samples == 1797
+def test_digits_default_is_the_train_split_scaled_as_shipped(no_network):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     data = build_dataset("digits")
+    assert len(data.labels) == DATASETS["digits"].fixed_num_samples == 1437
+    shipped = load_digits()
+    train_x, _, train_y, _ = train_test_split(shipped.data / 16.0, shipped.target, test_size=0.2, random_state=0)
+    assert torch.allclose(data.images.flatten(1), torch.from_numpy(train_x).float())
+    assert data.labels.tolist() == train_y.tolist()
+    assert float(data.images.min()) == 0.0 and float(data.images.max()) == 1.0
     images, labels = data.batch(16, _gen())
     assert images.shape == (16, 1, 8, 8) and set(labels.tolist()) <= set(range(10))
-    assert len(data.labels) == 1797 and abs(float(data.images.mean())) < 1e-4
+
+
+def test_digits_standard_scaling_uses_the_split_statistics():
+    data = build_dataset("digits", scaling="standard")
+    assert abs(float(data.images.mean())) < 1e-5 and abs(float(data.images.std()) - 1) < 1e-5
+    raw = build_dataset("digits", scaling="raw")
+    assert torch.allclose(raw.images / 16, build_dataset("digits").images) and float(raw.images.max()) == 16.0
+
+
+def test_digits_all_split_is_the_1797_images_in_scikit_learn_order():
+    from sklearn.datasets import load_digits
+
+    data = build_dataset("digits", split="all", scaling="raw")
+    assert len(data.labels) == DATASETS["digits"].split_sizes["all"] == 1797
+    assert torch.equal(data.images.squeeze(1), torch.from_numpy(load_digits().images).float())
+    with pytest.raises(ValueError, match="digits split 'test' is not one of train, all"):
+        build_dataset("digits", split="test")
 
 
 def test_digits_resize_to_the_requested_size():
@@ -79,12 +103,22 @@ def test_digits_resize_to_the_requested_size():
     assert images.shape == (3, 1, 20, 20)
 
 
-def test_mnist1d_is_generated_offline_and_capped(no_network):
+def test_mnist1d_is_generated_offline_rounded_to_ten_per_class(no_network):
     data = build_dataset("mnist1d", num_samples=95)
     signals, labels = data.batch(12, _gen())
     assert signals.shape == (12, 40) and signals.dtype == torch.float32 and set(labels.tolist()) <= set(range(10))
     assert len(data.labels) == 100  # rounded up to 10 per class
     assert torch.bincount(data.labels, minlength=10).tolist() == [10] * 10
+
+
+def test_mnist1d_generates_more_than_the_reference_5000():
+    assert len(build_dataset("mnist1d", num_samples=5_010).labels) == 5_010
+
+
+def test_mnist1d_refuses_more_than_its_stated_bound():
+    assert DATASETS["mnist1d"].max_num_samples == MNIST1D_MAX_SAMPLES == 200_000
+    with pytest.raises(ValueError, match="mnist1d generates at most 200000 samples \\(asked for 200001\\)"):
+        build_dataset("mnist1d", num_samples=200_001)
 
 
 def test_mnist1d_generation_restores_the_global_numpy_state():

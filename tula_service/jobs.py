@@ -48,13 +48,12 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
 def pilot_request(spec: JobSpec) -> dict:
     """The request of the pilot point (`profiler.pilot.run_pilot`): training at the reference batch with
     the spec's optimizer and LR, within the pilot's step and time budget. The LR says whether it came
-    from the spec or is the points' assumed default; a spec warm-up field, when one exists, is used."""
+    from the spec or is the points' assumed default."""
     profiling, training = spec.profiling, spec.training
     return {
         **point_request(spec, training.reference_batch),
         "kind": "pilot",
         "lr_source": "spec" if training.reference_lr else "assumed",
-        "warmup_steps": getattr(training, "warmup_steps", None),
         "pilot_steps": profiling.pilot_steps,
         "pilot_seconds": profiling.pilot_seconds,
         "pilot_record_every": profiling.pilot_record_every,

@@ -5,19 +5,23 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from models.registry import (
     ALLOWED_MODULES_ENV,
+    DATASET_SPEC_FIELDS,
     DATASETS,
     MODELS,
     compatible,
     image_size_problem,
     is_user_model_ref,
+    is_user_ref,
+    not_allowlisted_message,
     unknown_name_message,
     user_model_allowed,
 )
+from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors
 
 
 def allowed_model_modules() -> list[str]:
@@ -40,13 +44,27 @@ class _Strict(BaseModel):
 ValueSource = Literal["spec", "catalog-assumed"]
 
 
-DATASET_FIELDS = ("channels", "image_size", "num_classes", "seq_len", "vocab_size", "path")
+DATASET_FIELDS = DATASET_SPEC_FIELDS
+
+
+def _field_error(field: str, message: str, error_type: str = "dataset_field") -> ValidationError:
+    """A dataset error at its own field (`dataset.<field>` in a 422), not at the dataset as a whole."""
+    return field_errors([((field,), message)], error_type)
+
+
+def _known_or_allowed_dataset(name: str) -> str:
+    if not is_user_ref(name):
+        return in_catalog("dataset", name, DATASETS)
+    if not user_model_allowed(name, allowed_model_modules()):
+        raise ValueError(not_allowlisted_message("dataset", name))
+    return name
 
 
 class DatasetSpec(_Strict):
-    """A catalog dataset; which of the optional fields apply depends on the dataset (see the catalog)."""
+    """A catalog dataset, or an allowlisted user dataset "package.module:factory" whose factory receives the
+    fields given (docs/user_models.md); which fields apply to a catalog dataset depends on it (see the catalog)."""
 
-    name: str = Field(description="dataset catalog name")
+    name: str = Field(description="dataset catalog name, or 'package.module:factory' when allowlisted")
     num_samples: PositiveInt | None = Field(None, description="training-set size D: samples per epoch")
     channels: int | None = Field(None, ge=1, le=16)
     image_size: int | None = Field(None, ge=4, le=1024, description="square image side in pixels")
@@ -54,25 +72,46 @@ class DatasetSpec(_Strict):
     seq_len: int | None = Field(None, ge=2, le=65_536, description="tokens per sequence")
     vocab_size: int | None = Field(None, ge=2, le=1_000_000)
     path: str | None = Field(None, max_length=4096, description="data on the worker's file system")
+    scaling: Literal["unit", "standard", "raw"] | None = Field(
+        None, description="digits: the pixel scaling of your run: unit (X/16, in [0, 1]), standard (mean/std of the split), raw (0..16)"
+    )
+    split: Literal["train", "all"] | None = Field(
+        None, description="digits: train (train_test_split(test_size=0.2, random_state=0): 1437 images) or all 1797"
+    )
+    options: dict[str, int | float | str | bool] | None = Field(
+        None, description="a user dataset's own keyword arguments, passed to its factory as given"
+    )
 
-    _known_dataset = field_validator("name")(lambda name: in_catalog("dataset", name, DATASETS))
+    _known_dataset = field_validator("name")(_known_or_allowed_dataset)
 
     @model_validator(mode="after")
     def _fields_fit_the_dataset(self) -> DatasetSpec:
+        needs_num_samples = f"dataset '{self.name}' needs 'num_samples' (samples per epoch)"
+        if is_user_ref(self.name):  # its factory says which fields it takes: checked with the user code
+            if self.num_samples is None:
+                raise _field_error("num_samples", needs_num_samples, "dataset_field_missing")
+            return self
         info = DATASETS[self.name]
+        if self.options is not None:
+            raise _field_error("options", f"options apply to user datasets (package.module:factory), not to '{self.name}'")
         for field in DATASET_FIELDS:
             given = getattr(self, field)
             if given is not None and field not in info.fields:
                 accepted = ", ".join(sorted(info.fields)) or "none"
-                raise ValueError(f"field '{field}' does not apply to dataset '{self.name}' (it takes: {accepted})")
+                raise _field_error(field, f"field '{field}' does not apply to dataset '{self.name}' (it takes: {accepted})")
             if given is None and field in info.required:
-                raise ValueError(f"dataset '{self.name}' needs the field '{field}'")
+                raise _field_error(field, f"dataset '{self.name}' needs the field '{field}'", "dataset_field_missing")
             if given is None and info.fields.get(field) is not None:
                 setattr(self, field, info.fields[field])
         if self.num_samples is None:
             if info.fixed_num_samples is None:
-                raise ValueError(f"dataset '{self.name}' needs 'num_samples' (samples per epoch)")
-            self.num_samples = info.fixed_num_samples
+                raise _field_error("num_samples", needs_num_samples, "dataset_field_missing")
+            self.num_samples = info.split_sizes.get(self.split, info.fixed_num_samples)
+        if info.max_num_samples is not None and self.num_samples > info.max_num_samples:
+            raise _field_error("num_samples", (
+                f"dataset '{self.name}' generates at most {info.max_num_samples} samples (got {self.num_samples}); "
+                "ask for fewer, or give the data as a user dataset"
+            ))
         return self
 
 
@@ -336,6 +375,10 @@ class JobSpec(_Strict):
     budget_usd: float | None = Field(None, gt=0, description="objective budget: the fastest plan costing at most")
     training: TrainingSpec
     profiling: ProfilingSpec = ProfilingSpec()
+    user_code_check: str | None = Field(
+        None, max_length=USER_CODE_NOTE_MAX_CHARS, description="set by the server for a user (package.module:factory) model or dataset: "
+        "how it was checked at submission ('passed: ...', 'partly checked: ...', 'skipped: ...'); not checked again once set"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -399,6 +442,10 @@ class JobSpec(_Strict):
         if problem:
             raise ValueError(problem)
         return self
+
+    @model_validator(mode="after")
+    def _user_code_meets_the_contract(self) -> JobSpec:
+        return check_user_code(self, allowed_model_modules())  # a child process; catalog-only specs skip it
 
     def measures_communication(self) -> bool:
         if self.profiling.measure_comm is None:
