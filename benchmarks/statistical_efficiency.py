@@ -126,12 +126,17 @@ def cpu_tasks(path: Path) -> list[Task]:
             reference_batch=int(task["reference_batch"]),
             target=f"{target['metric']} {'>=' if target['higher_is_better'] else '<='} {target['value']:g}",
             epochs={b: float(row["epochs"]) for b, row in reached.items()},
-            epochs_range={b: (float(row["epochs_min"]), float(row["epochs_max"])) for b, row in reached.items()},
+            epochs_range={b: (_or_inf(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
             seconds_per_epoch={b: float(row["epoch_s"]) for b, row in reached.items()},
             trajectories={b: row.get("trajectory") or [] for b, row in batches.items()},
             notes=[f"batch {b}: did not reach the target in every seed" for b in batches if b not in reached],
         ))  # fmt: skip
     return tasks
+
+
+def _or_inf(value: float | None) -> float:
+    """A seed that did not reach the target counts as infinitely many epochs."""
+    return math.inf if value is None else float(value)
 
 
 # -- the service's prediction ---------------------------------------------------------------------------------

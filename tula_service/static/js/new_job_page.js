@@ -50,7 +50,7 @@ function datasetChanged() {
     const required = info.required.includes(name);
     const text = name.charAt(0).toUpperCase() + name.slice(1).replaceAll("_", " ");
     return el("label", { "data-field": `dataset.${name}` }, `${text}${required ? " (required)" : ""}`,
-      el("input", { type: name === "path" ? "text" : "number", name: `dataset_field:${name}`, value: value === null ? "" : String(value), step: "1", spellcheck: "false" }),
+      el("input", { type: name === "path" || typeof value === "string" ? "text" : "number", name: `dataset_field:${name}`, value: value === null ? "" : String(value), step: "1", spellcheck: "false" }),
       el("span", { class: "field-error", "data-error-for": `dataset.${name}` }));
   });
   replaceChildren(document.getElementById("dataset-fields"), inputs);

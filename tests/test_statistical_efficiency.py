@@ -1,0 +1,104 @@
+"""The statistical-efficiency benchmark: the Pollux traces as data, the scores, and a --quick run end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import pollux_traces  # noqa: E402
+import statistical_efficiency as se  # noqa: E402
+
+TRACES_PRESENT = (pollux_traces.TRACES / "cifar10").is_dir()
+needs_traces = pytest.mark.skipif(not TRACES_PRESENT, reason="../shared/data/pollux-traces is not beside this checkout")
+
+
+def synthetic_task(noise_scale: float = 400.0, dataset_size: int = 100_000) -> se.Task:
+    """Epochs exactly E_min (1 + B / B_noise), and a reference trajectory with that noise scale throughout."""
+    batches = [32, 64, 128, 256, 512, 1024]
+    epochs = {b: 5.0 * (1 + b / noise_scale) for b in batches}
+    trajectory = [{"samples": 32 * 50 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": noise_scale, "window_steps": 50}
+                  for i in range(int(epochs[32] * dataset_size / (32 * 50)))]  # fmt: skip
+    return se.Task(
+        name="synthetic", source="cpu", dataset_size=dataset_size, optimizer="sgd", reference_batch=32, target="x",
+        epochs=epochs, epochs_range={b: (e, e) for b, e in epochs.items()},
+        seconds_per_epoch={b: 100.0 / b**0.5 for b in batches}, trajectories={32: trajectory},
+    )  # fmt: skip
+
+
+def test_a_model_that_matches_the_truth_scores_zero_error_and_no_regret():
+    result = se.evaluate(synthetic_task())
+    assert result["median_abs_epochs_err_pct"] == pytest.approx(0.0, abs=0.01)
+    assert result["regret"]["regret"] == pytest.approx(1.0) and result["cbs_ratio"] == pytest.approx(1.0, rel=1e-3)
+    assert result["evidence"] == "reference_run"
+
+
+def test_a_noise_scale_off_by_4x_shows_in_every_score():
+    task = synthetic_task()
+    task.trajectories[32] = [dict(r, trace_sigma=100.0) for r in task.trajectories[32]]  # reads 100, the truth is 400
+    result = se.evaluate(task)
+    assert result["cbs_ratio"] == pytest.approx(4.0, rel=1e-3)
+    assert result["median_abs_epochs_err_pct"] > 50
+
+
+def test_the_summary_line_takes_medians_and_worsts():
+    results = [{"median_abs_epochs_err_pct": e, "regret": {"regret": r}, "cbs_ratio": c}
+               for e, r, c in ((5.0, 1.0, 1.2), (15.0, 1.3, 2.0), (10.0, 1.05, 1.1))]  # fmt: skip
+    assert se.summary_line(results) == (
+        "statistical_efficiency: tasks=3 median_epochs_err_pct=10.0 worst_task_epochs_err_pct=15.0 max_regret=1.30 cbs_ratio_max=2.00"
+    )
+
+
+@needs_traces
+def test_pollux_runs_become_records_in_the_service_contract():
+    from tula_service.spec import GradientStatsRecord
+
+    app = pollux_traces.APPLICATIONS["cifar10"]
+    runs = pollux_traces.load_runs(app)
+    assert sorted(runs) == [128, 256, 512, 1024, 2048, 4096]
+    records = pollux_traces.gradient_stats(app, 128, runs[128])
+    for record in records:
+        GradientStatsRecord.model_validate(record)
+    first = records[0]
+    assert first["trace_sigma"] / first["grad_sqr"] == pytest.approx(runs[128]["grad_var"][0] * 128 / runs[128]["grad_sqr"][0])
+
+
+@needs_traces
+def test_pollux_step_times_take_the_fastest_packed_placement():
+    app = pollux_traces.APPLICATIONS["cifar10"]
+    step_times = pollux_traces.load_step_times(app)
+    placements = pollux_traces.packed_placements(4, 4)
+    assert placements == ["1", "2", "3", "4", "44", "444", "4444"]
+    best = pollux_traces.seconds_per_sample(step_times, 1024, placements)
+    for placement in placements:
+        gpus = sum(map(int, placement))
+        batches, seconds = step_times[placement]
+        if 1024 / gpus in batches:
+            assert best["s_per_sample"] <= seconds[list(batches).index(1024 / gpus)] / 1024 + 1e-12
+
+
+@needs_traces
+def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_line(tmp_path):
+    tracked = REPO / "docs" / "validation.md"
+    before = tracked.read_text()
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "statistical_efficiency.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"statistical_efficiency: tasks=(\d+) median_epochs_err_pct=([\d.]+) worst_task_epochs_err_pct=([\d.]+) "
+                         r"max_regret=([\d.]+) cbs_ratio_max=([\d.]+)", last)  # fmt: skip
+    assert match and int(match.group(1)) >= 2
+    report = Path(re.search(r"report: (\S+)", run.stderr).group(1))
+    assert not report.is_relative_to(REPO) and tracked.read_text() == before
+    results = json.loads((report.parent / "results.json").read_text())["results"]
+    pollux = {r["task"]: r for r in results if r["source"] == "pollux"}
+    assert set(pollux) == {"pollux-cifar10", "pollux-imagenet"}
+    assert all(np.isfinite(r["median_abs_epochs_err_pct"]) and r["evidence"] == "reference_run" for r in pollux.values())
