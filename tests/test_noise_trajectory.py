@@ -20,11 +20,32 @@ def power_law_records(count: int, last_samples: float, slope: float = 1.0, level
     return records
 
 
-def test_a_full_trajectory_is_read_half_way_to_the_target():
+def test_a_full_trajectory_is_read_over_the_second_half_of_the_run_each_part_alike():
     target = 1e6
-    estimate = TrajectoryNoiseScale().fit(power_law_records(40, target), target)
-    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.5 * target / 1000.0), rel=0.02)
+    records = power_law_records(40, target)
+    estimate = TrajectoryNoiseScale().fit(records, target)
+    second_half = [r for r in records if r["samples"] >= target / 2]
+    bins = np.array_split(np.arange(len(second_half)), min(8, len(second_half)))
+    ratios = [sum(second_half[i]["trace_sigma"] for i in b) / sum(second_half[i]["grad_sqr"] for i in b) for b in bins]
+    assert estimate.noise_scale_ == pytest.approx(np.exp(np.mean(np.log(ratios)))) and "between 50% and 100%" in estimate.method_
+    pooled = TrajectoryNoiseScale(window_average="pooled").fit(records, target).noise_scale_
+    assert pooled == pytest.approx(sum(r["trace_sigma"] for r in second_half) / sum(r["grad_sqr"] for r in second_half))
+    assert TrajectoryNoiseScale(window_average="median").fit(records, target).noise_scale_ == pytest.approx(np.median(ratios))
     assert not estimate.extrapolated_ and estimate.coverage_ == pytest.approx(1.0, rel=0.01)
+
+
+def test_one_bin_whose_signal_vanished_moves_the_estimate_by_its_share_in_log_space_only():
+    target = 1e5
+    records = [{"samples": 5000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 100.0} for i in range(20)]
+    records[15] = dict(records[15], grad_sqr=1e-3)  # an all-but-zero |G|^2 window: its own ratio is 1e5
+    estimate = TrajectoryNoiseScale().fit(records, target)
+    assert estimate.noise_scale_ == pytest.approx(100.0 * 1000 ** (1 / 8))  # one bin of 8, 1000x off
+
+
+def test_the_trend_alternative_is_read_at_a_fraction_of_the_run():
+    target = 1e6
+    estimate = TrajectoryNoiseScale(run_fraction=0.5, window=None).fit(power_law_records(40, target), target)
+    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.5 * target / 1000.0), rel=0.02)
     assert estimate.slope_ == pytest.approx(1.0, abs=0.01)
 
 
@@ -39,7 +60,7 @@ def test_a_short_run_is_extrapolated_with_the_later_trend_and_says_so():
     target = 1e7
     estimate = TrajectoryNoiseScale().fit(power_law_records(30, 1e5, slope=0.5), target)
     assert estimate.extrapolated_ and estimate.coverage_ == pytest.approx(0.01, rel=0.05)
-    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.5 * target / 1000.0) ** 0.5, rel=0.05)
+    assert estimate.noise_scale_ == pytest.approx(100.0 * (0.75 * target / 1000.0) ** 0.5, rel=0.05)  # the window's middle
 
 
 def test_a_falling_early_trend_is_not_extended():

@@ -14,9 +14,11 @@ to it with their ratio to it, so a disagreement is visible):
 4. "initialization": the compute points' statistics at the initial weights, pooled with equal weights.
    The noise scale grows 10-1000x during training, so this under-predicts the useful batch: weak evidence.
 
-For Adam and AdamW the records may also hold the statistics of the preconditioned gradient P g;
-STATISTIC_FOR_OPTIMIZER says which one the model reads, chosen by measured error in
-benchmarks/statistical_efficiency.py (docs/validation.md); both are reported.
+For Adam and AdamW the records may also hold the statistics of the preconditioned gradient P g, P =
+diag(1 / (sqrt(v_hat) + eps)): Adam's update is P g, so its noise-to-signal ratio is the one that sets how
+far a larger batch helps. STATISTIC_FOR_OPTIMIZER says which one the model reads, chosen by measured error
+in benchmarks/statistical_efficiency.py (docs/validation.md: on the Adam tasks the preconditioned one
+predicted the epochs better); both are reported, and the raw one is used when the other is missing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale, record
 from tula_service.spec import JobSpec
 
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
-STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "raw", "adamw": "raw"}
+STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
 
 
@@ -62,20 +64,22 @@ def target_samples(spec: JobSpec) -> float:
 def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvidence | None:
     if not records:
         return None
-    optimizer = spec.training.optimizer
-    statistic = STATISTIC_FOR_OPTIMIZER[optimizer]
-    if statistic == "preconditioned" and record_arrays(records, statistic)["samples"].size == 0:
-        statistic = "raw"
+    wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
     estimates = {
         name: TrajectoryNoiseScale(statistic=name).fit(records, target_samples(spec))
         for name in ("raw", "preconditioned")
         if record_arrays(records, name)["samples"].size
     }
+    resolved = wanted in estimates and estimates[wanted].noise_scale_ is not None
+    statistic = wanted if resolved else "raw"
     chosen = estimates[statistic]
     detail = {**chosen.describe(), "batch": int(_batch(records)),
               "preconditioned_noise_scale": estimates["preconditioned"].noise_scale_ if "preconditioned" in estimates else None,
               "raw_noise_scale": estimates["raw"].noise_scale_ if "raw" in estimates else None}  # fmt: skip
     warnings = []
+    if statistic != wanted:
+        warnings.append(f"{source}: the {wanted} statistics for {spec.training.optimizer} are "
+                        f"{'missing' if wanted not in estimates else 'not resolved'}: the raw gradient's are used")  # fmt: skip
     if chosen.noise_scale_ is None:
         warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive: the noise scale is not resolved")
     elif chosen.extrapolated_:
@@ -208,9 +212,9 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
 
 _NOTES = {
     "other_runs": "E_min and B_noise fitted to the epochs measured at the given batches: the most direct evidence",
-    "reference_run": "noise scale read along the user's reference run, half-way through its samples to the target",
-    "pilot": "noise scale read along the pilot run at the reference batch and extrapolated to half of the reference "
-    "run's samples to the target",
+    "reference_run": "noise scale pooled over the second half of the user's reference run to the target",
+    "pilot": "noise scale read along the pilot run at the reference batch and extrapolated to the second half of the "
+    "reference run to the target",
     "initialization": "noise scale measured in the first iterations from the initial weights; it grows as the loss "
     "falls (McCandlish et al. 2018), so larger batches are likely more efficient than predicted",
 }

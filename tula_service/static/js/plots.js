@@ -277,16 +277,26 @@ export function efficiencyFigure(rec, spec) {
   const top = Math.max(...curve) * 1.05;
   const bottom = Math.min(...curve) * 0.95;
   const shapes = [];
-  if (noise) {
-    const band = noise.stderr || 0;
+  const others = training.other_runs || [];
+  if (others.length) {
     data.push({
-      type: "scatter", mode: "lines", name: `noise scale ${significant(noise.value)} ± ${significant(band)} (fitted)`,
-      x: [noise.value, noise.value], y: [bottom, top], line: { color: COLORS.note, width: 2, dash: "dot" },
-      hovertemplate: `B_noise = ${significant(noise.value)} ± ${significant(band)} (fitted)<extra></extra>`,
+      type: "scatter", mode: "markers", name: "your other runs (spec)", x: others.map((run) => run.batch), y: others.map((run) => run.epochs),
+      hovertemplate: "run: batch %{x}, %{y} epochs (spec)<extra></extra>", marker: { color: COLORS.spec, size: 10, symbol: "diamond-open" },
     });
-    if (band > 0) {
+  }
+  if (noise) {
+    // the interval of B_noise (efficiency_evidence.py); for the initial weights' estimate, 2 standard errors
+    const [bandLow, bandHigh] = noise.interval || (noise.stderr ? [noise.value - 2 * noise.stderr, noise.value + 2 * noise.stderr] : [noise.value, noise.value]);
+    const range = bandHigh > bandLow ? ` [${significant(bandLow)}, ${significant(bandHigh)}]` : "";
+    const from = noise.evidence ? `, from the ${noise.evidence.replace("_", " ")}` : "";
+    data.push({
+      type: "scatter", mode: "lines", name: `noise scale ${significant(noise.value)}${range} (fitted${from})`,
+      x: [noise.value, noise.value], y: [bottom, top], line: { color: COLORS.note, width: 2, dash: "dot" },
+      hovertemplate: `B_noise = ${significant(noise.value)}${range} (fitted${from})<extra></extra>`,
+    });
+    if (bandHigh > bandLow) {
       shapes.push({
-        type: "rect", xref: "x", yref: "paper", x0: Math.max(noise.value - band, low), x1: noise.value + band, y0: 0, y1: 1,
+        type: "rect", xref: "x", yref: "paper", x0: Math.max(bandLow, low), x1: bandHigh, y0: 0, y1: 1,
         fillcolor: "rgba(85,85,85,0.12)", line: { width: 0 },
       });
     }
