@@ -471,12 +471,13 @@ def advice_check(advised: dict[str, Any] | None, truth: dict[int, dict], best_ti
     """The pick trained with the plan's LR and warm-up, against the pick with the tuned LR and against the best."""
     if advised is None:
         return None
-    tuned = measured(truth, advised["batch"])
+    row = truth.get(advised["batch"])  # None when the pick is outside the ground truth's grid (a --quick run)
     return {
         **{key: advised[key] for key in ("batch", "lr", "lr_rule", "warmup_epochs", "time_s", "epochs", "reached_seeds", "seeds")},
-        "tuned_lr": truth[advised["batch"]]["lr"] if advised["batch"] in truth else None,
-        "tuned_time_s": tuned, "ratio_to_tuned": advised["time_s"] / tuned, "regret": advised["time_s"] / best_time_s,
-        "tuned_epochs": truth[advised["batch"]]["epochs"], "epochs_ratio_to_tuned": advised["epochs"] / truth[advised["batch"]]["epochs"],
+        "tuned_lr": row["lr"] if row else None,
+        "tuned_time_s": row["time_s"] if row else None, "ratio_to_tuned": advised["time_s"] / row["time_s"] if row else None,
+        "regret": advised["time_s"] / best_time_s,
+        "tuned_epochs": row["epochs"] if row else None, "epochs_ratio_to_tuned": advised["epochs"] / row["epochs"] if row else None,
     }  # fmt: skip
 
 

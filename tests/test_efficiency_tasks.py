@@ -1,0 +1,148 @@
+"""The ground-truth machinery of benchmarks/efficiency_tasks.py on tiny configurations, and the cached ground truth."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import efficiency_tasks as et  # noqa: E402
+from offline_data import load_data, stdlib_bytes, stdlib_corpus_info, stdlib_files, write_stdlib_token_file  # noqa: E402
+
+RECORD_KEYS = {"samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step", "window_steps", "variability",
+               "precond_grad_sqr", "precond_trace_sigma"}  # fmt: skip
+TINY = et.Task("digits_x16_flat", "mlp1d", "sgd", 512, 360, 0.75, "test_acc", (16, 64), max_epochs=30,
+               reference_batch=16, reference_lr=0.05, seeds=2)  # fmt: skip
+
+
+def tiny_run(task: et.Task = TINY, batch: int = 32, **run) -> dict:
+    return et.train_to_target({"task": asdict(task), "batch": batch, "lr": et.sqrt_scaled_lr(task, batch), "seed": 0, **run})
+
+
+def test_a_split_run_reaches_an_easy_target_and_its_records_follow_the_shared_format():
+    result = tiny_run(split=True)
+    assert result["outcome"] == "reached" and result["final_metric"] >= TINY.target
+    records = result["trajectory"]
+    assert records and all(set(r) == RECORD_KEYS for r in records)
+    assert sum(r["window_steps"] for r in records) == result["steps"] == records[-1]["step"]
+    assert all(r["samples"] == r["step"] * 32 and r["batch"] == 32 for r in records)
+    assert all(isinstance(r[k], float) for r in records for k in ("grad_sqr", "trace_sigma", "loss"))
+    assert all(r["precond_grad_sqr"] is None and r["precond_trace_sigma"] is None for r in records)  # SGD
+    assert records[-1]["metric"] >= TINY.target
+    assert all(r["variability"] is None or r["variability"] >= 0 for r in records)
+    assert any(r["trace_sigma"] > 0 for r in records)
+
+
+def test_adam_records_carry_the_preconditioned_pair():
+    task = replace(TINY, optimizer="adam", reference_lr=3e-3)
+    records = tiny_run(task, split=True)["trajectory"]
+    assert all(isinstance(r["precond_grad_sqr"], float) and isinstance(r["precond_trace_sigma"], float) for r in records)
+
+
+def test_the_adam_preconditioner_is_one_over_the_bias_corrected_root_of_exp_avg_sq():
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    layer(torch.randn(5, 3)).square().mean().backward()
+    gradient = et.flat([p.grad.clone() for p in layer.parameters()])
+    optimizer.step()
+    # after one step v_hat = g^2 exactly (v_1 = (1 - beta2) g^2, corrected by 1 - beta2)
+    expected = 1 / (gradient.abs() + optimizer.param_groups[0]["eps"])
+    assert torch.allclose(et.adam_preconditioner(optimizer, list(layer.parameters())), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("task", [TINY, et.Task("stdlib_bytes", "gpt", "adamw", 64, 16, 4.0, "val_loss", (8,), 1, 8, 1e-3,
+                                                model_options={"layers": 1, "width": 16, "heads": 2}, seq_len=16)])  # fmt: skip
+def test_the_accumulation_split_gives_the_full_batch_gradient_for_a_batch_norm_free_model(task):
+    data = et.task_data(task)
+    inputs, targets = data["train_x"][:32], data["train_y"][:32]
+    model = et.task_model(task, seed=0)
+    full = torch.autograd.grad(et.mean_loss(model(inputs), targets), list(model.parameters()))
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)  # the step leaves the weights, p.grad holds the mean
+    stats = et.accumulation_step(model, frozen, inputs, targets)
+    for expected, parameter in zip(full, model.parameters()):
+        assert torch.allclose(parameter.grad, expected, rtol=1e-4, atol=1e-7)
+    assert math.isclose(stats["grad_norm"], float(et.flat(full).norm()), rel_tol=1e-5)
+
+
+def test_splitting_does_not_change_the_epochs_of_a_batch_norm_free_model():
+    assert tiny_run(split=True)["steps"] == tiny_run(split=False)["steps"]
+
+
+def test_the_batch_stream_visits_every_sample_once_per_epoch():
+    stream = et.BatchStream(100, torch.Generator().manual_seed(0))
+    seen = torch.cat([stream.next(32) for _ in range(25)])  # 800 samples = 8 epochs, batches straddle epochs
+    assert torch.equal(torch.bincount(seen, minlength=100), torch.full((100,), 8))
+
+
+def test_record_windows_line_up_with_the_evaluations():
+    assert et.record_window(steps=176, eval_every=8) == 4  # 3 would be ideal; 4 divides 8 and is nearer than 2
+    assert et.record_window(steps=1200, eval_every=6) == 24  # 20 rounded up to a multiple of 6
+    assert et.record_window(steps=1116, eval_every=31) == 31  # 19 would be ideal; 31 still gives 36 records
+    assert et.record_window(steps=290, eval_every=11) == 5  # neither 1 (290 records) nor 11 (26) lines up
+
+
+def test_micro_batches_keep_at_least_two_samples():
+    assert [et.micro_batches(b) for b in (2, 4, 8, 1024)] == [1, 2, 4, 4]
+
+
+def test_digits_x16_is_the_scikit_learn_data_in_its_train_split():
+    data = load_data("digits_x16", 1437, 360)
+    assert data["train_x"].shape == (1437, 1, 8, 8) and data["test_x"].shape == (360, 1, 8, 8)
+    assert float(data["train_x"].min()) == 0.0 and float(data["train_x"].max()) == 1.0
+    flat = load_data("digits_x16_flat", 1437, 360)
+    assert torch.equal(flat["train_x"], data["train_x"].reshape(1437, 64)) and torch.equal(flat["train_y"], data["train_y"])
+
+
+def test_the_stdlib_text_is_deterministic(tmp_path):
+    again = b"".join(p.read_bytes() for p in sorted(stdlib_files(), key=lambda p: p.as_posix()))
+    assert hashlib.sha256(again).hexdigest() == stdlib_corpus_info()["sha256"] == hashlib.sha256(stdlib_bytes()).hexdigest()
+    assert not any("site-packages" in p.parts for p in stdlib_files())
+    token_file = write_stdlib_token_file(tmp_path / "stdlib.txt")
+    assert token_file.read_bytes() == stdlib_bytes()
+    first = load_data("stdlib_bytes", 64, 16, 16)
+    load_data.cache_clear()
+    second = load_data("stdlib_bytes", 64, 16, 16)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert torch.equal(first["train_x"][:, 1:], first["train_y"][:, :-1])  # targets are the next bytes
+
+
+def test_generate_ground_truth_writes_the_documented_layout(tmp_path, monkeypatch):
+    monkeypatch.setattr(et, "TASKS", {"tiny": TINY})
+    monkeypatch.setattr(et, "EPOCH_TIMING_ROUNDS", 2)
+    path = tmp_path / "ground_truth.json"
+    et.generate_ground_truth(["tiny"], workers=1, path=path)
+    truth = et.load_ground_truth(path)
+    entry = truth["tasks"]["tiny"]
+    assert entry["dataset_size"] == 512 and entry["reference_batch"] == 16 and entry["optimizer"] == "sgd"
+    assert entry["target"] == {"metric": "test_acc", "value": 0.75, "higher_is_better": True}
+    for row in entry["batches"].values():
+        assert row["reached_seeds"] == row["seeds"] == 2
+        assert row["epochs_min"] <= row["epochs"] <= row["epochs_max"] and row["epoch_s"] > 0 and row["lr"] > 0
+        assert row["trajectory"] and set(row["trajectory"][0]) == RECORD_KEYS
+        assert row["split_check"]["steps_split"] == row["split_check"]["steps_unsplit"]
+
+
+def test_the_cached_ground_truth_covers_the_required_tasks():
+    truth = et.load_ground_truth()
+    tasks = truth["tasks"]
+    assert len(tasks) >= 5
+    assert {t["optimizer"] for t in tasks.values()} >= {"sgd"} and {t["optimizer"] for t in tasks.values()} & {"adam", "adamw"}
+    models = {t["task"]["model"] for t in tasks.values()}
+    assert models & {"cnn1d", "small_cnn"} and "mlp1d" in models and "gpt" in models
+    for name, entry in tasks.items():
+        batches = sorted(int(b) for b in entry["batches"])
+        assert batches[-1] / batches[0] >= 32 and batches[-1] <= entry["dataset_size"], name
+        reference = entry["batches"][str(entry["reference_batch"])]
+        assert reference["reached_seeds"] == reference["seeds"] >= 3 and reference["epochs"] >= 2, name
+        for row in entry["batches"].values():
+            assert 10 <= len(row["trajectory"]) <= 120 and set(row["trajectory"][0]) == RECORD_KEYS, name
+            assert sum(r["metric"] is not None for r in row["trajectory"]) >= 5, name
+    assert truth["meta"]["stdlib_text"]["sha256"]
