@@ -146,3 +146,11 @@ def test_the_cached_ground_truth_covers_the_required_tasks():
             assert 10 <= len(row["trajectory"]) <= 120 and set(row["trajectory"][0]) == RECORD_KEYS, name
             assert sum(r["metric"] is not None for r in row["trajectory"]) >= 5, name
     assert truth["meta"]["stdlib_text"]["sha256"]
+
+
+def test_the_lr_grid_goes_on_past_an_edge_that_wins_and_stops_inside_or_at_its_bound():
+    assert et.next_multiplier(2.0, [1.0, 0.5, 2.0]) == 4.0
+    assert et.next_multiplier(0.5, [1.0, 0.5, 2.0]) == 0.25
+    assert et.next_multiplier(1.0, [1.0, 0.5, 2.0]) is None
+    assert et.next_multiplier(2.0, [1.0, 0.5, 2.0, 4.0]) is None  # 4 was tried and lost
+    assert et.next_multiplier(et.MAX_LR_MULTIPLIER, [1.0, et.MAX_LR_MULTIPLIER]) is None

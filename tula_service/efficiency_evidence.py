@@ -47,12 +47,13 @@ class NoiseEvidence:
     min_epochs: float | None = None  # only "other_runs" fits E_min itself
     detail: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    weak: bool = False  # the initial weights, or a trajectory extrapolated from less than WEAK_COVERAGE of the run
 
     def summary(self) -> dict[str, Any]:
         return {
             "source": self.source, "noise_scale": self.noise_scale,
             "interval": list(self.interval) if self.interval else None, "stderr": self.stderr,
-            "detail": self.detail, "warnings": self.warnings,
+            "detail": self.detail, "warnings": self.warnings, "weak": self.weak,
         }  # fmt: skip
 
 
@@ -92,7 +93,8 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
         warnings.append(f"{source}: its records are at batch {detail['batch']}, not at training.reference_batch "
                         f"({spec.training.reference_batch})")  # fmt: skip
     interval = _extrapolation_interval(chosen) if chosen.noise_scale_ is not None else None
-    return NoiseEvidence(source, chosen.noise_scale_, interval, detail=detail, warnings=warnings)
+    weak = chosen.extrapolated_ and chosen.coverage_ < WEAK_COVERAGE
+    return NoiseEvidence(source, chosen.noise_scale_, interval, detail=detail, warnings=warnings, weak=weak)
 
 
 def _extrapolation_interval(estimate: TrajectoryNoiseScale) -> tuple[float, float] | None:
@@ -125,7 +127,7 @@ def from_initialization(points: list[dict[str, Any]]) -> NoiseEvidence | None:
                 "training.reference_run.gradient_stats or other_runs, or enable profiling.pilot"]  # fmt: skip
     stderr = noise.noise_scale_stderr_
     interval = (max(noise.noise_scale_ - 2 * stderr, 0.0), noise.noise_scale_ + 2 * stderr) if noise.noise_scale_ and stderr else None
-    return NoiseEvidence("initialization", noise.noise_scale_, interval, stderr=stderr, detail=detail, warnings=warnings)
+    return NoiseEvidence("initialization", noise.noise_scale_, interval, stderr=stderr, detail=detail, warnings=warnings, weak=True)
 
 
 def from_runs(spec: JobSpec) -> NoiseEvidence | None:
@@ -205,7 +207,7 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
         "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
         "source": "fitted",
         "warnings": chosen.warnings,
-        "weak": chosen.source == "initialization" or any("weak evidence" in w for w in chosen.warnings),
+        "weak": chosen.weak,
         "note": _NOTES[chosen.source],
     }
 

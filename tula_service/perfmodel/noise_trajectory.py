@@ -13,11 +13,11 @@ run's samples to the target; records past T (a run logged beyond the target) are
    B_noise is the geometric mean of the bins: each part of the window weighs the same (one ratio pooled
    over the whole window weighs the records by |G|^2, which falls fast, i.e. by the window's start), and
    one bin whose |G|^2 all but vanished moves it by its 1/n share in log space only. Which part of the run
-   to read, and how, was chosen by measured error across tasks (benchmarks/statistical_efficiency.py,
-   docs/validation.md): the first record (what initialization gives) misses the epochs by tens to
-   hundreds of percent, the whole run pooled by ~45%, the second half by ~9-11% (medians over tasks); of
-   one pooled ratio, the median and the geometric mean of its bins, the last had the lowest median and
-   worst-task epochs error, regret and critical-batch ratio.
+   to read, and how, was chosen by measured error over 9 tasks (benchmarks/statistical_efficiency.py,
+   docs/validation.md; medians over tasks of the median |epochs error|): the first record (what
+   initialization gives) 47%, the whole run pooled 45%, the second half pooled 25%, the geometric mean of
+   its bins 17% with the lowest worst-task error (50%) and critical-batch ratio; the median of its bins
+   13% but a worse worst task (56%); power-law trends read at 25-75% of the run 26-31%.
 2. Extrapolation, when the records do not reach the window's middle (a pilot, a truncated log): the
    records are grouped into at most MAX_BINS contiguous bins (each pooled as above; a bin whose pooled
    |G|^2 or tr(Sigma) is not positive is unresolved and dropped), log B_bin = a + c log(samples_bin) is
