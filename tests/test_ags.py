@@ -325,7 +325,9 @@ def test_config_loader_takes_the_service_recommendation_as_is(tmp_path):
     recommendation = _real_recommendation()
     ags_json = recommendation["training_advice"]["ags"]
     expected = (ags_json["delta"]["value"], ags_json["s"]["value"])
-    assert expected[0] == pytest.approx(0.12) and ags_json["s"]["source"] == "fitted" and expected[1] > 1
+    # the measured variabilities' median is 0.12 at their batches; the plan scales them to its (larger) batch
+    assert 0 < expected[0] < 0.12 and ags_json["delta"]["source"] == "predicted"
+    assert ags_json["s"]["source"] == "fitted" and expected[1] > 1
     path = tmp_path / "recommendation.json"
     path.write_text(json.dumps({"job_id": "j1", **recommendation}))  # the API's /recommendation body
     for config in (recommendation, recommendation["training_advice"], ags_json, json.dumps(ags_json), str(path)):
