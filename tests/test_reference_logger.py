@@ -3,7 +3,6 @@
 import contextlib
 import json
 import math
-import socket
 
 import pytest
 
@@ -16,6 +15,7 @@ from torch import nn  # noqa: E402
 
 from profiler.gradstats import two_batch_estimates  # noqa: E402
 from profiler.reference_logger import RECORD_KEYS, GradientStatsLogger  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -291,12 +291,6 @@ def test_an_error_inside_the_context_keeps_the_written_records_and_removes_the_h
 # -- DDP: two gloo processes against one process on the same data ------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 DDP_CASES = (("adam", 1), ("sgd", 2))  # (optimizer, micro-batches per rank): one backward, then no_sync accumulation
 
 
@@ -322,7 +316,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro_batches(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert all("not a DistributedDataParallel" in results.get("refused", "") for results in ranks)
     for optimizer_name, micro_batches in DDP_CASES:
