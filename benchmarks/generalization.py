@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from offline_data import data_shape, load_data  # noqa: E402
+from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
 from profiler.ags import AdaptiveGradientScaler  # noqa: E402
 from tula_service.advice import WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION, ags_config  # noqa: E402
 from tula_service.recommend import measured_variability, usable_measurements  # noqa: E402
@@ -225,7 +225,7 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
     spec = JobSpec.model_validate({
         "name": f"generalization-{dataset}",
         "model": workload.model,
-        "dataset": {"name": dataset, "num_samples": workload.train_samples},
+        "dataset": {"name": dataset, "num_samples": workload.train_samples, **SERVICE_DATASET_FIELDS.get(dataset, {})},
         "batch_sizes": profile_batches(workload),
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 16, "interconnect_gbps": 100},
         "pricing": {"kind": "gpu_hour", "price": 1.0},

@@ -76,7 +76,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from live_server import api_server  # noqa: E402
-from offline_data import data_shape, load_data  # noqa: E402
+from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
 
 MOMENTUM = 0.9
@@ -344,7 +344,7 @@ def job_spec(task: Task, batches: tuple[int, ...], reference: dict[str, Any], se
     return {
         "name": f"time-to-accuracy-{task.dataset}-{search}",
         "model": task.model,
-        "dataset": {"name": task.dataset, "num_samples": task.train_samples},
+        "dataset": {"name": task.dataset, "num_samples": task.train_samples, **SERVICE_DATASET_FIELDS.get(task.dataset, {})},
         "batch_sizes": list(batches),
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": round(host_memory_gib(), 1)},
         "pricing": {"kind": "gpu_hour", "price": 1.0},
