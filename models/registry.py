@@ -278,3 +278,34 @@ def image_size_problem(model_name: str, image_size: int) -> str | None:
     if image_size < info.min_image_size:
         return f"model '{model_name}' needs image_size >= {info.min_image_size} (got {image_size})"
     return None
+
+
+MAX_MODEL_OPTION_INT = 1_000_000  # a layer count, width or channel count beyond this is a typo, not a model
+
+
+def resolved_model_options(model_name: str, given: dict[str, object] | None) -> dict[str, object]:
+    """A catalog model's options with defaults filled in, checked against their types and bounds.
+
+    Every catalog option is a size (layers, width, heads, hidden units, channels): an integer in
+    [1, MAX_MODEL_OPTION_INT]; a whole float (from YAML, say) is taken as its integer. The GPT's width
+    must split evenly into its heads. Raises ValueError naming the option; checked at submit, so a
+    wrong type is a 422 rather than a failed point on the worker.
+    """
+    defaults = MODELS[model_name].options
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        accepted = ", ".join(sorted(defaults)) or "none"
+        raise ValueError(f"model_options {unknown} do not apply to model '{model_name}' (it takes: {accepted})")
+    for option, value in given.items():
+        expected = type(defaults[option])
+        if expected is int and isinstance(value, float) and value.is_integer():
+            value = given[option] = int(value)
+        if type(value) is not expected:
+            raise ValueError(f"model option '{option}' of '{model_name}' must be of type {expected.__name__} (got {value!r})")
+        if expected is int and not 1 <= value <= MAX_MODEL_OPTION_INT:
+            raise ValueError(f"model option '{option}' of '{model_name}' must be between 1 and {MAX_MODEL_OPTION_INT} (got {value})")
+    options = {**defaults, **given}
+    if {"width", "heads"} <= options.keys() and options["width"] % options["heads"]:
+        raise ValueError(f"model '{model_name}': width ({options['width']}) must be a multiple of heads ({options['heads']})")
+    return options

@@ -21,6 +21,7 @@ from models.registry import (
     MODELS,
     TORCHVISION_CLASSIFIERS,
     is_user_model_ref,
+    resolved_model_options,
     unknown_name_message,
     user_model_allowed,
 )
@@ -38,23 +39,6 @@ _FACTORIES: dict[str, ModelFactory] = {
     "gpt": GPT,
     **{name: functools.partial(torchvision_classifier, name) for name in TORCHVISION_CLASSIFIERS},
 }
-
-
-def catalog_options(name: str, given: dict[str, object] | None) -> dict[str, object]:
-    """The model's options with defaults filled in; unknown options or wrong types are errors."""
-    defaults = MODELS[name].options
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        accepted = ", ".join(sorted(defaults)) or "none"
-        raise ValueError(f"model_options {unknown} do not apply to model '{name}' (it takes: {accepted})")
-    for option, value in given.items():
-        if isinstance(defaults[option], int) and isinstance(value, float) and value.is_integer():
-            given[option] = int(value)
-        elif type(value) is not type(defaults[option]):
-            expected = type(defaults[option]).__name__
-            raise ValueError(f"model option '{option}' of '{name}' must be of type {expected} (got {value!r})")
-    return {**defaults, **given}
 
 
 def load_user_factory(ref: str, allowed_prefixes: list[str]) -> ModelFactory:
@@ -83,4 +67,4 @@ def build_model(
         return model
     if name not in _FACTORIES:
         raise KeyError(unknown_name_message("model", name, MODELS))
-    return _FACTORIES[name](**catalog_options(name, options), **shape)
+    return _FACTORIES[name](**resolved_model_options(name, options), **shape)

@@ -90,6 +90,17 @@ def test_jobs_are_listed_by_state_a_page_at_a_time(api):
     assert api.get("/v1/jobs", params={"state": "running"}).status_code == 422
 
 
+def test_the_job_list_gives_counts_not_points_or_specs(api):
+    job_id = finished_job(store_for(api.database_url), batch_sizes=[8, 16, 32])
+    listed = next(j for j in api.get("/v1/jobs").json()["jobs"] if j["id"] == job_id)
+    assert "points" not in listed and "spec" not in listed
+    assert listed["progress"]["points_done"] == listed["progress"]["points_total"] >= 3
+    assert listed["cluster"] == {"nodes": 1, "gpus_per_node": 1, "gpu_type": None, "device_memory_gib": 16.0}
+    assert listed["chosen"]["global_batch"] >= 8
+    one = api.get(f"/v1/jobs/{job_id}").json()
+    assert len(one["points"]) == listed["progress"]["points_total"] and one["spec"]["model"] == listed["model"]
+
+
 def test_a_cancelled_job_stops_and_has_no_recommendation(api):
     job = _submit(api)
     cancelled = api.post(f"/v1/jobs/{job['id']}/cancel").json()

@@ -78,7 +78,7 @@ def test_digits_default_is_the_train_split_and_a_mnist1d_beyond_its_bound_is_ref
 
 def test_user_code_that_breaks_the_contract_is_a_422_naming_the_field(make_server):
     server = make_server(env=ALLOWLISTED)
-    wrong_batch = spec_dict(model=USER_MODEL, dataset={"name": "tests.user_models_fixture:wrong_batch_shape", "num_samples": 100})
+    wrong_batch = spec_dict(model=USER_MODEL, dataset={"name": "tests.user_models_fixture:wrong_batch_shape", "num_samples": 512})
     response = httpx.post(f"{server.url}/v1/jobs", json=wrong_batch, timeout=60)
     assert response.status_code == 422
     assert response.json()["errors"][0]["field"] == "body.dataset.name"

@@ -38,3 +38,18 @@ def test_search_converges_to_a_hidden_limit_within_tolerance():
     assert largest_ok <= limit < smallest_oom
     assert smallest_oom - largest_ok <= max(1, int(0.05 * largest_ok))
     assert probes <= 7
+
+
+def test_a_wide_bracket_is_bisected_geometrically():
+    # 8 ran, 2^30 did not: the next probe is sqrt(8 * 2^30) = 92 681, not 2^29
+    assert next_probe([8], [2**30], predicted_max=None, probes_done=1, max_probes=4) == 92_681
+
+
+def test_a_wide_bracket_comes_within_a_factor_of_two_in_few_probes():
+    limit = 3000
+    ok, oom, probes = [8], [2**30], 0
+    while bracket(ok, oom)[1] > 2 * bracket(ok, oom)[0]:
+        probe = next_probe(ok, oom, predicted_max=None, probes_done=probes, max_probes=32)
+        (ok if probe <= limit else oom).append(probe)
+        probes += 1
+    assert probes <= 6

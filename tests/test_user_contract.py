@@ -103,7 +103,7 @@ def test_good_user_model_and_dataset_pass_and_the_spec_records_the_check(allowli
 
 
 def test_dataset_whose_batch_has_the_wrong_shape_is_refused_at_dataset_name(allowlisted):
-    errors = _errors(spec_dict(model=TINY, dataset={"name": f"{FIXTURE}:wrong_batch_shape", "num_samples": 100}))
+    errors = _errors(spec_dict(model=TINY, dataset={"name": f"{FIXTURE}:wrong_batch_shape", "num_samples": 512}))
     assert "gave inputs of shape [2, 1, 8, 7]" in errors[("dataset", "name")]
 
 
@@ -119,7 +119,7 @@ def test_model_with_the_wrong_output_shape_is_refused(allowlisted):
 
 
 def test_dataset_options_reach_the_factory_and_a_missing_one_is_named(allowlisted):
-    needs_radius = {"name": f"{FIXTURE}:needs_radius", "num_samples": 100}
+    needs_radius = {"name": f"{FIXTURE}:needs_radius", "num_samples": 512}
     errors = _errors(spec_dict(model=TINY, dataset=needs_radius))
     assert "needs 'radius'" in errors[("dataset", "options", "radius")]
     spec = JobSpec.model_validate(spec_dict(model=TINY, dataset={**needs_radius, "options": {"radius": 2.0}}))
@@ -128,7 +128,7 @@ def test_dataset_options_reach_the_factory_and_a_missing_one_is_named(allowliste
 
 def test_user_dataset_outside_the_allowlist_is_refused_without_running_it(monkeypatch):
     monkeypatch.setenv("TULA_ALLOWED_MODEL_MODULES", "acme")
-    errors = _errors(spec_dict(dataset={"name": f"{FIXTURE}:slow_dataset", "num_samples": 10}))
+    errors = _errors(spec_dict(dataset={"name": f"{FIXTURE}:slow_dataset", "num_samples": 512}))
     assert "TULA_ALLOWED_MODEL_MODULES=tests.user_models_fixture" in errors[("dataset", "name")]
 
 

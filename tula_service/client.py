@@ -23,7 +23,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from tula_service.schemas import JobList, JobView, MeasurementList
+from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "TULA_URL"
@@ -144,7 +144,7 @@ class TulaClient:
             params["state"] = [states] if isinstance(states, str) else list(states)
         return JobList.model_validate(self._json("GET", "/v1/jobs", params=params))
 
-    def iter_jobs(self, states: Iterable[str] | str | None = None, page_size: int = 100) -> Iterator[JobView]:
+    def iter_jobs(self, states: Iterable[str] | str | None = None, page_size: int = 100) -> Iterator[JobSummary]:
         """Every job matching `states`, fetched a page at a time."""
         states = [states] if isinstance(states, str) else (list(states) if states else None)
         offset: int | None = 0

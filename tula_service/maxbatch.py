@@ -2,13 +2,17 @@
 
 Predict, confirm, bisect: the first probe is the memory model's prediction of the largest batch
 that fits the profiling device (when it lies strictly between the largest batch that ran and the
-smallest that went out of memory), every later probe bisects that bracket. The search stops when
+smallest that went out of memory), every later probe bisects that bracket: geometrically while it
+spans more than a factor of 2 (so [8, 2^30] takes ~5 probes to come within 2x, not 27 halvings from
+2^29 down, each a probe at an absurd batch), arithmetically once it is narrower. The search stops when
 the bracket is tight (within `REL_TOLERANCE` of the batch, or adjacent), or after `max_probes`.
 Each probe is an ordinary profiling point in its own child process, so its measurement also
 sharpens the time and memory fits.
 """
 
 from __future__ import annotations
+
+import math
 
 REL_TOLERANCE = 0.05
 
@@ -32,4 +36,8 @@ def next_probe(ok_batches: list[int], oom_batches: list[int], predicted_max: int
         return None
     if probes_done == 0 and predicted_max is not None and largest_ok < predicted_max < smallest_oom:
         return int(predicted_max)
-    return (largest_ok + smallest_oom) // 2 if largest_ok else max(1, smallest_oom // 2)
+    if not largest_ok:
+        return max(1, smallest_oom // 2)
+    if smallest_oom > 2 * largest_ok:
+        return int(math.sqrt(largest_ok * smallest_oom))
+    return (largest_ok + smallest_oom) // 2

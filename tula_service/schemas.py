@@ -75,55 +75,76 @@ def _step(job: Job) -> str:
     return job.state
 
 
-class JobView(BaseModel):
+def _progress(job: Job) -> Progress:
+    return Progress(
+        points_done=sum(p.state in FINISHED_POINT_STATES for p in job.points),
+        points_total=len(job.points),
+        points_failed=sum(p.state == "failed" for p in job.points),
+        points_retried=sum(bool(p.attempt_errors) for p in job.points),
+        step=_step(job),
+    )
+
+
+def _links(job_id: str) -> dict[str, str]:
+    return {
+        "self": f"/v1/jobs/{job_id}",
+        "recommendation": f"/v1/jobs/{job_id}/recommendation",
+        "measurements": f"/v1/jobs/{job_id}/measurements",
+        "cancel": f"/v1/jobs/{job_id}/cancel",
+        "plan": f"/v1/jobs/{job_id}/plan",
+    }
+
+
+class ClusterSummary(BaseModel):
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str | None = None
+    device_memory_gib: float | None = None
+
+
+class JobSummary(BaseModel):
+    """A job in the job list: its state and counts, not its points or spec (GET /v1/jobs/{id} has those),
+    so a page of jobs stays small whatever the jobs hold."""
+
     id: str
     name: str | None
     state: str = Field(description="queued | profiling | fitting | done | failed | cancelled")
     progress: Progress
     model: str
     dataset: str
+    cluster: ClusterSummary
     created_at: dt.datetime
     finished_at: dt.datetime | None
     error: str | None
     chosen: dict[str, Any] | None = Field(description="the recommended configuration once done")
-    spec: dict[str, Any] = Field(description="the validated job spec, defaults filled in")
-    points: list[PointView]
     links: dict[str, str]
 
     @classmethod
-    def of(cls, job: Job) -> JobView:
-        chosen = job.recommendation["chosen"] if job.recommendation else None
+    def of(cls, job: Job) -> JobSummary:
+        cluster = job.spec["cluster"]
         return cls(
-            id=job.id,
-            name=job.name,
-            state=job.state,
-            progress=Progress(
-                points_done=sum(p.state in FINISHED_POINT_STATES for p in job.points),
-                points_total=len(job.points),
-                points_failed=sum(p.state == "failed" for p in job.points),
-                points_retried=sum(bool(p.attempt_errors) for p in job.points),
-                step=_step(job),
-            ),
-            model=job.spec["model"],
+            id=job.id, name=job.name, state=job.state, progress=_progress(job), model=job.spec["model"],
             dataset=job.spec["dataset"]["name"],
-            created_at=utc(job.created_at),
-            finished_at=utc(job.finished_at),
-            error=job.error,
-            chosen=chosen,
-            spec=job.spec,
-            points=[PointView.of(p) for p in job.points],
-            links={
-                "self": f"/v1/jobs/{job.id}",
-                "recommendation": f"/v1/jobs/{job.id}/recommendation",
-                "measurements": f"/v1/jobs/{job.id}/measurements",
-                "cancel": f"/v1/jobs/{job.id}/cancel",
-                "plan": f"/v1/jobs/{job.id}/plan",
-            },
-        )
+            cluster=ClusterSummary(nodes=cluster.get("nodes", 1), gpus_per_node=cluster.get("gpus_per_node", 1),
+                                   gpu_type=cluster.get("gpu_type"), device_memory_gib=cluster.get("device_memory_gib")),
+            created_at=utc(job.created_at), finished_at=utc(job.finished_at), error=job.error,
+            chosen=job.recommendation["chosen"] if job.recommendation else None, links=_links(job.id),
+        )  # fmt: skip
+
+
+class JobView(JobSummary):
+    """A job with its validated spec and its points (the measurements are at links.measurements)."""
+
+    spec: dict[str, Any] = Field(description="the validated job spec, defaults filled in")
+    points: list[PointView]
+
+    @classmethod
+    def of(cls, job: Job) -> JobView:
+        return cls(**JobSummary.of(job).model_dump(), spec=job.spec, points=[PointView.of(p) for p in job.points])
 
 
 class JobList(BaseModel):
-    jobs: list[JobView]
+    jobs: list[JobSummary]
     total: int = Field(description="jobs matching the filter, over all pages")
     limit: int
     offset: int

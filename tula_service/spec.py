@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from models.registry import (
@@ -18,10 +18,16 @@ from models.registry import (
     is_user_model_ref,
     is_user_ref,
     not_allowlisted_message,
+    resolved_model_options,
     unknown_name_message,
     user_model_allowed,
 )
+from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool
 from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors
+
+# Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec_limits).
+PositiveInt = Annotated[int, BeforeValidator(reject_bool), Field(ge=1)]
+BatchSize = Annotated[int, BeforeValidator(reject_bool), Field(ge=1, le=MAX_BATCH)]
 
 
 def allowed_model_modules() -> list[str]:
@@ -65,7 +71,7 @@ class DatasetSpec(_Strict):
     fields given (docs/user_models.md); which fields apply to a catalog dataset depends on it (see the catalog)."""
 
     name: str = Field(description="dataset catalog name, or 'package.module:factory' when allowlisted")
-    num_samples: PositiveInt | None = Field(None, description="training-set size D: samples per epoch")
+    num_samples: PositiveInt | None = Field(None, le=MAX_NUM_SAMPLES, description="training-set size D: samples per epoch")
     channels: int | None = Field(None, ge=1, le=16)
     image_size: int | None = Field(None, ge=4, le=1024, description="square image side in pixels")
     num_classes: int | None = Field(None, ge=2, le=100_000)
@@ -132,10 +138,12 @@ def _expand_batch_range(value: object) -> object:
     if set(value) != {"min", "max"}:
         raise ValueError("a batch range is {min, max}; or give a list of batch sizes")
     low, high = value["min"], value["max"]
-    if not all(isinstance(v, int) and v >= 1 for v in (low, high)):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (low, high)):
         raise ValueError("batch range min and max must be integers >= 1")
     if low > high:
         raise ValueError(f"batch range min ({low}) must be <= max ({high})")
+    if high > MAX_BATCH:
+        raise ValueError(f"batch range max ({high}) is above the largest batch Tula profiles ({MAX_BATCH})")
     return powers_of_two_between(low, high)
 
 
@@ -250,7 +258,7 @@ class GradientStatsRecord(_Strict):
     trace_sigma / grad_sqr. A noisy window may give a slightly negative estimate: it is data, not an error."""
 
     samples: int = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
-    batch: PositiveInt = Field(description="global batch of those steps")
+    batch: BatchSize = Field(description="global batch of those steps")
     grad_sqr: float = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
     trace_sigma: float = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
     loss: float | None = Field(None, allow_inf_nan=False, description="training loss, mean over the window")
@@ -279,12 +287,12 @@ class ReferenceRunSpec(_Strict):
 class RunResult(_Strict):
     """Another run of the user's: epochs to the same target at another global batch."""
 
-    batch: PositiveInt = Field(description="global batch of that run")
+    batch: BatchSize = Field(description="global batch of that run")
     epochs: float = Field(gt=0, allow_inf_nan=False, description="epochs it needed to reach the same target")
 
 
 class TrainingSpec(_Strict):
-    reference_batch: PositiveInt = Field(description="global batch of the user's reference run")
+    reference_batch: BatchSize = Field(description="global batch of the user's reference run")
     reference_epochs: float = Field(gt=0, description="epochs the reference run needs to reach its target")
     reference_lr: float | None = Field(None, gt=0, description="learning rate of the reference run")
     max_lr: float | None = Field(
@@ -365,7 +373,7 @@ class JobSpec(_Strict):
     model: str = Field(description="model catalog name, or 'package.module:factory' when allowlisted")
     model_options: dict[str, int | float | str | bool] = Field(default_factory=dict)
     dataset: DatasetSpec
-    batch_sizes: list[PositiveInt] = Field(
+    batch_sizes: list[BatchSize] = Field(
         description="per-device batch sizes to profile: a list, or {min, max} for the powers of two between"
     )
     cluster: ClusterSpec
@@ -428,11 +436,10 @@ class JobSpec(_Strict):
     def _model_fits_dataset(self) -> JobSpec:
         if is_user_model_ref(self.model):
             return self
-        options = MODELS[self.model].options
-        unknown = sorted(set(self.model_options) - set(options))
-        if unknown:
-            accepted = ", ".join(sorted(options)) or "none"
-            raise ValueError(f"model_options {unknown} do not apply to model '{self.model}' (it takes: {accepted})")
+        try:
+            resolved_model_options(self.model, self.model_options)
+        except ValueError as error:
+            raise field_errors([(("model_options",), str(error))], "model_option") from None
         if not compatible(self.model, self.dataset.name):
             raise ValueError(
                 f"model '{self.model}' takes {MODELS[self.model].input_kind} inputs but dataset "
@@ -441,6 +448,33 @@ class JobSpec(_Strict):
         problem = image_size_problem(self.model, self.dataset.image_size) if self.dataset.image_size else None
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _sizes_within_bounds(self) -> JobSpec:
+        """The bounds of tula_service.spec_limits that need two fields: devices, and batches against D."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        devices, limit = self.cluster.total_devices, max_devices()
+        if devices > limit:
+            problems.append((("cluster",), (
+                f"{self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs = {devices} devices: more than the "
+                f"{limit} this server plans for (the operator can raise it with TULA_MAX_DEVICES)"
+            )))
+        samples = self.dataset.num_samples
+        if samples is not None:
+            largest = max(self.batch_sizes)
+            if largest > samples:
+                problems.append((("batch_sizes",), f"batch {largest} is larger than the dataset ({samples} samples per epoch)"))
+            if self.training.reference_batch > samples:
+                problems.append((("training", "reference_batch"), (
+                    f"reference batch {self.training.reference_batch} is larger than the dataset ({samples} samples per epoch)"
+                )))
+            for index, run in enumerate(self.training.other_runs):
+                if run.batch > samples:
+                    problems.append((("training", "other_runs", index, "batch"),
+                                     f"batch {run.batch} is larger than the dataset ({samples} samples per epoch)"))
+        if problems:
+            raise field_errors(problems, "out_of_bounds")
         return self
 
     @model_validator(mode="after")
@@ -462,4 +496,11 @@ class JobSpec(_Strict):
     def _enough_batches(cls, batch_sizes: list[int]) -> list[int]:
         if len(set(batch_sizes)) < 2:
             raise ValueError("profile at least 2 distinct batch sizes: the memory and time models are lines")
+        limit = max_batch_sizes()
+        if len(set(batch_sizes)) > limit:
+            raise ValueError(
+                f"{len(set(batch_sizes))} batch sizes: a job profiles at most {limit} (each is a profiling point); "
+                "a few per power of two is enough, and the server operator can raise the limit with TULA_MAX_BATCH_SIZES"
+            )
         return sorted(set(batch_sizes))
+

@@ -95,7 +95,12 @@ class Store:
             ).one_or_none()
 
     def list_jobs(self, states: Sequence[str] = (), limit: int = 100, offset: int = 0) -> list[Job]:
-        query = select(Job).options(selectinload(Job.points)).order_by(Job.created_at.desc(), Job.id)
+        """A page of jobs, newest first, with their points' states but not their measurements (the
+        job list shows counts; a measurement is kilobytes)."""
+        points = selectinload(Job.points).load_only(
+            Point.id, Point.job_id, Point.kind, Point.batch_size, Point.state, Point.attempts, Point.attempt_errors, Point.worker
+        )  # fmt: skip
+        query = select(Job).options(points).order_by(Job.created_at.desc(), Job.id)
         if states:
             query = query.where(Job.state.in_(states))
         with self.session() as session:

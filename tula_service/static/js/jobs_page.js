@@ -27,7 +27,7 @@ function jobRow(job) {
     el("td", {}, el("a", { href: `/jobs/${encodeURIComponent(job.id)}` }, job.name || job.id.slice(0, 8))),
     el("td", {}, job.model),
     el("td", {}, job.dataset),
-    el("td", {}, clusterText(job.spec.cluster)),
+    el("td", {}, clusterText(job.cluster)),
     el("td", {}, el("span", { class: `state state-${job.state}` }, job.state)),
     el("td", { class: "progress-cell" }, progressCell(job)),
     el("td", { class: "chosen" }, chosenCell(job)),

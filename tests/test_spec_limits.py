@@ -1,0 +1,79 @@
+"""Bounds on a job spec (tula_service.spec_limits): every one is a 422 naming its field."""
+
+import httpx
+import pydantic
+import pytest
+
+from tula_service.spec import JobSpec
+from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES
+from tests.handmade import spec_dict
+
+
+def _errors(spec: dict) -> dict[tuple, str]:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        JobSpec.model_validate(spec)
+    return {error["loc"]: error["msg"] for error in caught.value.errors()}
+
+
+def test_more_batch_sizes_than_the_limit_are_refused_and_the_message_says_how_to_raise_it():
+    message = _errors(spec_dict(batch_sizes=list(range(1, 66))))[("batch_sizes",)]
+    assert "65 batch sizes: a job profiles at most 64" in message and "TULA_MAX_BATCH_SIZES" in message
+
+
+def test_the_operator_moves_the_batch_size_limit(monkeypatch):
+    monkeypatch.setenv("TULA_MAX_BATCH_SIZES", "3")
+    assert "at most 3" in _errors(spec_dict(batch_sizes=[8, 16, 32, 64]))[("batch_sizes",)]
+    assert JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32])).batch_sizes == [8, 16, 32]
+
+
+def test_a_batch_above_the_largest_profiled_is_refused_in_a_list_and_in_a_range():
+    assert ("batch_sizes", 1) in _errors(spec_dict(batch_sizes=[8, MAX_BATCH + 1]))
+    assert "above the largest batch" in _errors(spec_dict(batch_sizes={"min": 8, "max": 2**40}))[("batch_sizes",)]
+
+
+def test_a_batch_larger_than_the_dataset_is_refused():
+    errors = _errors(spec_dict(dataset={"name": "synthetic_images", "num_samples": 100}, batch_sizes=[8, 128]))
+    assert errors[("batch_sizes",)] == "batch 128 is larger than the dataset (100 samples per epoch)"
+
+
+def test_a_reference_batch_larger_than_the_dataset_is_refused_at_its_field():
+    errors = _errors(spec_dict(training={"reference_batch": 10**6, "reference_epochs": 10}))
+    assert "reference batch 1000000 is larger than the dataset (50000" in errors[("training", "reference_batch")]
+
+
+def test_booleans_are_not_batch_sizes_or_device_counts():
+    assert "not a boolean" in _errors(spec_dict(batch_sizes=[True, 8, 16]))[("batch_sizes", 0)]
+    assert "not a boolean" in _errors(spec_dict(cluster={"nodes": True}))[("cluster", "nodes")]
+    assert "must be integers" in _errors(spec_dict(batch_sizes={"min": True, "max": 16}))[("batch_sizes",)]
+
+
+def test_more_devices_than_the_limit_are_refused(monkeypatch):
+    message = _errors(spec_dict(cluster={"nodes": 10**9, "gpus_per_node": 1}))[("cluster",)]
+    assert "1000000000 devices: more than the 65536" in message and "TULA_MAX_DEVICES" in message
+    monkeypatch.setenv("TULA_MAX_DEVICES", "8")
+    assert "more than the 8" in _errors(spec_dict(cluster={"nodes": 2, "gpus_per_node": 8}))[("cluster",)]
+
+
+def test_num_samples_is_bounded():
+    assert ("dataset", "num_samples") in _errors(spec_dict(dataset={"name": "synthetic_images", "num_samples": MAX_NUM_SAMPLES + 1}))
+
+
+def test_model_options_of_the_wrong_type_are_refused_at_submit():
+    errors = _errors(spec_dict(model="gpt", dataset={"name": "synthetic_tokens", "num_samples": 1000},
+                               model_options={"layers": "<script>"}))  # fmt: skip
+    assert errors[("model_options",)] == "model option 'layers' of 'gpt' must be of type int (got '<script>')"
+
+
+def test_model_options_out_of_range_or_inconsistent_are_refused():
+    tokens = {"name": "synthetic_tokens", "num_samples": 1000}
+    assert "between 1 and" in _errors(spec_dict(model="gpt", dataset=tokens, model_options={"layers": 0}))[("model_options",)]
+    message = _errors(spec_dict(model="gpt", dataset=tokens, model_options={"width": 100, "heads": 3}))[("model_options",)]
+    assert message == "model 'gpt': width (100) must be a multiple of heads (3)"
+    assert JobSpec.model_validate(spec_dict(model="gpt", dataset=tokens, model_options={"width": 96.0, "heads": 3}))
+
+
+def test_the_api_answers_a_bound_with_a_422_naming_the_field(live_server):
+    spec = spec_dict(batch_sizes=list(range(1, 200)))
+    response = httpx.post(f"{live_server.url}/v1/jobs", json=spec, timeout=30)
+    assert response.status_code == 422
+    assert [e["field"] for e in response.json()["errors"]] == ["body.batch_sizes"]
