@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from models.data_roots import resolve_confined
 from models.datasets_bundled import MNIST1D, Digits
 from models.datasets_files import ImageFolderSource, TokenFile
 from models.datasets_synthetic import SyntheticImages, SyntheticTokens
@@ -41,14 +42,24 @@ def dataset_fields(name: str, given: dict[str, object]) -> dict[str, object]:
 
 
 def build_dataset(
-    name: str, *, seed: int = 0, num_samples: int | None = None, allowed_modules: list[str] | None = None, **fields: object
+    name: str,
+    *,
+    seed: int = 0,
+    num_samples: int | None = None,
+    allowed_modules: list[str] | None = None,
+    data_roots: list[str] | None = None,
+    **fields: object,
 ) -> BatchSource:
     """A dataset by catalog name, e.g. `build_dataset("synthetic_images", channels=3, image_size=32, num_classes=10)`,
     or by "package.module:factory" when that module is under one of `allowed_modules`.
 
     `seed` fixes generated structure (teachers, Markov chains); `num_samples` is how many samples mnist1d
-    generates; a user factory receives both when its signature names them.
+    generates; a user factory receives both when its signature names them. With `data_roots` (the
+    profiling worker always gives them), a file dataset's path must resolve under one of them
+    (`models.data_roots`); None is a direct call on one's own machine, not confined.
     """
+    if data_roots is not None and fields.get("path") is not None:
+        fields["path"] = str(resolve_confined(str(fields["path"]), data_roots))
     if is_user_ref(name):
         return build_user_dataset(name, allowed_prefixes=list(allowed_modules or []), num_samples=num_samples, seed=seed, **fields)
     if name not in DATASETS:

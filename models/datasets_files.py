@@ -15,6 +15,14 @@ def _existing(path: str, kind: str) -> Path:
     return resolved
 
 
+def _no_links_out(root: Path, files: list[str], path: str) -> None:
+    """ImageFolder follows symlinks inside the folder: every image must still lie under the folder's real path."""
+    real_root = root.resolve()
+    outside = sum(1 for file in files if real_root not in Path(file).resolve().parents)
+    if outside:
+        raise PermissionError(f"image_folder '{path}': {outside} of its images are symlinks that lead out of the folder")
+
+
 class ImageFolderSource:
     """Images in torchvision's ImageFolder layout (root/<class>/<image>; classes sorted by folder name),
     read with PIL on each batch, converted to RGB (channels=3) or grayscale (channels=1), resized to
@@ -32,8 +40,11 @@ class ImageFolderSource:
         root = _existing(path, "image_folder")
         try:
             self.folder = datasets.ImageFolder(str(root), transform=transform)
-        except FileNotFoundError as error:
-            raise FileNotFoundError(f"image_folder '{path}' needs one sub-folder of images per class: {error}") from None
+        except FileNotFoundError:  # torchvision's message lists the folder's sub-folders: not for the client
+            raise FileNotFoundError(
+                f"image_folder '{path}' needs one sub-folder of images per class (.jpg, .png, ...); none with images was found"
+            ) from None
+        _no_links_out(root, [sample_path for sample_path, _ in self.folder.samples], path)
         self.image_size = image_size
         self.channels = channels
         self.num_classes = len(self.folder.classes)

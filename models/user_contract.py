@@ -251,10 +251,11 @@ def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: lis
     """The dataset of a check request, or None when it cannot be built on this machine (a note says why).
     Raises ContractError, or an ExceptionGroup of them for several signature problems."""
     from models.data import build_dataset
+    from models.data_roots import data_roots_from_env
 
     if not is_user_ref(name):
         try:
-            return build_dataset(name, seed=seed, **{**dataset, "num_samples": CHECK_CATALOG_SAMPLES})
+            return build_dataset(name, seed=seed, data_roots=data_roots_from_env(), **{**dataset, "num_samples": CHECK_CATALOG_SAMPLES})
         except Exception as error:  # noqa: BLE001 - e.g. a path that exists on the workers only
             notes.append(f"dataset '{name}' was not built here ({_raised(error)}): the model's signature was checked, not its output")
             return None

@@ -63,7 +63,8 @@ def build_workload(request: dict[str, Any]) -> Workload:
             f"model '{model_name}' takes {MODELS[model_name].input_kind} inputs but dataset "
             f"'{dataset_name}' gives {DATASETS[dataset_name].input_kind}"
         )
-    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, **dataset)
+    data_roots = list(request.get("data_roots") or [])  # file datasets only under these (models.data_roots)
+    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, data_roots=data_roots, **dataset)
     if is_user_ref(dataset_name) and model_name in MODELS:
         _catalog_model_fits(model_name, dataset_name, data)
     with torch.random.fork_rng(devices=[]):

@@ -72,7 +72,8 @@ def server(tmp_path_factory):
     database_url = f"sqlite:///{folder / 'tula.db'}"
     handmade_id = finished_job(store_for(database_url))
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
-    live = LiveServer(folder / "tula.db", folder / "server.log").start()
+    # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
+    live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
     live.api = Api(live, token)
     live.token = token
     live.handmade_id = handmade_id

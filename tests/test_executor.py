@@ -65,7 +65,8 @@ def test_a_point_that_keeps_dying_is_missing_and_the_job_still_fits_and_says_so(
     assert "killed by signal 9" in missing["error"] and len(missing["attempt_errors"]) == 1
 
 
-def test_a_points_own_error_is_data_and_not_retried(tmp_path):
+def test_a_points_own_error_is_data_and_not_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("TULA_DATA_ROOTS", str(tmp_path))
     store = _store(tmp_path)
     dataset = {"name": "image_folder", "path": str(tmp_path / "no-such-folder"), "num_samples": 1000}
     job = submit(store, batch_sizes=[8, 16], dataset=dataset, profiling={"max_attempts": 3})

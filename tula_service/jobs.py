@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from models.data_roots import data_roots_from_env
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
 from tula_service.perfmodel import MemoryModel
@@ -27,6 +28,7 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
         "model_options": spec.model_options,
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
         "allowed_model_modules": allowed_model_modules(),
+        "data_roots": data_roots_from_env(),
         "batch_size": batch_size,
         "warmup_iters": profiling.warmup_iters,
         "timed_iters": profiling.timed_iters,

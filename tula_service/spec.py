@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from models.data_roots import check_submitted_path, data_roots_from_env
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from models.registry import (
     ALLOWED_MODULES_ENV,
@@ -89,6 +90,15 @@ class DatasetSpec(_Strict):
     )
 
     _known_dataset = field_validator("name")(_known_or_allowed_dataset)
+
+    @field_validator("path")
+    @classmethod
+    def _path_under_a_data_root(cls, path: str | None) -> str | None:
+        """The worker reads `path`: only under the operator's data roots (models.data_roots)."""
+        problem = None if path is None else check_submitted_path(path, data_roots_from_env())
+        if problem:
+            raise ValueError(problem)
+        return path
 
     @model_validator(mode="after")
     def _fields_fit_the_dataset(self) -> DatasetSpec:
