@@ -20,6 +20,9 @@ import numpy as np
 import pytest
 
 from tests.api_fixtures import finished_job, store_for
+from tests.handmade import measurement, spec_dict
+from tula_service.dispatch import Outcome, record_outcome
+from tula_service.spec import JobSpec
 from tests.conftest import REPO, LiveServer
 from tula_service.dashboard import plotly_js_path, plotly_js_url
 from tula_service.db import make_engine, make_session_factory
@@ -66,17 +69,32 @@ class Api:
         return job
 
 
+def _noisy_finished_job(database_url: str) -> str:
+    """A job whose every timing (and re-timing) scatters: its recommendation is marked unreliable."""
+    store = store_for(database_url)
+    job, _ = store.create_job(JobSpec.model_validate(spec_dict(name="noisy", batch_sizes=[8, 16, 32, 64])))
+    slowdown = {8: 1.0, 16: 2.5, 32: 0.7, 64: 1.9}
+    while (point := store.claim_next_point("handmade")) is not None:
+        record = measurement(point.batch_size)
+        record["iter_time"] = {**record["iter_time"], "cv": 0.8, "median_s": record["iter_time"]["median_s"] * slowdown[point.batch_size]}
+        record_outcome(store, point.id, Outcome("done", record, None, False, 0.01, "handmade"))
+    assert store.get_job(job.id).recommendation["reliability"]["verdict"] == "unreliable"
+    return job.id
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dashboard")
     database_url = f"sqlite:///{folder / 'tula.db'}"
     handmade_id = finished_job(store_for(database_url))
+    noisy_id = _noisy_finished_job(database_url)  # before the server starts, so its executor never sees the points
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
     # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
     live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
     live.api = Api(live, token)
     live.token = token
     live.handmade_id = handmade_id
+    live.noisy_id = noisy_id
     yield live
     live.stop()
 
@@ -111,7 +129,7 @@ class Tab:
         return self.page
 
     def plot_data(self, div_id: str) -> list[dict]:
-        self.page.wait_for_function(f"document.getElementById('{div_id}').data?.length > 0")
+        wait_until(self.page, f"document.getElementById('{div_id}').data?.length > 0")
         return self.page.evaluate(
             f"""() => document.getElementById('{div_id}').data.map((trace) => ({{
                 name: trace.name, x: Array.from(trace.x || []), y: Array.from(trace.y || []),
@@ -136,8 +154,17 @@ def trace(traces: list[dict], name: str) -> dict:
     return found[0]
 
 
+def wait_until(page, expression: str, timeout_s: float = 30.0) -> None:
+    """Poll a JS expression from Python: Playwright's wait_for_function evaluates its predicate with
+    eval inside the page, which the dashboard's Content-Security-Policy (no 'unsafe-eval') forbids."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"still false after {timeout_s} s: {expression}"
+        page.wait_for_timeout(100)
+
+
 def wait_for_plan(page, kind: str) -> None:
-    page.wait_for_function(f"document.getElementById('job-result').dataset.plan === '{kind}'")
+    wait_until(page, f"document.getElementById('job-result').dataset.plan === '{kind}'")
 
 
 # --- a job submitted through the form and profiled for real ------------------------------------------
@@ -354,6 +381,24 @@ def test_every_number_in_the_recommendation_card_says_where_it_came_from(tab, se
         badges = value.locator(".source").all()
         assert badges, f"no source on {value.inner_text()!r}"
         assert all(badge.inner_text().split(" ")[0] in allowed for badge in badges)
+
+
+def test_an_unreliable_profile_is_a_banner_above_the_recommendation(tab, server):
+    page = tab.open(f"/jobs/{server.noisy_id}")
+    wait_for_plan(page, "stored")
+    assert page.is_visible("#job-unreliable")
+    assert page.inner_text("#job-unreliable-title") == "Unreliable: re-profile on a quiet host"
+    assert "iteration-time CVs above 25%" in page.inner_text("#job-unreliable-reasons")
+    clean = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(clean, "stored")
+    assert not clean.is_visible("#job-unreliable")
+
+
+def test_the_knee_method_is_explained_next_to_the_pick(tab, server):
+    knee = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["knee"]
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    assert page.inner_text("#knee-method").strip() == f"{knee['method']}: {knee['method_explained']}."
 
 
 def test_phone_screens_get_no_horizontal_scrolling(browser, server):

@@ -51,7 +51,8 @@ class Point(Base):
     """One profiling task of a job.
 
     kind "grid": the model at one of the spec's batch sizes; "search": a probe of the bounded search
-    for the largest batch that fits (after an out-of-memory); "comm": the all-reduce benchmark; "pilot":
+    for the largest batch that fits (after an out-of-memory); "retime": a noisy point timed once more
+    (tula_service.reliability); "comm": the all-reduce benchmark; "pilot":
     training at the reference batch with gradient statistics along the way (profiler.pilot).
     `attempts` counts starts; `attempt_errors` keeps why each earlier attempt died (retried).
     """

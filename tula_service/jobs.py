@@ -10,13 +10,15 @@ from tula_service.maxbatch import next_probe
 from tula_service.perfmodel import MemoryModel
 from tula_service.planner import GIB
 from tula_service.recommend import NotEnoughMeasurements, plan, usable_measurements
+from tula_service.reliability import points_to_retime
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import ACTIVE_JOB_STATES, Store
 
 log = logging.getLogger(__name__)
 
 MIN_COMM_MAX_BYTES = 4 * 2**20  # below this, small models' all-reduces are latency-bound: bandwidth unresolved
-COMPUTE_POINT_KINDS = ("grid", "search")  # one batch size timed and sized; "pilot" trains, "comm" all-reduces
+# One batch size timed and sized ("retime": once more, when the first was noisy); "pilot" trains, "comm" all-reduces.
+COMPUTE_POINT_KINDS = ("grid", "search", "retime")
 DEFAULT_LR = 0.01  # the LR points train with when the spec gives no training.reference_lr
 
 
@@ -104,6 +106,14 @@ def advance(store: Store, job_id: str) -> bool:
         if probe is not None:
             store.add_point(job_id, "search", probe)
             return True
+    ok, _ = usable_measurements(plan_inputs(job)[0])
+    retimed = [p.batch_size for p in job.points if p.kind == "retime"]
+    due = points_to_retime(ok, retimed)
+    if due:
+        log.info("job %s: timing batches %s again (noisy or off the step-time model)", job_id, due)
+        for batch in due:
+            store.add_point(job_id, "retime", batch)
+        return True
     finish_job(store, job)
     return False
 
@@ -120,6 +130,16 @@ def plan_inputs(job: Job) -> tuple[list[dict], list[dict]]:
     return measurements, failed
 
 
+def failed_points_text(failed: list[dict]) -> str:
+    """The failed points grouped by error, so one cause shared by five points is said once:
+    "grid points at batch 8, 16, 32: <error>"."""
+    by_error: dict[str, list[str]] = {}
+    for point in failed:
+        where = f"{point['kind']} {point['batch_size']}" if point["batch_size"] else point["kind"]
+        by_error.setdefault(point["error"] or "no error recorded", []).append(where)
+    return "; ".join(f"{', '.join(points)}: {error}" for error, points in by_error.items())
+
+
 def finish_job(store: Store, job: Job) -> None:
     store.set_job_state(job.id, "fitting")
     spec = JobSpec.model_validate(job.spec)
@@ -127,7 +147,7 @@ def finish_job(store: Store, job: Job) -> None:
     try:
         recommendation = plan(spec, measurements, failed)
     except NotEnoughMeasurements as error:
-        details = "; ".join(f"{f['kind']} point {f['batch_size'] or ''}: {f['error']}" for f in failed)
+        details = failed_points_text(failed)
         store.set_job_state(job.id, "failed", error=f"{error}" + (f". Failed points: {details}" if details else ""))
         return
     except Exception as error:  # a bug in fitting fails this job, not the executor

@@ -25,6 +25,18 @@ DEFAULT_SENSITIVITY = 1.0
 MIN_BEND = 0.05  # normalized distance below the chord that counts as a bend
 
 
+# What each way of finding the knee means, in words a user reads next to the pick.
+KNEE_METHODS: dict[str, str] = {
+    "kneedle": "Kneedle found the bend of log2 total time vs log2 global batch: past it, doubling the batch "
+    "saves clearly less time than before it",
+    "max_distance_fallback": "Kneedle found no knee at its sensitivity, so the pick is the batch farthest below "
+    "the straight line between the curve's ends (the curve's strongest bend)",
+    "no_bend_fastest": "the curve has no bend in the swept range (every doubling pays about the same), so the "
+    "pick is the fastest configuration",
+    "fastest_of_few": "fewer than 3 batches improve on smaller ones, too few for a bend: the pick is the fastest",
+}
+
+
 @dataclass(frozen=True)
 class Knee:
     global_batch: int

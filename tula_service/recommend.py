@@ -15,8 +15,10 @@ import numpy as np
 
 from tula_service.advice import ags_config, batch_ramp, lr_rule, runner_ups, warmup
 from tula_service.fitting import fit_models
+from tula_service.knee import KNEE_METHODS
 from tula_service.maxbatch import bracket
 from tula_service.planner import ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, PlanInputs, choose, max_device_batch, sweep
+from tula_service.reliability import assess, quieter
 from tula_service.spec import JobSpec, powers_of_two_between
 
 
@@ -25,9 +27,14 @@ class NotEnoughMeasurements(ValueError):
 
 
 def usable_measurements(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
-    """Successful compute points (one per batch size: the last taken) and the batches that ran out of memory."""
+    """Successful compute points (one per batch size: of a re-timed batch the quieter measurement,
+    tula_service.reliability) and the batches that ran out of memory."""
     compute = [m for m in measurements if m.get("kind", "compute") == "compute"]
-    ok_by_batch = {m["batch_size"]: m for m in compute if m.get("status") == "ok"}
+    ok_by_batch: dict[int, dict[str, Any]] = {}
+    for m in compute:
+        if m.get("status") == "ok":
+            earlier = ok_by_batch.get(m["batch_size"])
+            ok_by_batch[m["batch_size"]] = m if earlier is None else quieter(earlier, m)
     oom_batches = sorted({m["batch_size"] for m in compute if m.get("status") == "oom"})
     return [ok_by_batch[b] for b in sorted(ok_by_batch)], oom_batches
 
@@ -95,6 +102,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         else {
             "global_batch": knee.global_batch,
             "method": knee.method,
+            "method_explained": KNEE_METHODS[knee.method],
             "sensitivity": knee.sensitivity,
             "curve": "pareto front: log2 total time vs log2 global batch",
         },
@@ -110,6 +118,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "memory_gib": {"value": spec.cluster.device_memory_gib, "source": spec.cluster.device_memory_source},
         },
         "models": report,
+        "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(measurements)),
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],
             "max_device_batch": {"value": max_batch, "source": "predicted"},
@@ -125,6 +134,12 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "points": [_point_summary(m) for m in ok],
         },
     }
+
+
+def _retimed_batches(measurements: list[dict[str, Any]]) -> list[int]:
+    """Batches with more than one successful compute measurement: timed again (tula_service.reliability)."""
+    batches = [m["batch_size"] for m in measurements if m.get("kind", "compute") == "compute" and m.get("status") == "ok"]
+    return sorted({b for b in batches if batches.count(b) > 1})
 
 
 def measured_variability(spec: JobSpec, ok: list[dict[str, Any]], pilot: dict[str, Any] | None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ def utc(moment: dt.datetime | None) -> dt.datetime | None:
 
 class Progress(BaseModel):
     points_done: int = Field(description="points finished: measured, out of memory, failed or cancelled")
+    points_measured: int = Field(0, description="points that produced a measurement (done, or out of memory: the memory limit)")
     points_total: int
     points_failed: int
     points_retried: int = Field(0, description="points whose worker died at least once and were re-queued")
@@ -32,7 +33,7 @@ class Progress(BaseModel):
 
 class PointView(BaseModel):
     id: int
-    kind: str = Field(description="grid | search | comm | pilot")
+    kind: str = Field(description="grid | search | retime (a noisy point timed again) | comm | pilot")
     batch_size: int | None
     state: str = Field(description="queued | running | done | oom | failed | cancelled")
     attempts: int = Field(description="times a worker started this point")
@@ -53,7 +54,8 @@ class PointView(BaseModel):
 
 
 def _point_noun(kind: str, batch_size: int | None) -> str:
-    return {"comm": "all-reduce", "pilot": f"pilot training at batch {batch_size}"}.get(kind, f"batch {batch_size}")
+    nouns = {"comm": "all-reduce", "pilot": f"pilot training at batch {batch_size}", "retime": f"batch {batch_size} again"}
+    return nouns.get(kind, f"batch {batch_size}")
 
 
 def _step(job: Job) -> str:
@@ -78,6 +80,7 @@ def _step(job: Job) -> str:
 def _progress(job: Job) -> Progress:
     return Progress(
         points_done=sum(p.state in FINISHED_POINT_STATES for p in job.points),
+        points_measured=sum(p.state in ("done", "oom") for p in job.points),
         points_total=len(job.points),
         points_failed=sum(p.state == "failed" for p in job.points),
         points_retried=sum(bool(p.attempt_errors) for p in job.points),

@@ -34,6 +34,15 @@ function renderHeader(job) {
   $("job-step").textContent = job.progress.step;
 }
 
+// A banner, not a badge: an unreliable profile is the first thing the page says about the result.
+function renderReliability(reliability) {
+  const unreliable = reliability?.verdict === "unreliable";
+  $("job-unreliable").hidden = !unreliable;
+  if (!unreliable) return;
+  $("job-unreliable-title").textContent = reliability.message.charAt(0).toUpperCase() + reliability.message.slice(1);
+  $("job-unreliable-reasons").replaceChildren(...reliability.reasons.map((reason) => Object.assign(document.createElement("li"), { textContent: reason })));
+}
+
 function renderResult(rec, whatIf) {
   const context = {
     jobId,
@@ -41,6 +50,7 @@ function renderResult(rec, whatIf) {
     whatIfBody: whatIf?.body ?? null,
     whatIfText: whatIf ? whatIf.changes.join("; ") : "",
   };
+  renderReliability(rec.reliability);
   renderRecommendation($("recommendation-body"), rec, context);
   renderErrorTable($("error-table"), rec);
   renderRunnerUps($("runner-ups"), rec);

@@ -1,0 +1,95 @@
+"""Whether a profile can be trusted: re-time noisy points once, then say plainly when it still cannot.
+
+On a busy host the iteration times of a point scatter (std/mean of 24-158% has been seen) and the
+compute model fitted to them mispredicts held-out points by 75%; a recommendation built on that is a
+guess. Two measured signals decide, both already in the record:
+
+- a point's coefficient of variation, CV = std / mean of its timed iterations (`iter_time.cv`);
+- the compute model's leave-one-out error: |T_fit-without-i(b_i) - T(b_i)| / T(b_i), per point.
+
+Policy:
+1. `points_to_retime`: before fitting, a grid or search point whose CV passes `POINT_CV_LIMIT`, or
+   whose leave-one-out error passes `LOO_LIMIT`, is timed again, once per batch size (a "retime"
+   point). Of two measurements of a batch the planner uses the quieter one (lower CV).
+2. `assess`: after fitting, the recommendation is "unreliable: re-profile on a quiet host" when the
+   compute model's median leave-one-out error still passes `LOO_LIMIT`, or when more than half of
+   the points it used still pass `POINT_CV_LIMIT`. Host contention (load average above the core
+   count, `host_load.contended`) is named as the likely cause when the points report it.
+
+The limits are where a step-time error starts to move the pick: the knee moves by a power of two
+when two neighbouring candidates' times are misjudged by about their ratio's distance, ~25%.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tula_service.perfmodel.compute import select_compute_model
+from tula_service.perfmodel.validation import leave_one_out_relative_errors
+
+POINT_CV_LIMIT = 0.25
+LOO_LIMIT = 0.25
+RETIMES_PER_BATCH = 1
+UNRELIABLE = "unreliable: re-profile on a quiet host"
+
+
+def iter_time_cv(measurement: dict[str, Any]) -> float | None:
+    return (measurement.get("iter_time") or {}).get("cv")
+
+
+def quieter(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Of two measurements of one batch, the one with the lower CV (the later one on a tie or without CVs)."""
+    cv_first, cv_second = iter_time_cv(first), iter_time_cv(second)
+    if cv_first is not None and cv_second is not None and cv_first < cv_second:
+        return first
+    return second
+
+
+def _loo_errors(ok: list[dict[str, Any]]) -> list[float]:
+    batch = np.array([m["batch_size"] for m in ok], dtype=float)
+    iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
+    if batch.size < 3:
+        return []
+    model, _ = select_compute_model(batch, iter_time_s)
+    return leave_one_out_relative_errors(type(model), batch, iter_time_s)
+
+
+def points_to_retime(ok: list[dict[str, Any]], retimed_batches: list[int]) -> list[int]:
+    """Batch sizes to time once more: noisy (CV) or off the model (leave-one-out), not yet re-timed."""
+    loo = _loo_errors(ok)
+    due = []
+    for index, measurement in enumerate(ok):
+        batch = measurement["batch_size"]
+        if retimed_batches.count(batch) >= RETIMES_PER_BATCH:
+            continue
+        cv = iter_time_cv(measurement)
+        if (cv is not None and cv > POINT_CV_LIMIT) or (loo and loo[index] > LOO_LIMIT):
+            due.append(batch)
+    return due
+
+
+def assess(ok: list[dict[str, Any]], compute_loo: dict[str, Any], retimed_batches: list[int]) -> dict[str, Any]:
+    """The recommendation's `reliability`: verdict, reasons with their numbers, thresholds, what was re-timed."""
+    reasons = []
+    median_loo = compute_loo.get("median_rel_err")
+    if median_loo is not None and median_loo > LOO_LIMIT:
+        reasons.append(
+            f"the step-time model mispredicts held-out points by {median_loo:.0%} (median; max "
+            f"{compute_loo.get('max_rel_err', median_loo):.0%}), above {LOO_LIMIT:.0%}"
+        )
+    noisy = [m for m in ok if (iter_time_cv(m) or 0.0) > POINT_CV_LIMIT]
+    if len(noisy) * 2 > len(ok):
+        spread = ", ".join(f"batch {m['batch_size']}: {iter_time_cv(m):.0%}" for m in noisy)
+        reasons.append(f"{len(noisy)} of {len(ok)} points have iteration-time CVs above {POINT_CV_LIMIT:.0%} ({spread})")
+    contended = sum(bool((m.get("host_load") or {}).get("contended")) for m in ok)
+    if reasons and contended:
+        reasons.append(f"{contended} of {len(ok)} points ran on a contended host (load average above its cores)")
+    return {
+        "verdict": "unreliable" if reasons else "reliable",
+        "message": UNRELIABLE if reasons else "the profile's timings are consistent",
+        "reasons": reasons,
+        "retimed_batches": sorted(set(retimed_batches)),
+        "thresholds": {"point_cv": POINT_CV_LIMIT, "leave_one_out_rel_err": LOO_LIMIT, "source": "assumed"},
+    }
