@@ -39,6 +39,14 @@ def test_what_if_validates_like_a_submission():
         replan(stored, POINTS, WhatIf(pricing={"price": -1}))
 
 
+def test_what_if_a_reference_batch_beyond_the_dataset_is_refused_not_answered():
+    stored = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)).model_dump(mode="json")
+    with pytest.raises(ValueError, match="reference batch 1000000 is larger than the dataset"):
+        replan(stored, POINTS, WhatIf(training={"reference_batch": 10**6}))
+    with pytest.raises(ValueError, match="less than or equal to 16777216"):
+        replan(stored, POINTS, WhatIf(training={"reference_batch": 10**9}))
+
+
 def test_what_if_switching_gpu_type_replaces_memory_link_and_catalog_price():
     stored = stored_on({"nodes": 2, "gpus_per_node": 8, "gpu_type": "h100_sxm"})
     switched = merged_spec(stored, WhatIf(cluster={"gpu_type": "a100_40gb_sxm"}))
