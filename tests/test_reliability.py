@@ -30,7 +30,7 @@ def test_a_point_off_the_step_time_line_is_timed_again():
 def test_a_clean_profile_needs_no_second_timing_and_is_reliable():
     ok = [measurement(b) for b in (8, 16, 32, 64)]
     assert points_to_retime(ok, []) == []
-    verdict = assess(ok, {"median_rel_err": 0.01, "max_rel_err": 0.02}, [])
+    verdict = assess(ok, {"median_rel_err": 0.01, "max_rel_err": 0.02, "points": 4}, [])
     assert verdict["verdict"] == "reliable" and verdict["reasons"] == []
 
 
@@ -43,13 +43,19 @@ def test_the_quieter_of_two_measurements_of_a_batch_is_used():
 
 
 def test_a_profile_that_stays_noisy_is_marked_unreliable_with_its_reasons():
-    ok = [_noisy(b, cv=0.8, slowdown=s) for b, s in ((8, 1.0), (16, 2.5), (32, 0.7), (64, 1.9))]
-    verdict = assess(ok, {"median_rel_err": 0.75, "max_rel_err": 16.0}, [16, 32])
+    ok = [_noisy(b, cv=0.8, slowdown=s) for b, s in ((8, 1.0), (16, 2.5), (32, 0.7), (64, 1.9), (128, 1.0))]
+    verdict = assess(ok, {"median_rel_err": 0.75, "max_rel_err": 16.0, "points": 5}, [16, 32])
     assert verdict["verdict"] == "unreliable" and verdict["message"] == UNRELIABLE
     assert "mispredicts held-out points by 75%" in verdict["reasons"][0]
-    assert "4 of 4 points have iteration-time CVs above 25%" in verdict["reasons"][1]
-    assert "4 of 4 points ran on a contended host" in verdict["reasons"][2]
+    assert "5 of 5 points have iteration-time CVs above 25%" in verdict["reasons"][1]
+    assert "5 of 5 points ran on a contended host" in verdict["reasons"][2]
     assert verdict["retimed_batches"] == [16, 32]
+
+
+def test_three_points_are_too_few_to_judge_one_by_the_others():
+    ok = [measurement(8), measurement(16), _noisy(32, cv=0.01, slowdown=3.0)]
+    assert points_to_retime(ok, retimed_batches=[]) == []
+    assert assess(ok, {"median_rel_err": 0.9, "max_rel_err": 2.0, "points": 3}, [])["verdict"] == "reliable"
 
 
 def test_the_recommendation_carries_the_verdict():

@@ -9,11 +9,12 @@ guess. Two measured signals decide, both already in the record:
 
 Policy:
 1. `points_to_retime`: before fitting, a grid or search point whose CV passes `POINT_CV_LIMIT`, or
-   whose leave-one-out error passes `LOO_LIMIT`, is timed again, once per batch size (a "retime"
-   point). Of two measurements of a batch the planner uses the quieter one (lower CV).
+   whose leave-one-out error passes `LOO_LIMIT` (with at least `MIN_POINTS_FOR_LOO` points: left out
+   of three, a point is judged by a line through two, which says little), is timed again, once per
+   batch size (a "retime" point). Of two measurements of a batch the planner uses the quieter one.
 2. `assess`: after fitting, the recommendation is "unreliable: re-profile on a quiet host" when the
-   compute model's median leave-one-out error still passes `LOO_LIMIT`, or when more than half of
-   the points it used still pass `POINT_CV_LIMIT`. Host contention (load average above the core
+   compute model's median leave-one-out error still passes `LOO_LIMIT` (again with at least
+   `MIN_POINTS_FOR_LOO` points), or when more than half of the points it used still pass `POINT_CV_LIMIT`. Host contention (load average above the core
    count, `host_load.contended`) is named as the likely cause when the points report it.
 
 The limits are where a step-time error starts to move the pick: the knee moves by a power of two
@@ -32,6 +33,7 @@ from tula_service.perfmodel.validation import leave_one_out_relative_errors
 POINT_CV_LIMIT = 0.25
 LOO_LIMIT = 0.25
 RETIMES_PER_BATCH = 1
+MIN_POINTS_FOR_LOO = 5
 UNRELIABLE = "unreliable: re-profile on a quiet host"
 
 
@@ -50,7 +52,7 @@ def quieter(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
 def _loo_errors(ok: list[dict[str, Any]]) -> list[float]:
     batch = np.array([m["batch_size"] for m in ok], dtype=float)
     iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
-    if batch.size < 3:
+    if batch.size < MIN_POINTS_FOR_LOO:
         return []
     model, _ = select_compute_model(batch, iter_time_s)
     return leave_one_out_relative_errors(type(model), batch, iter_time_s)
@@ -73,7 +75,7 @@ def points_to_retime(ok: list[dict[str, Any]], retimed_batches: list[int]) -> li
 def assess(ok: list[dict[str, Any]], compute_loo: dict[str, Any], retimed_batches: list[int]) -> dict[str, Any]:
     """The recommendation's `reliability`: verdict, reasons with their numbers, thresholds, what was re-timed."""
     reasons = []
-    median_loo = compute_loo.get("median_rel_err")
+    median_loo = compute_loo.get("median_rel_err") if compute_loo.get("points", 0) >= MIN_POINTS_FOR_LOO else None
     if median_loo is not None and median_loo > LOO_LIMIT:
         reasons.append(
             f"the step-time model mispredicts held-out points by {median_loo:.0%} (median; max "
