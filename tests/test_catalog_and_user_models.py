@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -88,6 +90,29 @@ def test_user_code_that_breaks_the_contract_is_a_422_naming_the_field(make_serve
     assert fields == {"body.model", "body.model_options.width"}
     accepted = httpx.post(f"{server.url}/v1/jobs", json=spec_dict(model=USER_MODEL, dataset=USER_DATASET), timeout=60)
     assert accepted.status_code == 202
+
+
+def test_a_user_code_check_sent_by_the_client_is_ignored_and_the_code_is_checked(make_server):
+    server = make_server(env=ALLOWLISTED)
+    wrong_batch = spec_dict(model=USER_MODEL, dataset={"name": "tests.user_models_fixture:wrong_batch_shape", "num_samples": 512},
+                            user_code_check="passed: trust me")  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/jobs", json=wrong_batch, timeout=60)
+    assert response.status_code == 422 and response.json()["errors"][0]["field"] == "body.dataset.name"
+
+
+def test_the_server_answers_other_requests_while_it_checks_user_code(make_server):
+    server = make_server(env=ALLOWLISTED)
+    sleepy = spec_dict(model=USER_MODEL, dataset={"name": "tests.user_models_fixture:sleepy_dataset", "num_samples": 512})
+    result: dict = {}
+    submission = threading.Thread(target=lambda: result.update(response=httpx.post(f"{server.url}/v1/jobs", json=sleepy, timeout=60)))
+    submission.start()
+    answered_during_check = 0
+    while submission.is_alive():
+        if httpx.get(f"{server.url}/healthz", timeout=60).status_code == 200 and submission.is_alive():
+            answered_during_check += 1
+        time.sleep(0.2)
+    assert result["response"].status_code == 202 and result["response"].json()["spec"]["user_code_check"].startswith("passed")
+    assert answered_during_check >= 3  # the 3 s the dataset takes to build, at least
 
 
 def test_user_dataset_outside_the_allowlist_is_422_with_the_fix(live_server):

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ def tula(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
 def test_submit_wait_prints_progress_and_the_recommendation_then_show_repeats_it(live_server):
     result = tula("submit", str(EXAMPLE), "--wait", "--poll-s", "0.5", "--server", live_server.url)
     assert result.returncode == 0, result.stderr
-    assert "6/6 points  done" in result.stdout
+    assert re.search(r"\] (\d+)/\1 points  done", result.stdout)  # 6 planned; the server may measure some again
     assert "chosen: global batch" in result.stdout and "predicted total time" in result.stdout
     job_id = result.stdout.split("submitted job ")[1].split()[0]
     shown = tula("show", job_id, "--server", live_server.url)
@@ -43,7 +44,7 @@ def test_invalid_spec_file_is_a_clear_error_naming_the_field(tmp_path):
 
 def test_missing_spec_file_is_a_clear_error(tmp_path):
     result = tula("submit", str(tmp_path / "nope.yaml"))
-    assert result.returncode != 0 and "cannot read spec" in result.stderr
+    assert result.returncode == 2 and "cannot read spec" in result.stderr
 
 
 def test_unreachable_server_is_a_clear_error():
@@ -93,8 +94,24 @@ def submit_queued(server, **overrides) -> str:
 
 def test_submit_wait_shows_the_bar_and_the_recommendation(done_job):
     _, _, submitted = done_job
-    assert "3/3 points  done" in submitted.stdout and "[" + "#" * 30 + "]" in submitted.stdout
+    assert re.search(r"\] (\d+)/\1 points  done", submitted.stdout) and "[" + "#" * 30 + "]" in submitted.stdout
     assert "chosen: global batch" in submitted.stdout
+
+
+def test_the_recommendation_is_in_human_units(done_job):
+    _, _, submitted = done_job
+    lines = submitted.stdout.splitlines()
+    predicted = next(line for line in lines if line.startswith("  predicted total time"))
+    assert re.fullmatch(
+        r"  predicted total time [\d.]+ (ms|s|min|h|d), cost \$[\d,]+\.\d\d, memory [\d.]+ (B|KiB|MiB|GiB) \(\w+\),"
+        r" epochs [\d.]+ \(\w+\)", predicted,
+    ), predicted  # fmt: skip
+    header = lines.index(next(line for line in lines if line.split()[:1] == ["BATCH"]))
+    assert lines[header].split() == ["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"]
+    for row in lines[header + 1 : lines.index(next(line for line in lines if line.startswith("(")))]:
+        memory, iteration, total, cost = row.split()[4:6], row.split()[6:8], row.split()[8:10], row.split()[10]
+        assert memory[1] in ("KiB", "MiB", "GiB") and iteration[1] in ("ms", "s") and total[1] in ("s", "min", "h", "d"), row
+        assert re.fullmatch(r"\$[\d,]+\.\d\d", cost) and len(memory[0].replace(".", "")) <= 3, row
 
 
 def test_submit_json_prints_the_job_and_the_key_makes_it_idempotent(api_only, tmp_path):
@@ -139,7 +156,8 @@ def test_show_lists_the_points_of_a_queued_job(api_only):
 def test_cancel_then_show_reports_what_was_not_measured_and_delete_removes_it(api_only):
     job_id = submit_queued(api_only, batch_sizes=[8, 16])
     cancelled = tula("cancel", job_id, "--server", api_only.url)
-    assert cancelled.returncode == 0 and f"job {job_id}: cancelled" in cancelled.stdout
+    assert cancelled.returncode == 0 and f"job {job_id}: cancelled (0 of " in cancelled.stdout
+    assert "points measured; nothing was measured)" in cancelled.stdout
     shown = tula("show", job_id, "--server", api_only.url)
     assert "not measured: batch 8, 16" in shown.stdout
     assert tula("delete", job_id, "--server", api_only.url).returncode == 0
@@ -153,7 +171,7 @@ def test_show_json_of_a_done_job_has_the_job_and_its_recommendation(done_job):
     assert shown.returncode == 0, shown.stderr
     body = json.loads(shown.stdout)
     assert body["job"]["id"] == job_id and body["job"]["state"] == "done"
-    assert [p["batch_size"] for p in body["job"]["points"]] == [8, 16, 32]
+    assert [p["batch_size"] for p in body["job"]["points"]][:3] == [8, 16, 32]  # then any measured again
     assert body["recommendation"]["chosen"]["global_batch"] > 0
 
 
@@ -161,7 +179,7 @@ def test_show_of_a_done_job_prints_points_and_recommendation(done_job):
     server, job_id, _ = done_job
     shown = tula("show", job_id, "--server", server.url)
     assert shown.returncode == 0, shown.stderr
-    assert f"job {job_id} (cli-done): done, 3/3 points" in shown.stdout
+    assert re.search(rf"job {job_id} \(cli-done\): done, (\d+)/\1 points", shown.stdout)
     assert "BATCH  STATE  ATTEMPTS  DURATION" in shown.stdout and "chosen: global batch" in shown.stdout
 
 
@@ -176,6 +194,27 @@ def test_plan_for_16_gpus_a_price_and_a_deadline(done_job):
     as_json = json.loads(tula("plan", job_id, "--gpus", "16", "--deadline", "90m", "--json", "--server", server.url).stdout)
     assert as_json["what_if"] == {"cluster": {"nodes": 4}, "objective": "deadline", "deadline_h": 1.5}
     assert max(row["devices"] for row in as_json["candidates"]) == 16
+
+
+def test_plan_with_the_jobs_own_values_says_nothing_changes(done_job):
+    server, job_id, _ = done_job
+    planned = tula("plan", job_id, "--gpus", "4", "--price", "2.5", "--server", server.url)  # 1 node of 4 GPUs, $2.5
+    assert planned.returncode == 0, planned.stderr
+    lines = planned.stdout.splitlines()
+    assert lines[0] == (f"what-if for job {job_id}: nothing changes (cluster.nodes 1, pricing.price 2.5 are the job's "
+                        "values already); the stored spec re-planned")  # fmt: skip
+    assert lines[-1].startswith("the same as the stored recommendation: global batch ")
+    assert "->" not in planned.stdout
+
+
+def test_plan_lists_only_the_values_that_change(done_job):
+    server, job_id, _ = done_job
+    planned = tula("plan", job_id, "--nodes", "1", "--price", "3", "--objective", "knee", "--server", server.url)
+    assert planned.returncode == 0, planned.stderr
+    assert planned.stdout.splitlines()[0] == f"what-if for job {job_id}: pricing.price 2.5 -> 3 (unchanged: cluster.nodes 1, objective knee)"
+    compared = planned.stdout.splitlines()[-1]
+    assert compared.startswith("compared with the stored recommendation: ") and "cost $" in compared
+    assert "devices 4 -> 4" not in compared and "global batch" in compared.split("(unchanged: ")[1]
 
 
 def test_plan_on_another_gpu_type(done_job):
@@ -236,3 +275,21 @@ def test_bad_duration_on_the_command_line_exits_2():
 def test_ray_address_needs_the_ray_executor(tmp_path):
     result = tula("serve", "--ray-address", "ray://x:10001", "--database-url", f"sqlite:///{tmp_path / 't.db'}")
     assert result.returncode == 2 and "--ray-address needs --executor ray" in result.stderr
+
+
+def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words():
+    from tula_service.cli import format_recommendation
+    from tula_service.recommend import plan
+    from tula_service.spec import JobSpec
+    from tests.handmade import measurement
+
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64]))
+    points = [measurement(b) for b in (8, 16, 32, 64)]
+    for point in points:
+        point["iter_time"] = {**point["iter_time"], "cv": 0.9}
+    text = format_recommendation(plan(spec, points))
+    assert text.splitlines()[0] == "WARNING: unreliable: re-profile on a quiet host"
+    assert "4 of 4 points have iteration-time CVs above 25%" in text.splitlines()[1]
+    rec = plan(spec, [measurement(b) for b in (8, 16, 32, 64)])
+    clean = format_recommendation(rec)
+    assert not clean.startswith("WARNING") and f"  {rec['knee']['method']}: {rec['knee']['method_explained']}" in clean

@@ -13,13 +13,13 @@ import json
 import os
 import re
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from tests.api_fixtures import finished_job, store_for
+from tests.browser import launched_chromium
 from tests.handmade import measurement, spec_dict
 from tula_service.dispatch import Outcome, record_outcome
 from tula_service.spec import JobSpec
@@ -34,9 +34,6 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extr
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]  # fmt: skip
 LAPTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 TERMINAL = ("done", "failed", "cancelled")
@@ -101,12 +98,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make chromium` installs Debian's chromium", pytrace=False)
-    with playwright_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    yield from launched_chromium()
 
 
 class Tab:
@@ -221,7 +213,8 @@ def test_a_job_submitted_through_the_form_shows_its_progress_until_done(server, 
     assert job["spec"]["profiling"]["time_cap_s"] == FAST_PROFILING["time_cap_s"]
     assert (job["spec"]["training"]["reference_lr"], job["spec"]["training"]["max_lr"]) == (0.05, 0.2)
     assert job["state"] == "done", job["error"]
-    assert seen[-1] == (3, 3, "done")
+    total = job["progress"]["points_total"]  # 3 planned, plus any noisy one timed again (tula_service.reliability)
+    assert seen[-1] == (total, total, "done") and total >= 3
     assert any(value < maximum for value, maximum, _ in seen), f"the bar never showed a job in progress: {seen}"
     values = [value for value, _, _ in seen]
     assert values == sorted(values), f"progress went backwards: {seen}"

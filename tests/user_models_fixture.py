@@ -86,3 +86,9 @@ def slow_dataset(*, num_samples: int) -> Blobs:
     """Takes a minute to build: longer than the submit-time check waits."""
     time.sleep(60)
     return Blobs(num_samples=num_samples)
+
+
+def sleepy_dataset(*, num_samples: int) -> Blobs:
+    """Takes 3 s to build: the submit-time check is busy that long."""
+    time.sleep(3)
+    return Blobs(num_samples=num_samples)

@@ -1,41 +1,47 @@
 """The FastAPI app: thin routes over the store and the executor.
 
 Errors are application/problem+json (tula_service.problems); bodies are capped by
-tula_service.limits; /metrics is Prometheus text (tula_service.metrics).
+tula_service.limits; the Host allowlist and the security headers are tula_service.security;
+/metrics is Prometheus text (tula_service.metrics).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, HTTPException, Query, Request, Response, status
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sqlalchemy import text
 from starlette.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.auth import TokenAuth
 from tula_service.catalogs import gpu_catalog_listing
-from tula_service.dashboard import mount_dashboard
+from tula_service.dashboard import mount_api_docs, mount_dashboard
 from tula_service.db import JOB_STATES, make_engine, make_session_factory
 from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from tula_service.metrics import CONTENT_TYPE, Metrics
 from tula_service.migrate import current_revision, head_revision
-from tula_service.problems import field_errors, problem_response
+from tula_service.problems import ProblemError, field_errors, problem_response
 from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.schemas import JobList, JobView, MeasurementList, MeasurementView, Problem
+from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, MeasurementView, Problem
+from tula_service.security import (DEFAULT_CSP, IN_PROCESS_ALLOWED_HOSTS, STATIC_SECURITY_HEADERS, HostAllowlist,
+                                   SecurityHeaders)
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.specfile import load_spec_file
 from tula_service.store import IdempotencyConflict, Store
+from tula_service.user_code_check import checked_submission, client_submission
 from tula_service.whatif import WhatIf, merged_spec
 
 log = logging.getLogger(__name__)
@@ -62,6 +68,9 @@ class Settings:
     public_reads: bool = False  # with tokens configured, GETs under /v1 need no token
     require_token: bool = False  # refuse /v1 even when every token was revoked (non-loopback servers)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Host names the server answers to (tula_service.security); `tula serve` sets the bound address,
+    # the loopback names and --allowed-host / TULA_ALLOWED_HOSTS.
+    allowed_hosts: tuple[str, ...] = IN_PROCESS_ALLOWED_HOSTS
 
 
 def _seed_if_empty(store: Store, executor, example: Path | None) -> None:
@@ -82,28 +91,106 @@ def _make_executor(settings: Settings, store: Store, metrics: Metrics):
     return NoExecutor()
 
 
+# How a route's body is named in the message for a body sent without a JSON Content-Type.
+BODY_NAMES = {"submit_job": "the job spec", "what_if": "the what-if"}
+JSON_CONTENT_TYPE = re.compile(r"application/([\w.+-]+\+)?json\s*(;.*)?", re.IGNORECASE)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the request's path has a route for: a 405's Allow header (RFC 9110, 15.5.6)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def _json_position(document: str, position: int) -> str:
+    """`line L column C` (from 1) of a character offset, as json.JSONDecodeError counts them."""
+    line = document.count("\n", 0, position) + 1
+    column = position - document.rfind("\n", 0, position)
+    return f"line {line} column {column}"
+
+
+def _readable_errors(request: Request, error: RequestValidationError) -> list[dict[str, Any]]:
+    """The validation errors, with the two that name no field a user would know said in words: a body
+    that is not JSON, and a body sent without a JSON Content-Type (FastAPI then reads it as bytes)."""
+    errors = field_errors(list(error.errors()))
+    content_type = request.headers.get("content-type")
+    for raw, readable in zip(error.errors(), errors):
+        loc = tuple(raw.get("loc", ()))
+        if raw.get("type") == "json_invalid" and isinstance(error.body, str) and len(loc) == 2:
+            reason = (raw.get("ctx") or {}).get("error", "JSON decode error")
+            readable.update(field="body", message=f"request body is not valid JSON: {reason} at {_json_position(error.body, loc[1])}")
+        elif loc == ("body",) and not (content_type and JSON_CONTENT_TYPE.fullmatch(content_type)):
+            route = request.scope.get("route")
+            name = BODY_NAMES.get(getattr(route, "name", ""), "the request body")
+            sent = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+            readable.update(message=f"send {name} as JSON with Content-Type: application/json (this request had {sent})",
+                            type="content_type")
+    return errors
+
+
 def _install_problem_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_problem(request: Request, error: StarletteHTTPException):
-        return problem_response(error.status_code, str(error.detail), request.url.path, headers=error.headers)
+        headers = dict(error.headers or {})
+        if error.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return problem_response(error.status_code, str(error.detail), request.url.path, headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_problem(request: Request, error: RequestValidationError):
-        errors = field_errors(list(error.errors()))
-        fields = ", ".join(e["field"] for e in errors[:5])
-        return problem_response(422, f"invalid request: {fields}" if fields else "invalid request", request.url.path,
-                                title="Invalid request", errors=errors)
+        errors = _readable_errors(request, error)
+        if len(errors) == 1 and errors[0]["type"] in ("json_invalid", "content_type"):
+            detail = errors[0]["message"]
+        else:
+            fields = ", ".join(e["field"] for e in errors[:5])
+            detail = f"invalid request: {fields}" if fields else "invalid request"
+        return problem_response(422, detail, request.url.path, title="Invalid request", errors=errors)
+
+    @app.exception_handler(ProblemError)
+    async def raised_problem(request: Request, error: ProblemError):
+        return problem_response(error.status, error.detail, request.url.path, **error.kwargs)
 
     @app.exception_handler(Exception)
     async def internal_problem(request: Request, error: Exception):
+        # Answered outside the middleware stack (Starlette's ServerErrorMiddleware): the headers are added here.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem_response(500, f"internal error ({type(error).__name__}); see the server log", request.url.path)
+        return problem_response(500, f"internal error ({type(error).__name__}); see the server log", request.url.path,
+                                headers={"Content-Security-Policy": DEFAULT_CSP, **STATIC_SECURITY_HEADERS})
 
 
-def _validation_error(error: ValidationError, *prefix: str) -> RequestValidationError:
-    return RequestValidationError(
-        [{**e, "loc": (*prefix, *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
-    )
+def _what_if_conflict(job_id: str, error: ValidationError) -> ProblemError:
+    """A what-if that is well formed but does not fit the job's stored spec (max_lr below its
+    reference_lr, objective 'deadline' without a deadline, ...): a 409 naming the fields, as a 422 would."""
+    errors = field_errors([{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)])
+    fields = ", ".join(dict.fromkeys(e["field"] for e in errors[:5]))
+    return ProblemError(409, f"the what-if does not fit job '{job_id}': its stored spec with the what-if applied "
+                        f"is invalid at {fields}", kind="what-if-does-not-fit", title="What-if does not fit the job",
+                        errors=errors)
+
+
+PYDANTIC_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def standard_bounds(schema: Any) -> Any:
+    """The OpenAPI document with JSON Schema's names for numeric bounds, in place. pydantic writes a bound
+    that follows a validator in an Annotated type (`Annotated[int, BeforeValidator(...), Field(ge=1)]`,
+    as tula_service.spec's counts are) as `ge`/`le`/`gt`/`lt`, which JSON Schema does not know, so
+    clients and schemathesis would take `batch: 0` for valid."""
+    if isinstance(schema, list):
+        for item in schema:
+            standard_bounds(item)
+    elif isinstance(schema, dict):
+        if schema.get("type") in ("integer", "number"):
+            for pydantic_name, json_schema_name in PYDANTIC_BOUNDS.items():
+                if pydantic_name in schema:
+                    schema.setdefault(json_schema_name, schema.pop(pydantic_name))
+        for value in schema.values():
+            standard_bounds(value)
+    return schema
 
 
 def create_app(settings: Settings = Settings()) -> FastAPI:
@@ -130,14 +217,19 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
         summary="Batch-size optimizer: profile, model, and pick the knee of the time/cost Pareto curve.",
         lifespan=lifespan,
         responses=PROBLEM_RESPONSES,
+        docs_url=None,  # served from the installed fastapi-offline package by mount_api_docs, not a CDN
+        redoc_url=None,
     )
     app.state.store = store
     app.state.executor = executor
     app.state.settings = settings
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    # Added last, so outermost: a request without a valid token is refused before its body is read.
+    # Each added outside the one before: a request without a valid token is refused before its body is
+    # read, one for another Host before its token is looked up, and every answer gets the security headers.
     app.add_middleware(TokenAuth, sessions=sessions, public_reads=settings.public_reads,
                        require_token=settings.require_token)
+    app.add_middleware(HostAllowlist, allowed_hosts=settings.allowed_hosts)
+    app.add_middleware(SecurityHeaders)
     _install_problem_handlers(app)
 
     @app.get("/healthz", tags=["operations"])
@@ -184,7 +276,8 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
         return {"gpus": gpu_catalog_listing()}
 
     @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED, response_model=JobView, tags=["jobs"],
-              responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"}})
+              responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"}},
+              dependencies=[Depends(client_submission)])
     def submit_job(
         spec: JobSpec,
         response: Response,
@@ -192,6 +285,12 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     ) -> JobView:
         """Submit a job. With an `Idempotency-Key` header, a retried submission returns the same job
         (200, `Idempotent-Replayed: true`); the same key with a different spec is a 422."""
+        try:  # user code is checked here, in this worker thread, not while the event loop validated the body
+            spec = checked_submission(spec, allowed_model_modules())
+        except ValidationError as error:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
+            ) from None
         try:
             job, created = store.create_job(spec, idempotency_key)
         except IdempotencyConflict as error:
@@ -220,7 +319,7 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
                   "type": "enum"}]
             )
         total = store.count_jobs(states)
-        jobs = [JobView.of(j) for j in store.list_jobs(states, limit, offset)]
+        jobs = [JobSummary.of(j) for j in store.list_jobs(states, limit, offset)]
         next_offset = offset + limit if offset + limit < total else None
         return JobList(jobs=jobs, total=total, limit=limit, offset=offset, next_offset=next_offset)
 
@@ -275,19 +374,23 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     @app.post("/v1/jobs/{job_id}/plan", tags=["jobs"])
     def what_if(job_id: str, what_if: WhatIf) -> dict[str, Any]:
         """Re-plan the job's stored measurements for another cluster, GPU type, pricing, objective,
-        deadline or budget (no profiling)."""
+        deadline, budget or reference run (no profiling). Fields left out keep their stored values. A
+        what-if outside its schema is a 422; one that does not fit the stored spec (a rule between
+        fields, e.g. max_lr below the stored reference_lr) is a 409 naming the fields."""
         job = _job_or_404(job_id)
         if job.state != "done":
             raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is {job.state}: what-if needs its measurements")
         try:
             spec = merged_spec(job.spec, what_if)
         except ValidationError as error:
-            raise _validation_error(error, "body") from None
+            raise _what_if_conflict(job.id, error) from None
         measurements, failed = plan_inputs(job)
         try:
-            return {"job_id": job.id, "what_if": what_if.model_dump(exclude_none=True), **plan(spec, measurements, failed)}
+            return {"job_id": job.id, "what_if": what_if.given(), **plan(spec, measurements, failed)}
         except NotEnoughMeasurements as error:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
 
+    app.openapi = lambda: standard_bounds(FastAPI.openapi(app))  # type: ignore[method-assign]  # cached by FastAPI
+    mount_api_docs(app)
     mount_dashboard(app)
     return app

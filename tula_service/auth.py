@@ -2,7 +2,8 @@
 
 Rules: while no active token exists the API is open (a fresh install on 127.0.0.1 just works).
 Once one exists, every write under `/v1/` (POST, PUT, PATCH, DELETE) needs `Authorization: Bearer
-<token>`, and so do reads (GET, HEAD, OPTIONS) unless the server runs with public reads.
+<token>`, and so do reads (GET, HEAD, OPTIONS, and the what-if POST /v1/jobs/{id}/plan, which re-plans
+without storing anything) unless the server runs with public reads.
 `/healthz`, `/readyz`, `/metrics` and the docs stay open. A refusal is a 401 problem+json with
 `WWW-Authenticate: Bearer realm="tula"` (RFC 6750).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import time
 
 from sqlalchemy.orm import sessionmaker
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 
 GUARDED_PREFIX = "/v1/"
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# POSTs that change nothing: a what-if re-plans a job's stored measurements and stores nothing.
+READ_ONLY_POSTS = re.compile(r"/v1/jobs/[^/]+/plan")
 CACHE_TTL_S = 1.0
 MAX_CACHED_TOKENS = 1024
 CHALLENGE = 'Bearer realm="tula"'
@@ -109,7 +113,11 @@ class TokenAuth:
         path = scope.get("path", "")
         if not (path.startswith(GUARDED_PREFIX) or path == GUARDED_PREFIX.rstrip("/")):
             return False
-        return not (self.public_reads and scope.get("method", "GET") in READ_METHODS)
+        return not (self.public_reads and self._is_read(scope.get("method", "GET"), path))
+
+    @staticmethod
+    def _is_read(method: str, path: str) -> bool:
+        return method in READ_METHODS or (method == "POST" and READ_ONLY_POSTS.fullmatch(path) is not None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self._needs_token(scope):

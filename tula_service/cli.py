@@ -3,7 +3,8 @@
 Every command that talks to a server goes through `tula_service.client.TulaClient` and takes
 `--server` (default $TULA_URL) and `--token` (default $TULA_TOKEN). `tula token ...` works on the
 database itself (`--database-url`, default $TULA_DATABASE_URL), since the first token has to exist
-before a server can ask for one. Mistakes are one line per problem and exit status 2.
+before a server can ask for one. Mistakes are one line per problem and exit status 2; no user error
+prints a traceback (exit statuses: `EXIT_*` below, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -18,11 +21,16 @@ from typing import Any
 
 import httpx
 from pydantic import ValidationError
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from tula_service.client import TulaClient, TulaError
+from tula_service.client import DEFAULT_URL, URL_ENV, TulaClient, TulaError
 from tula_service.schemas import JobView
 
-GIB = 2**30
+EXIT_JOB_NOT_DONE = 1  # `submit --wait`: the job failed or was cancelled; `show`: the job failed
+EXIT_MISTAKE = 2  # a bad argument or file, a refusal by the server, a server that cannot be reached
+EXIT_WAIT_TIMEOUT = 124  # `submit --wait --timeout-s`: the job is still running (as timeout(1) exits)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # stdout closed early, `tula ... | head -1` (128 + SIGPIPE, as `yes | head -1`)
 OBJECTIVES = ("knee", "min_time", "min_cost", "deadline", "budget")
 PRICING_KINDS = ("gpu_hour", "node_hour", "memory_gb_hour")
 HOURS_PER_UNIT = {"": 1.0, "s": 1 / 3600, "sec": 1 / 3600, "m": 1 / 60, "min": 1 / 60, "h": 1.0, "hr": 1.0, "d": 24.0}
@@ -67,6 +75,54 @@ def positive_float(text: str) -> float:
     return value
 
 
+# --- numbers for people: three significant digits in a unit chosen for the size (--json is exact) ---
+
+
+def human_number(value: float, digits: int = 3) -> str:
+    """`digits` significant digits, thousands separated, no exponent and no trailing zeros:
+    22.48828125 -> 22.5, 140.4 -> 140, 40.0 -> 40, 0.006123 -> 0.00612, 12440 -> 12,440."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{round(value, decimals):,.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _scaled(value: float, units: tuple[tuple[float, str], ...]) -> str:
+    """value in the largest unit it reaches (the first when it reaches none), or the next one when it
+    rounds up to that: 1023.9 MiB is 1 GiB, 59.99 min is 1 h."""
+    index = max((i for i, (size, _) in enumerate(units) if abs(value) >= size), default=0)
+    text = human_number(value / units[index][0])
+    if index + 1 < len(units) and abs(float(text.replace(",", ""))) * units[index][0] >= units[index + 1][0]:
+        index += 1
+        text = human_number(value / units[index][0])
+    return f"{text} {units[index][1]}"
+
+
+def human_bytes(count: float) -> str:
+    """6.5e6 -> 6.2 MiB; 2.4147e10 -> 22.5 GiB."""
+    return _scaled(count, ((1, "B"), (2**10, "KiB"), (2**20, "MiB"), (2**30, "GiB"), (2**40, "TiB")))
+
+
+def human_bandwidth(gbit_per_s: float) -> str:
+    """In bytes per second, as datasheets give it: 12440 Gbit/s -> 1.56 TB/s."""
+    return _scaled(gbit_per_s * 1e9 / 8, ((1e6, "MB/s"), (1e9, "GB/s"), (1e12, "TB/s")))
+
+
+def human_duration(seconds: float) -> str:
+    """0.3215 -> 322 ms; 3747 -> 1.04 h; a day and more in days."""
+    if seconds == 0:
+        return "0 s"
+    return _scaled(seconds, ((1e-3, "ms"), (1, "s"), (60, "min"), (3600, "h"), (86400, "d")))
+
+
+def human_usd(amount: float) -> str:
+    """Cents, thousands separated ($1,234.57; $1.01 for 1.006); under a cent, two significant digits."""
+    if 0 < abs(amount) < 0.01:
+        return f"${human_number(amount, 2)}"
+    return f"${amount:,.2f}"
+
+
 # --- serve and tokens: on the database --------------------------------------------------------------
 
 
@@ -98,10 +154,16 @@ def _serve(args: argparse.Namespace) -> int:
     from tula_service.api import Settings, create_app
     from tula_service.auth import is_loopback, listen_refusal
     from tula_service.db import make_session_factory
+    from tula_service.security import allowed_hosts_from_env, host_pattern_problem, served_hosts
     from tula_service.tokens import any_active_token
 
     if args.ray_address and args.executor != "ray":
         raise CliError("--ray-address needs --executor ray")
+    extra_hosts = args.allowed_host if args.allowed_host is not None else allowed_hosts_from_env()
+    problems = [problem for host in extra_hosts if (problem := host_pattern_problem(host))]
+    if problems:
+        raise CliError(("--allowed-host " if args.allowed_host is not None else "TULA_ALLOWED_HOSTS ") + "; ".join(problems))
+    allowed_hosts = served_hosts(args.host, extra_hosts)
     database_url = _database_url(args)
     engine = _engine(database_url)
     tokens_exist = any_active_token(make_session_factory(engine))
@@ -119,6 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed_example=Path(args.seed_example) if args.seed_example else None,
         public_reads=args.public_reads,
         require_token=not args.insecure and not is_loopback(args.host),
+        allowed_hosts=allowed_hosts,
         **overrides,
     )
     app = create_app(settings)
@@ -132,6 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"Database:       {database_url}", flush=True)
     print(f"Executor:       {args.executor}", flush=True)
     print(f"Auth:           {auth}", flush=True)
+    print(f"Allowed hosts:  {', '.join(allowed_hosts)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
@@ -192,11 +256,14 @@ def _reference_stats(path: str) -> list[dict[str, Any]]:
     """The records of `--reference-stats FILE` (JSONL or a JSON list), each checked."""
     from tula_service.gradient_stats_file import coarsen_records, read_gradient_stats
     from tula_service.spec import MAX_GRADIENT_STATS_RECORDS
+    from tula_service.specfile import FileRefused
 
     try:
         records = read_gradient_stats(path)
     except OSError as error:
         raise CliError(f"cannot read reference stats {path}: {error.strerror}") from None
+    except FileRefused as error:
+        raise CliError(f"--reference-stats: {error}") from None
     except ValueError as error:
         problems = "\n".join(f"  {line}" for line in str(error).splitlines())  # one line per problem, the first 20
         raise CliError(f"{path} is not a gradient-statistics file:\n{problems}") from None
@@ -220,6 +287,8 @@ def with_reference_stats(spec: dict[str, Any], records: list[dict[str, Any]]) ->
 
 
 def _validated_spec(path: str, reference_stats: str | None = None) -> dict[str, Any]:
+    """The spec file, parsed (specfile: size-limited, safe YAML, errors with line and column) and
+    validated here, so a mistake is named before anything is sent."""
     from tula_service.spec import JobSpec  # the catalogs behind it take a second to import
     from tula_service.specfile import load_spec_file
 
@@ -269,15 +338,22 @@ class ProgressPrinter:
 
 def format_recommendation(rec: dict[str, Any]) -> str:
     chosen = rec["chosen"]
-    lines = [
+    reliability = rec.get("reliability") or {}
+    lines = [] if reliability.get("verdict") != "unreliable" else [
+        f"WARNING: {reliability['message']}", *(f"  - {reason}" for reason in reliability["reasons"]), "",
+    ]  # fmt: skip
+    lines += [
         f"objective: {rec['objective']}"
         + (f"  (knee by {rec['knee']['method']}, S={rec['knee']['sensitivity']}, on {rec['knee']['curve']})" if rec.get("knee") else ""),
         f"chosen: global batch {chosen['global_batch']} = device batch {chosen['device_batch']}"
         f" x {chosen['devices']} devices x {chosen['accumulation']} accumulation",
-        f"  predicted total time {chosen['total_time_s']['value'] / 3600:.3f} h,"
-        f" cost ${chosen['cost_usd']['value']:.2f}, memory {chosen['memory_bytes']['value'] / GIB:.3f} GiB"
-        f" ({chosen['memory_bytes']['source']}), epochs {chosen['epochs']['value']:.2f} ({chosen['epochs']['source']})",
+        f"  predicted total time {human_duration(chosen['total_time_s']['value'])},"
+        f" cost {human_usd(chosen['cost_usd']['value'])}, memory {human_bytes(chosen['memory_bytes']['value'])}"
+        f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
+    knee = rec.get("knee") or {}
+    if knee.get("method_explained") and rec["objective"] == "knee":
+        lines.append(f"  {knee['method']}: {knee['method_explained']}")
     if rec.get("constraint"):
         lines.append(f"  {rec['constraint']['message']}")
     advice = rec.get("training_advice")
@@ -290,25 +366,22 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         )
         if len(ramp["stages"]) > 1:
             lines.append("  batch ramp: " + ", ".join(f"{st['global_batch']} from {st['from_epoch_fraction']:.0%}" for st in ramp["stages"]))
-    lines += [
-        "",
-        f"{'batch':>7} {'dev_b':>6} {'dev':>4} {'acc':>4} {'mem GiB':>9} {'iter s':>9} {'total h':>9} {'cost $':>9} pareto",
-    ]
-    front = [c for c in rec["candidates"] if c["pareto"]]
-    for c in sorted(front, key=lambda c: c["global_batch"]):
-        lines.append(
-            f"{c['global_batch']:>7} {c['device_batch']:>6} {c['devices']:>4} {c['accumulation']:>4}"
-            f" {c['memory_bytes']['value'] / GIB:>9.3f} {c['iter_time_s']['value']:>9.4f}"
-            f" {c['total_time_s']['value'] / 3600:>9.3f} {c['cost_usd']['value']:>9.2f}   *"
-        )
+    front = sorted((c for c in rec["candidates"] if c["pareto"]), key=lambda c: c["global_batch"])
+    rows = [
+        [c["global_batch"], c["device_batch"], c["devices"], c["accumulation"], human_bytes(c["memory_bytes"]["value"]),
+         human_duration(c["iter_time_s"]["value"]), human_duration(c["total_time_s"]["value"]), human_usd(c["cost_usd"]["value"])]
+        for c in front
+    ]  # fmt: skip
+    lines += ["", _table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"], rows, align=">")]
     lines.append(f"({len(rec['candidates'])} candidates in all; Pareto front shown; --json for everything)")
     return "\n".join(lines)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def _table(headers: list[str], rows: list[list[Any]], align: str = "<") -> str:
+    """Columns as wide as their widest cell; align ">" right-aligns every column (numbers)."""
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
     return "\n".join(
-        "  ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths)).rstrip() for row in [headers, *rows]
+        "  ".join(f"{str(cell):{align}{width}}" for cell, width in zip(row, widths)).rstrip() for row in [headers, *rows]
     )
 
 
@@ -336,11 +409,15 @@ def _submit(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             progress.close()
             print(f"stopped waiting; job {job.id} goes on (`tula cancel {job.id}` stops it)", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
+        except TimeoutError as error:
+            progress.close()
+            print(f"stopped waiting: {error}; it goes on (`tula show {job.id}`, `tula cancel {job.id}`)", file=sys.stderr)
+            return EXIT_WAIT_TIMEOUT
         progress.close()
         if job.state != "done":
             print(f"job {job.id} {job.state}" + (f": {job.error}" if job.error else ""), file=sys.stderr)
-            return 1
+            return EXIT_JOB_NOT_DONE
         rec = client.recommendation(job.id)
         print(json.dumps(rec, indent=2) if args.json else format_recommendation(rec))
     return 0
@@ -407,7 +484,7 @@ def describe_job(job: JobView) -> str:
     if job.points:
         rows = [
             [_point_label(p.kind, p.batch_size), p.state, str(p.attempts),
-             f"{p.duration_s:.1f} s" if p.duration_s is not None else "-", _one_line(p.error)]
+             human_duration(p.duration_s) if p.duration_s is not None else "-", _one_line(p.error)]
             for p in job.points
         ]  # fmt: skip
         lines += ["", _table(["BATCH", "STATE", "ATTEMPTS", "DURATION", "ERROR"], rows)]
@@ -430,7 +507,7 @@ def _show(args: argparse.Namespace) -> int:
         print(describe_job(job))
         if rec is not None:
             print("\n" + format_recommendation(rec))
-    return 1 if job.state == "failed" else 0
+    return EXIT_JOB_NOT_DONE if job.state == "failed" else 0
 
 
 def _node_split(gpus: int, gpus_per_node: int) -> str:
@@ -444,8 +521,9 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The what-if body for `tula plan` and, in words, what it changes in the job's stored spec."""
+def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The what-if body for `tula plan` and, in words, what it changes in the job's stored spec and
+    which given values the spec has already."""
     cluster: dict[str, Any] = {}
     gpus_per_node = args.gpus_per_node or spec["cluster"]["gpus_per_node"]
     if args.gpus_per_node is not None:
@@ -483,42 +561,71 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
     if objective == "budget" and args.budget is None and spec.get("budget_usd") is None:
         raise CliError("--objective budget needs --budget USD")
 
+    # Every value given is sent, even one equal to the stored value: it still says where the value
+    # comes from (a price given with a new --gpu-type is kept, a catalog one would be re-derived).
+    # In words, only what differs is a change; a value the job already has is named as unchanged.
     what_if: dict[str, Any] = {}
     changes: list[str] = []
+    unchanged: list[str] = []
+
+    def compare(name: str, stored: Any, given: Any) -> None:
+        if stored == given:
+            unchanged.append(f"{name} {_shown(given)}")
+        else:
+            changes.append(f"{name} {_shown(stored)} -> {_shown(given)}")
+
     for section, overrides in (("cluster", cluster), ("pricing", pricing), ("training", training)):
         if overrides:
             what_if[section] = overrides
-            changes += [f"{section}.{key} {_shown(spec[section].get(key))} -> {_shown(value)}" for key, value in overrides.items()]
-        if section == "cluster" and overrides.keys() & {"nodes", "gpus_per_node"}:
+            for key, value in overrides.items():
+                compare(f"{section}.{key}", spec[section].get(key), value)
+        if section == "cluster":
             before, after = spec["cluster"], {**spec["cluster"], **overrides}
-            changes.append(f"devices {before['nodes'] * before['gpus_per_node']} -> {after['nodes'] * after['gpus_per_node']}")
+            devices_before, devices_after = before["nodes"] * before["gpus_per_node"], after["nodes"] * after["gpus_per_node"]
+            if devices_before != devices_after:
+                changes.append(f"devices {devices_before} -> {devices_after}")
     for key, value in (("objective", objective), ("deadline_h", args.deadline_h), ("budget_usd", args.budget)):
         if value is not None:
             what_if[key] = value
-            changes.append(f"{key} {_shown(spec.get(key))} -> {_shown(value)}")
-    return what_if, changes
+            compare(key, spec.get(key), value)
+    return what_if, changes, unchanged
+
+
+def describe_what_if(job_id: str, changes: list[str], unchanged: list[str]) -> str:
+    if changes:
+        return f"what-if for job {job_id}: " + "; ".join(changes) + (f" (unchanged: {', '.join(unchanged)})" if unchanged else "")
+    if unchanged:
+        already = f"{unchanged[0]} is the job's value" if len(unchanged) == 1 else f"{', '.join(unchanged)} are the job's values"
+        return f"what-if for job {job_id}: nothing changes ({already} already); the stored spec re-planned"
+    return f"what-if for job {job_id}: no changes (the stored spec re-planned)"
 
 
 def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What differs from the stored recommendation, as shown (a time equal to three digits is the same)."""
     old, new = before["chosen"], after["chosen"]
-    return (
-        "compared with the stored recommendation: "
-        f"global batch {old['global_batch']} -> {new['global_batch']}, devices {old['devices']} -> {new['devices']}, "
-        f"total time {old['total_time_s']['value'] / 3600:.3f} h -> {new['total_time_s']['value'] / 3600:.3f} h, "
-        f"cost ${old['cost_usd']['value']:.2f} -> ${new['cost_usd']['value']:.2f}"
-    )
+    shown = [
+        ("global batch", str(old["global_batch"]), str(new["global_batch"])),
+        ("devices", str(old["devices"]), str(new["devices"])),
+        ("total time", human_duration(old["total_time_s"]["value"]), human_duration(new["total_time_s"]["value"])),
+        ("cost", human_usd(old["cost_usd"]["value"]), human_usd(new["cost_usd"]["value"])),
+    ]
+    changed = [f"{name} {was} -> {now}" for name, was, now in shown if was != now]
+    same = [f"{name} {was}" for name, was, now in shown if was == now]
+    if not changed:
+        return "the same as the stored recommendation: " + ", ".join(same)
+    return "compared with the stored recommendation: " + ", ".join(changed) + (f" (unchanged: {', '.join(same)})" if same else "")
 
 
 def _plan(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.job(args.job_id)
-        what_if, changes = build_what_if(args, job.spec)
+        what_if, changes, unchanged = build_what_if(args, job.spec)
         result = client.plan(job.id, what_if)
         if args.json:
             print(json.dumps(result, indent=2))
             return 0
         before = client.recommendation(job.id)
-    print(f"what-if for job {job.id}: " + ("; ".join(changes) if changes else "no changes (the stored spec re-planned)"))
+    print(describe_what_if(job.id, changes, unchanged))
     print(format_recommendation(result))
     print(_compare(before, result))
     return 0
@@ -527,7 +634,9 @@ def _plan(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
         job = client.cancel(args.job_id)
-    print(f"job {job.id}: {job.state} ({_points(job)} points finished)")
+    measured = job.progress.points_measured
+    print(f"job {job.id}: {job.state} ({measured} of {job.progress.points_total} points measured"
+          + (")" if measured else "; nothing was measured)"))
     return 0
 
 
@@ -538,21 +647,39 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_gpu_catalog(gpus: list[dict[str, Any]]) -> str:
+    """One row per GPU in human units; the datasheet notes and exact values are in --json."""
+
+    def unit(value: Any, shown) -> str:
+        return "-" if value is None else shown(value)
+
+    rows = [
+        [gpu["name"], unit(gpu.get("memory_gib"), lambda gib: human_bytes(gib * 2**30)),
+         unit(gpu.get("memory_bandwidth_gbps"), human_bandwidth),
+         unit(gpu.get("peak_bf16_tflops"), lambda tflops: f"{human_number(tflops)} TFLOPS"),
+         gpu.get("intra_node_link") or "-", unit(gpu.get("default_price_usd_per_hour"), lambda usd: f"{human_usd(usd)}/GPU-hour"),
+         gpu.get("source") or "-"]
+        for gpu in gpus
+    ]  # fmt: skip
+    headers = ["NAME", "MEMORY", "BANDWIDTH", "BF16 DENSE", "LINK", "PRICE", "SOURCE"]
+    return _table(headers, rows) + "\n(datasheet notes and exact values: --json)"
+
+
 def _catalog(args: argparse.Namespace) -> int:
     with _client(args) as client:
         listing = client.catalog(args.kind)
     if args.json:
         print(json.dumps(listing, indent=2))
         return 0
+    if not isinstance(listing.get(args.kind), list):
+        raise CliError(f"{_server_url(args)} did not answer as a Tula server does (its catalog has no '{args.kind}' list)")
+    if args.kind == "gpus":
+        print(format_gpu_catalog(listing["gpus"]))
+        return 0
     for entry in listing[args.kind]:
-        if args.kind == "gpus":
-            rest = {k: v for k, v in entry.items() if k not in ("name", "memory_gib", "default_price_usd_per_hour")}
-            print(f"{entry['name']:<22} {entry.get('memory_gib', '?'):>6} GiB  ${entry.get('default_price_usd_per_hour', '?')}/GPU-hour  "
-                  + ", ".join(f"{k}={v}" for k, v in rest.items()))
-            continue
         extras = entry.get("options") or entry.get("fields") or {}
-        settings = ", ".join(f"{k}={v}" for k, v in extras.items())
-        print(f"{entry['name']:<22} {entry['input_kind']:<9} {settings}")
+        settings = ", ".join(f"{k}={human_number(v) if isinstance(v, float) else v}" for k, v in extras.items())
+        print(f"{entry['name']:<22} {entry['input_kind']:<9} {settings}".rstrip())
     if args.kind == "models":
         allowed = listing["user_models"]["allowed_module_prefixes"]
         print(f"\nuser models 'module:factory': allowed prefixes {allowed or 'none'} (server env {listing['user_models']['env']})")
@@ -582,7 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="points profiled at once (default: one per GPU, one on a host without GPUs)")
     serve.add_argument("--seed-example", help="spec file submitted when the database is empty")
     serve.add_argument("--insecure", action="store_true", help="listen on a non-loopback address with no API token")
-    serve.add_argument("--public-reads", action="store_true", help="with tokens configured, GETs need none")
+    serve.add_argument("--public-reads", action="store_true",
+                       help="with tokens configured, reads need none: GETs and what-ifs (POST /v1/jobs/ID/plan)")
+    serve.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                       help="a Host name the server answers to besides --host and localhost (repeat it; "
+                       "'*.example.com' for subdomains, '*' for any; default: $TULA_ALLOWED_HOSTS, comma-separated)")
     serve.add_argument("--max-request-bytes", type=positive_int, default=None, help="largest request body accepted")
     serve.set_defaults(func=_serve)
 
@@ -653,21 +784,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _server_url(args: argparse.Namespace) -> str:
+    return getattr(args, "server", None) or os.environ.get(URL_ENV) or DEFAULT_URL
+
+
+def _server_problem(error: TulaError, server: str) -> str:
+    """`server answered 404: job 'x' not found`; a 422's bad fields one per line below."""
+    if error.problem is None and error.message.lstrip().startswith("<"):  # another web server's page
+        return f"server answered {error.status_code} with an HTML page, not the Tula API's JSON: is {server} a Tula server?"
+    if error.problem is None:  # a proxy's plain-text answer
+        return f"server answered {error.status_code}: {_one_line(error.message, 160)}"
+    first, *fields = error.message.splitlines()
+    return "\n".join([f"server answered {error.status_code}: {first}", *(f"  {line}" for line in fields)])
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command; every mistake a user can make ends as `error: ...` on stderr and EXIT_MISTAKE."""
     try:
         return args.func(args)
     except CliError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
     except TulaError as error:
-        print(f"error: server answered {error.status_code}:\n{error}", file=sys.stderr)
+        print(f"error: {_server_problem(error, _server_url(args))}", file=sys.stderr)
         if error.status_code == 401:
             print(f"hint: {TOKEN_HINT}", file=sys.stderr)
-        return 2
+    except httpx.UnsupportedProtocol as error:
+        print(f"error: the server URL '{_server_url(args)}' (--server, $TULA_URL) is not http:// or https:// ({error})", file=sys.stderr)
+    except httpx.InvalidURL as error:
+        print(f"error: the server URL '{_server_url(args)}' (--server, $TULA_URL) is not a valid URL ({error})", file=sys.stderr)
     except httpx.TransportError as error:  # connection refused, timeouts (after the client's retries)
-        print(f"error: cannot reach the Tula server: {error}", file=sys.stderr)
-        return 2
+        print(f"error: cannot reach the Tula server at {_server_url(args)}: {error}", file=sys.stderr)
+    except httpx.HTTPError as error:  # too many redirects, a body that does not decode
+        print(f"error: talking to the Tula server at {_server_url(args)} failed: {error}", file=sys.stderr)
+    except json.JSONDecodeError as error:  # a 2xx that is not JSON: another web server
+        print(f"error: {_server_url(args)} did not answer as a Tula server does (not JSON: {error})", file=sys.stderr)
+    except ValidationError as error:  # JSON of another shape (a spec's mistakes are named before sending)
+        if "server" not in vars(args):
+            raise
+        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()[:5]]
+        print(f"error: {_server_url(args)} did not answer as a Tula server does:\n" + "\n".join(lines), file=sys.stderr)
+    except ArgumentError as error:  # also an unknown driver (NoSuchModuleError)
+        print(f"error: not a database URL (--database-url, $TULA_DATABASE_URL): {error}", file=sys.stderr)
+    except SQLAlchemyError as error:
+        print(f"error: cannot use the database: {_one_line(str(getattr(error, 'orig', None) or error), 200)}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # main's: stdout closed early is no error to report
+    except OSError as error:  # a local file or folder: the SQLite database's, a spec the server seeds
+        print(f"error: {error.strerror or error}" + (f": {error.filename}" if error.filename else ""), file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_MISTAKE
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        status = _run(build_parser().parse_args(argv))
+        sys.stdout.flush()  # a reader that went away shows here, not as a message at exit
+    except BrokenPipeError:
+        # `tula catalog models | head -1`: the reader has what it wanted. Point stdout at /dev/null so
+        # the interpreter's own flush at exit cannot fail too, and stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ from pydantic import ValidationError
 import numpy as np
 
 from tula_service.spec import GradientStatsRecord
+from tula_service.specfile import read_limited
 
+# Larger than a spec may be: the CLI merges a long file into the windows a spec holds.
 MAX_FILE_BYTES = 64 * 2**20
 MAX_FILE_RECORDS = 200_000
 MAX_PROBLEMS_SHOWN = 20
@@ -69,12 +71,13 @@ class GradientStatsFileError(ValueError):
 
 def read_gradient_stats(path: str | Path) -> list[dict[str, Any]]:
     """The records of a JSONL or JSON-list file, each checked; raises GradientStatsFileError (a
-    ValueError) naming every bad line and field, OSError when the file cannot be read."""
+    ValueError) naming every bad line and field, FileRefused (a ValueError) for a file that is not a
+    regular one or is over MAX_FILE_BYTES, OSError when the file cannot be opened."""
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise GradientStatsFileError([f"{path}: {size / 2**20:.0f} MiB, more than the {MAX_FILE_BYTES // 2**20} MiB a records file may have"])
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_limited(path, MAX_FILE_BYTES, "a gradient-statistics file").decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise GradientStatsFileError([f"{path}: not UTF-8 text (byte {error.start}: {error.reason})"]) from None
     items = _json_list(path, text) if text.lstrip().startswith("[") else _json_lines(text)
     if not items:
         raise GradientStatsFileError([f"{path}: no records (expected one JSON object per line, or a JSON list of them)"])

@@ -17,17 +17,20 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_TYPE_BASE = "https://tula.dev/problems/"
 
 
-def problem_type(status: int) -> str:
-    """A stable type URI per status: https://tula.dev/problems/not-found, .../validation-error, ..."""
+def problem_type(status: int, kind: str | None = None) -> str:
+    """A stable type URI per status (https://tula.dev/problems/not-found, .../validation-error, ...),
+    or per kind where one status has a problem of its own (.../host-not-allowed)."""
+    if kind is not None:
+        return PROBLEM_TYPE_BASE + kind
     if status == 422:
         return PROBLEM_TYPE_BASE + "validation-error"
     return PROBLEM_TYPE_BASE + HTTPStatus(status).phrase.lower().replace(" ", "-").replace("'", "")
 
 
 def problem_body(status: int, detail: str, instance: str | None = None, *, title: str | None = None,
-                 errors: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+                 kind: str | None = None, errors: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "type": problem_type(status),
+        "type": problem_type(status, kind),
         "title": title or HTTPStatus(status).phrase,
         "status": status,
         "detail": detail,
@@ -44,6 +47,16 @@ def problem_response(status: int, detail: str, instance: str | None = None, *, h
                      **kwargs: Any) -> JSONResponse:
     return JSONResponse(problem_body(status, detail, instance, **kwargs), status_code=status,
                         headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+class ProblemError(Exception):
+    """Raised by a route for an answer that carries more than an HTTPException can: a problem with `errors`."""
+
+    def __init__(self, status: int, detail: str, **kwargs: Any):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.kwargs = kwargs
 
 
 def field_errors(validation_errors: list[dict[str, Any]]) -> list[dict[str, Any]]:

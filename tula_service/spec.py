@@ -27,8 +27,8 @@ from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes
 from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors
 
 # Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec_limits).
-PositiveInt = Annotated[int, BeforeValidator(reject_bool), Field(ge=1)]
-BatchSize = Annotated[int, BeforeValidator(reject_bool), Field(ge=1, le=MAX_BATCH)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(reject_bool)]
+BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH), BeforeValidator(reject_bool)]
 
 
 def allowed_model_modules() -> list[str]:

@@ -6,6 +6,11 @@ server's working directory and environment, as a profiling worker runs) imports 
 dataset and the model on a batch of 2, runs forward, loss and backward, and reports what breaks the
 contract. Its errors become a 422 naming the spec field (`dataset.name`, `model_options.hidden`, ...).
 
+In the API the check does not run inside validation, which FastAPI does on the event loop (a check of
+seconds would stall every other request): the submit route marks its body's validation as a client
+submission (`client_submission`), the validator then only clears any `user_code_check` the client sent
+(that field is the server's to set), and the route runs `checked_submission` in a worker thread.
+
 Catalog-only specs never start it. A spec that already carries `user_code_check` (a stored spec validated
 again by the dispatcher, a what-if) is not checked again. The check is skipped, and the spec accepted with
 the reason in `user_code_check` (and the server log), when torch is not importable here (an API-only
@@ -23,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +44,15 @@ USER_CODE_CHECK_TIMEOUT_S = 30.0  # importing torch and building a small model t
 USER_CODE_NOTE_MAX_CHARS = 4000  # JobSpec.user_code_check's limit
 CHECK_MODULE = "models.user_contract"
 Loc = tuple[str | int, ...]
+
+# True while the API validates a submitted body: the check is deferred to the route (see the module docstring).
+_CLIENT_SUBMISSION: ContextVar[bool] = ContextVar("tula_client_submission", default=False)
+
+
+async def client_submission() -> None:
+    """A FastAPI dependency of the submit route: it runs in the request's own context just before the body
+    is validated, so this flag holds for that validation (and that request) only."""
+    _CLIENT_SUBMISSION.set(True)
 
 
 def field_errors(problems: list[tuple[Loc, str]], error_type: str = "user_code_contract") -> ValidationError:
@@ -129,6 +144,9 @@ def contract_request(spec: _CheckedSpec, allowed_model_modules: list[str]) -> di
 def check_user_code(spec: _CheckedSpec, allowed_model_modules: list[str]) -> _CheckedSpec:
     """JobSpec's after-validator: check a spec's user model or dataset once, record how in user_code_check,
     raise a ValidationError naming each field the user code breaks the contract at."""
+    if _CLIENT_SUBMISSION.get():
+        spec.user_code_check = None  # the server's to set: the route checks in a worker thread
+        return spec
     if spec.user_code_check is not None or not (is_user_ref(spec.model) or is_user_ref(spec.dataset.name)):
         return spec
     result = run_contract_check(contract_request(spec, allowed_model_modules))
@@ -138,3 +156,13 @@ def check_user_code(spec: _CheckedSpec, allowed_model_modules: list[str]) -> _Ch
         log.warning("user code of model '%s', dataset '%s': %s", spec.model, spec.dataset.name, result.note)
     spec.user_code_check = result.note[:USER_CODE_NOTE_MAX_CHARS]
     return spec
+
+
+def checked_submission(spec: _CheckedSpec, allowed_model_modules: list[str]) -> _CheckedSpec:
+    """A client's spec, validated under `client_submission`, now checked like any other (blocking: call it
+    from a worker thread). Raises the ValidationError of `check_user_code`."""
+    token = _CLIENT_SUBMISSION.set(False)
+    try:
+        return check_user_code(spec, allowed_model_modules)
+    finally:
+        _CLIENT_SUBMISSION.reset(token)
