@@ -85,3 +85,15 @@ def test_the_api_refuses_a_path_when_no_root_is_configured(live_server):
     assert response.status_code == 422
     [error] = response.json()["errors"]
     assert error["field"] == "body.dataset.path" and "--data-root" in error["message"]
+
+
+def test_tula_serve_data_root_allows_paths_under_it_only(make_server, tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    server = make_server("--executor", "none", "--data-root", str(root))
+    inside = spec_dict(model="gpt", dataset={"name": "token_file", "path": str(root / "corpus.bin"), "num_samples": 1000})
+    assert httpx.post(f"{server.url}/v1/jobs", json=inside, timeout=30).status_code == 202
+    outside = spec_dict(model="gpt", dataset={"name": "token_file", "path": "/etc/passwd", "num_samples": 1000})
+    response = httpx.post(f"{server.url}/v1/jobs", json=outside, timeout=30)
+    assert response.status_code == 422 and f"outside the data roots ({root})" in response.json()["errors"][0]["message"]
+    assert f"Data roots:     {root}" in server.log_path.read_text()

@@ -23,6 +23,7 @@ import httpx
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+from models.data_roots import DATA_ROOTS_ENV, data_roots_from_env
 from tula_service.client import DEFAULT_URL, URL_ENV, TulaClient, TulaError
 from tula_service.schemas import JobView
 
@@ -164,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
     if problems:
         raise CliError(("--allowed-host " if args.allowed_host is not None else "TULA_ALLOWED_HOSTS ") + "; ".join(problems))
     allowed_hosts = served_hosts(args.host, extra_hosts)
+    if args.data_root:  # the spec check and every local or Ray worker read them from here (models.data_roots)
+        os.environ[DATA_ROOTS_ENV] = os.pathsep.join(os.path.abspath(os.path.expanduser(root)) for root in args.data_root)
     database_url = _database_url(args)
     engine = _engine(database_url)
     tokens_exist = any_active_token(make_session_factory(engine))
@@ -194,6 +197,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"API docs:       {base}/docs", flush=True)
     print(f"Database:       {database_url}", flush=True)
     print(f"Executor:       {args.executor}", flush=True)
+    roots = data_roots_from_env()
+    print(f"Data roots:     {', '.join(roots) if roots else f'none: file datasets are refused (--data-root DIR allows one)'}", flush=True)
     print(f"Auth:           {auth}", flush=True)
     print(f"Allowed hosts:  {', '.join(allowed_hosts)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
@@ -711,6 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure", action="store_true", help="listen on a non-loopback address with no API token")
     serve.add_argument("--public-reads", action="store_true",
                        help="with tokens configured, reads need none: GETs and what-ifs (POST /v1/jobs/ID/plan)")
+    serve.add_argument("--data-root", action="append", default=None, metavar="DIR",
+                       help=f"a folder file datasets may be read from (repeatable; default ${DATA_ROOTS_ENV}); none: no file datasets")
     serve.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                        help="a Host name the server answers to besides --host and localhost (repeat it; "
                        "'*.example.com' for subdomains, '*' for any; default: $TULA_ALLOWED_HOSTS, comma-separated)")
