@@ -11,6 +11,11 @@ where |g_b|^2 is the mean over the k micro-batches. Both are unbiased but noisy 
 each is averaged on its own with a bias-corrected exponential moving average (as in Adam), and only
 then is the ratio taken: B_simple = tr(Sigma) / |G|^2. Never average per-iteration ratios.
 
+How many iterations: the estimate has settled when the relative standard error of the mean of
+both |G|^2 and tr(Sigma) over the iterations (std / sqrt(n) / |mean|) is below a target
+(`relative_stderr`); profiler.measure stops there, or at its share of the point's time, or at
+profiling.grad_iters.
+
 Gradient variability (Tula seed paper, Figs. 5-6): the relative change of the full-batch gradient
 norm between consecutive iterations, |(|g_t| - |g_{t-1}|)| / |g_{t-1}|. AGS thresholds it.
 """
@@ -86,6 +91,16 @@ class GradientNoiseEstimator:
         rel_var = cov[0, 0] / s.mean() ** 2 + cov[1, 1] / g.mean() ** 2 - 2 * cov[0, 1] / (s.mean() * g.mean())
         return float(abs(ratio) * math.sqrt(max(rel_var, 0.0)))
 
+    def relative_stderr(self) -> dict[str, float | None]:
+        """Std. error of the mean over |mean| of |G|^2 and of tr(Sigma); None below two iterations or at
+        a zero mean."""
+        return {"true_grad_sq_norm": _relative_stderr(self.true_sq), "trace_sigma": _relative_stderr(self.trace)}
+
+    def settled(self, target_rse: float) -> bool:
+        """Both the numerator and the denominator of the noise scale are known to within `target_rse`."""
+        errors = self.relative_stderr().values()
+        return all(error is not None and error <= target_rse for error in errors)
+
     def variability(self) -> list[float]:
         norms = self.full_norms
         return [abs(b - a) / a for a, b in zip(norms, norms[1:]) if a > 0]
@@ -97,6 +112,7 @@ class GradientNoiseEstimator:
             "micro_batch": micro_batch,
             "batch": batch,
             "iterations": len(self.true_sq),
+            "relative_stderr": self.relative_stderr(),
             "ema_beta": self.ema_beta,
             "true_grad_sq_norm": self._true_ema.value,
             "trace_sigma": self._trace_ema.value,
@@ -107,3 +123,10 @@ class GradientNoiseEstimator:
             "variability_median": float(np.median(variability)) if variability else None,
             "variability_p90": float(np.percentile(variability, 90)) if variability else None,
         }
+
+
+def _relative_stderr(values: list[float]) -> float | None:
+    x = np.asarray(values, dtype=float)
+    if x.size < 2 or x.mean() == 0:
+        return None
+    return float(x.std(ddof=1) / math.sqrt(x.size) / abs(x.mean()))

@@ -1,16 +1,30 @@
 """One profiling point: a workload at one per-device batch size, measured in this process.
 
-The server's executor runs this in a child process (`python -m profiler.run_point`), so a crash or
-an out-of-memory costs one point, never the server. Measured per point:
+The server's executor runs this in a child process (`python -m profiler.run_point`, or a child
+forked from the warm worker `profiler.warm_worker`), so a crash or an out-of-memory costs one
+point, never the server. Measured per point:
 
 - iteration time of data-to-device + forward + backward + optimizer step, per phase and in all
-  (`profiler.timing`: warm-up until settled, sampling until CV < target or a time cap);
+  (`profiler.timing`: warm-up until settled, sampling until CV < target or its share of the time);
 - memory split into static bytes (weights, gradients, optimizer state) and activation bytes, plus
   the CUDA allocator's peaks and the device's own view through NVML (`profiler.memory`);
 - gradient noise scale and gradient variability with the two-batch estimator (`profiler.gradstats`),
   on iterations of their own before timing (from the seeded weights, so they are reproducible),
   so splitting a batch never distorts the timing;
 - the precision (fp32, bf16 or fp16 autocast) and memory layout (channels-last) it ran with.
+
+The point's time (`time_cap_s`) covers all of it, from building the model to the memory pass
+(`profiler.timing.PointBudget`). Each pass is sized to what its estimate needs and takes a share of
+what is left when it starts:
+
+    gradient statistics  until the relative std. error of both |G|^2 and tr(Sigma) is under
+                         GRAD_TARGET_RSE (at least GRAD_MIN_ITERS, at most grad_iters), or
+                         GRAD_SHARE of the time left
+    warm-up + timing     TIMING_SHARE of the time left (warm-up at most a quarter of it)
+    memory               saved-activation counting passes until two agree (at most
+                         MEMORY_MAX_PASSES), or the time left
+
+`record["budget"]` says how long each pass took, how many iterations it ran and why it stopped.
 
 Out-of-memory is data: the record says "oom" and the batch is infeasible on this device.
 """
@@ -35,11 +49,17 @@ from profiler.memory import (
     peak_rss_bytes,
     static_bytes,
 )
-from profiler.timing import PhaseClock, TimingPolicy, time_iterations
+from profiler.timing import PhaseClock, PointBudget, TimingPolicy, time_iterations
 
 SCHEMA_VERSION = 2
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_MICRO_BATCH = 2
+DEFAULT_TIME_CAP_S = 5.0  # profiling.time_cap_s's default
+GRAD_TARGET_RSE = 0.25  # the per-point |G|^2 and tr(Sigma) are pooled over points (perfmodel.efficiency)
+GRAD_MIN_ITERS = 3  # the delta-method std. error needs three
+GRAD_SHARE = 0.3
+TIMING_SHARE = 0.9
+MEMORY_MAX_PASSES = 3
 
 
 def pick_device(requested: str) -> torch.device:
@@ -81,9 +101,10 @@ def apply_threads(request: dict[str, Any]) -> int:
 
 def profile_point(request: dict[str, Any]) -> dict[str, Any]:
     """Measure one batch size; see `tula_service.jobs.point_request` for the request's keys."""
+    budget = PointBudget(float(request.get("time_cap_s", DEFAULT_TIME_CAP_S)))
+    started = time.perf_counter()
     threads = apply_threads(request)
     device = pick_device(request.get("device", "auto"))
-    started = time.perf_counter()
     load_before = os.getloadavg()[0]
     base = {
         "schema_version": SCHEMA_VERSION,
@@ -101,14 +122,28 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
         },
     }
     try:
-        record = {**base, "status": "ok", **_measure(request, device)}
+        record = {**base, "status": "ok", **_measure(request, device, budget)}
     except Exception as error:  # noqa: BLE001 - an OOM is data; anything else is re-raised
         if not is_out_of_memory(error):
             raise
         record = {**base, "status": "oom", "error": f"{type(error).__name__}: {str(error)[:500]}"}
     record["elapsed_s"] = time.perf_counter() - started
     record["host_load"] = host_load(load_before)
+    record["budget"] = {**budget.report(), "passes": passes_report(record)}
     return record
+
+
+def passes_report(record: dict[str, Any]) -> dict[str, Any]:
+    """Iterations each pass ran and why it stopped (empty for an out-of-memory point)."""
+    if record.get("status") != "ok":
+        return {}
+    timing, memory, gradient = record["iter_time"], record["memory"], record.get("gradient")
+    return {
+        "gradient": {"iterations": gradient["iterations"], "stopped_by": gradient["stopped_by"]} if gradient else None,
+        "warmup": {"iterations": timing["warmup_iters"], "stopped_by": timing["warmup_stopped_by"]},
+        "timing": {"iterations": timing["count"], "stopped_by": timing["stopped_by"]},
+        "memory": {"iterations": memory["passes"], "stopped_by": memory["stopped_by"]},
+    }
 
 
 def host_load(load_before: float) -> dict[str, Any]:
@@ -169,16 +204,17 @@ class Trainer:
         return float(self.scaler.get_scale()) if self.scaler else 1.0
 
 
-def _timing_policy(request: dict[str, Any]) -> TimingPolicy:
+def _timing_policy(request: dict[str, Any], time_cap_s: float) -> TimingPolicy:
     policy = TimingPolicy()
     policy.min_warmup_iters = int(request.get("warmup_iters", policy.min_warmup_iters))
     policy.min_iters = int(request.get("timed_iters", policy.min_iters))
     policy.target_cv = float(request.get("target_cv", policy.target_cv))
-    policy.time_cap_s = float(request.get("time_cap_s", policy.time_cap_s))
+    policy.time_cap_s = time_cap_s
     return policy
 
 
-def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def _measure(request: dict[str, Any], device: torch.device, budget: PointBudget) -> dict[str, Any]:
+    phase_started = time.perf_counter()
     batch_size = int(request["batch_size"])
     seed = int(request.get("seed", 0))
     torch.manual_seed(seed)
@@ -188,8 +224,12 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     limit = apply_memory_limit(request.get("memory_limit_bytes"), device)
     data_gen = torch.Generator().manual_seed(seed + batch_size)
 
+    budget.spent("setup", phase_started)
+
     # Gradient statistics first: they then start from the seeded weights whatever the timing does.
-    gradient = _gradient_statistics(trainer, workload, batch_size, data_gen, request)
+    phase_started = time.perf_counter()
+    gradient = _gradient_statistics(trainer, workload, batch_size, data_gen, request, budget.share_s(GRAD_SHARE))
+    budget.spent("gradient", phase_started)
     host_batches = [workload.data.batch(batch_size, data_gen) for _ in range(2)]
     iteration = {"index": 0}
 
@@ -207,11 +247,15 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
         trainer.step()
         clock.mark()
 
+    phase_started = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    timing = time_iterations(timed_step, device, _timing_policy(request))
-    memory = _memory(trainer, host_batches[0], device)
+    timing = time_iterations(timed_step, device, _timing_policy(request, budget.share_s(TIMING_SHARE)))
+    budget.spent("timing", phase_started)
+    phase_started = time.perf_counter()
+    memory = _memory(trainer, host_batches[0], device, budget)
+    budget.spent("memory", phase_started)
     memory["limit"] = limit
     if device.type == "cpu":  # the process's real peak, allocator slack and backward temporaries included
         memory["process_rss"] = {"peak_bytes": peak_rss_bytes(), "peak_before_training_bytes": rss_before_bytes}
@@ -229,18 +273,39 @@ def _measure(request: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-def _memory(trainer: Trainer, host_batch, device: torch.device) -> dict[str, Any]:
-    static = static_bytes(trainer.model, trainer.optimizer)
-    static_total = sum(static.values())
+def _saved_activation_bytes(trainer: Trainer, host_batch) -> int:
+    """Bytes autograd saves for backward in one forward pass (the graph is dropped, not run)."""
     counter = SavedActivationCounter(trainer.model)
     inputs, targets = trainer.to_device(*host_batch)
     with counter.hooks():
         loss = trainer.loss(inputs, targets)
     del loss
+    return counter.bytes
+
+
+def _memory(trainer: Trainer, host_batch, device: torch.device, budget: PointBudget) -> dict[str, Any]:
+    """Static bytes, and activation bytes from counting passes repeated until two agree (a model whose
+    saved tensors change between passes, e.g. lazily built buffers, is counted again), within the
+    point's time left (at least one pass); on CUDA the peak is the allocator's over the timed steps."""
+    static = static_bytes(trainer.model, trainer.optimizer)
+    static_total = sum(static.values())
+    counts: list[int] = []
+    stopped_by = "max_passes"
+    while len(counts) < MEMORY_MAX_PASSES:
+        pass_started = time.perf_counter()
+        counts.append(_saved_activation_bytes(trainer, host_batch))
+        if len(counts) >= 2 and counts[-1] == counts[-2]:
+            stopped_by = "unchanged"
+            break
+        if budget.left_s() < time.perf_counter() - pass_started:
+            stopped_by = "time_cap"
+            break
     memory: dict[str, Any] = {
         "static_bytes": static_total,
         "static_breakdown_bytes": static,
-        "activation_bytes": counter.bytes,
+        "activation_bytes": counts[-1],
+        "passes": len(counts),
+        "stopped_by": stopped_by,
         "cuda": cuda_memory(device),
         "nvml": nvml_memory(device),
     }
@@ -248,25 +313,33 @@ def _memory(trainer: Trainer, host_batch, device: torch.device) -> dict[str, Any
         memory["peak_bytes"] = memory["cuda"]["max_allocated_bytes"]
         memory["peak_source"] = "torch.cuda.max_memory_allocated over the timed iterations"
     else:
-        memory["peak_bytes"] = static_total + counter.bytes
+        memory["peak_bytes"] = static_total + counts[-1]
         memory["peak_source"] = "static + saved-for-backward activations (de-duplicated by storage)"
     return memory
 
 
-def _gradient_statistics(trainer: Trainer, workload: Workload, batch_size: int, data_gen, request) -> dict[str, Any] | None:
-    """k micro-batch gradients and their mean (the full-batch gradient) per iteration, then a step.
+def _gradient_statistics(
+    trainer: Trainer, workload: Workload, batch_size: int, data_gen, request, seconds_s: float
+) -> dict[str, Any] | None:
+    """k micro-batch gradients and their mean (the full-batch gradient) per iteration, then a step;
+    until the estimate has settled (GRAD_TARGET_RSE), `seconds_s` are spent or grad_iters are done,
+    never fewer than GRAD_MIN_ITERS (or grad_iters when smaller).
 
     Micro-batches keep at least MIN_MICRO_BATCH samples (batch norm needs two values per channel),
     so small batches use fewer micro-batches; below 2 x MIN_MICRO_BATCH there is no estimate.
     """
-    iterations = int(request.get("grad_iters", 8))
+    max_iters = int(request.get("grad_iters", 8))
     microbatches = min(int(request.get("grad_microbatches", 4)), batch_size // MIN_MICRO_BATCH)
-    if microbatches < 2 or iterations < 1:
+    if microbatches < 2 or max_iters < 1:
         return None
+    min_iters = min(GRAD_MIN_ITERS, max_iters)
+    target_rse = float(request.get("grad_target_rse", GRAD_TARGET_RSE))
+    started = time.perf_counter()
+    stopped_by = "max_iters"
     micro_batch = batch_size // microbatches
     estimator = GradientNoiseEstimator()
     model = trainer.model
-    for _ in range(iterations):
+    for iteration in range(1, max_iters + 1):
         inputs, targets = trainer.to_device(*workload.data.batch(micro_batch * microbatches, data_gen))
         micro_sq_norms = []
         summed = None
@@ -282,4 +355,18 @@ def _gradient_statistics(trainer: Trainer, workload: Workload, batch_size: int, 
         full_sq_norm = squared_grad_norm(model, trainer.grad_scale)
         estimator.update(micro_sq_norms, full_sq_norm, micro_batch, micro_batch * microbatches)
         trainer.step()
-    return estimator.summary(micro_batch, micro_batch * microbatches)
+        if iteration < min_iters:
+            continue
+        if estimator.settled(target_rse):
+            stopped_by = "settled"
+            break
+        if time.perf_counter() - started >= seconds_s:
+            stopped_by = "time_cap"
+            break
+    return {
+        **estimator.summary(micro_batch, micro_batch * microbatches),
+        "stopped_by": stopped_by,
+        "target_rse": target_rse,
+        "max_iterations": max_iters,
+        "elapsed_s": time.perf_counter() - started,
+    }

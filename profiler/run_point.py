@@ -5,7 +5,8 @@ Writes one JSON measurement to FILE: a compute point (`profiler.measure.profile_
 record: status "ok", "oom", or "failed" when the point itself raised (a bad dataset path, a model
 that does not build), with the error and the traceback's tail; such a point would fail again, so it
 is not retried. Any other exit (a signal, a crash before the record is written) means the worker
-died, and the server retries.
+died, and the server retries. The warm worker (`profiler.warm_worker`) calls `main` with the same
+arguments in a child it forked, so both ways of starting a point write the same record.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Iteration timing that a performance model can trust.
+"""Iteration timing that a performance model can trust, within the seconds the point can give it.
 
+- `PointBudget`: a point's `profiling.time_cap_s` covers the whole point (building the model,
+  gradient statistics, warm-up, timing, memory); each pass asks for a share of what is left.
 - Warm-up runs until iteration time settles: the medians of the last two windows of
-  `SETTLE_WINDOW` iterations differ by less than `SETTLE_REL_CHANGE`, bounded in count and seconds.
-- Sampling continues until the coefficient of variation (std / mean) is under a target or a time
-  cap is hit; the median is what the model fits, p10/p90/CV/count say how far to trust it.
+  `SETTLE_WINDOW` iterations differ by less than `SETTLE_REL_CHANGE`, bounded in count and by
+  `warmup_share` of the seconds timing was given.
+- Sampling continues until the coefficient of variation (std / mean) is under a target or the
+  seconds given are spent (never before `min_iters`); the median is what the model fits,
+  p10/p90/CV/count say how far to trust it. Both say how many iterations they ran and why they stopped.
 - Phases (data to device, forward, backward, optimizer step) are timed separately: with CUDA events
   on a GPU (one synchronize per iteration, so the phases do not serialize the stream), with
   perf_counter on a CPU.
@@ -50,15 +54,49 @@ class PhaseClock:
         return phases
 
 
+class PointBudget:
+    """The seconds one point may spend, counted from its start: `share_s(f)` is the fraction f of
+    what is left now. A pass's floor (least iterations) may overrun it; `report()` says so."""
+
+    def __init__(self, time_cap_s: float):
+        self.time_cap_s = float(time_cap_s)
+        self.started_s = time.perf_counter()
+        self.spent_s: dict[str, float] = {}
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started_s
+
+    def left_s(self) -> float:
+        return max(0.0, self.time_cap_s - self.elapsed_s())
+
+    def share_s(self, fraction: float) -> float:
+        return fraction * self.left_s()
+
+    def spent(self, phase: str, since_s: float) -> None:
+        """Book the seconds since `since_s` (a perf_counter reading) to `phase`."""
+        self.spent_s[phase] = self.spent_s.get(phase, 0.0) + time.perf_counter() - since_s
+
+    def report(self) -> dict:
+        elapsed_s = self.elapsed_s()
+        return {
+            "time_cap_s": self.time_cap_s,
+            "elapsed_s": elapsed_s,
+            "spent_s": dict(self.spent_s),
+            "within_cap": elapsed_s <= self.time_cap_s,
+            "rule": "profiling.time_cap_s covers the whole point; each pass takes a share of what is left "
+            "and stops early once its estimate has settled; least-iteration floors may overrun it",
+        }
+
+
 @dataclass
 class TimingPolicy:
     min_warmup_iters: int = 3
     max_warmup_iters: int = 50
-    max_warmup_s: float = 5.0
+    warmup_share: float = 0.25  # of time_cap_s, at most
     min_iters: int = 10
     max_iters: int = 1000
     target_cv: float = 0.03
-    time_cap_s: float = 5.0
+    time_cap_s: float = 5.0  # warm-up and sampling together
 
 
 @dataclass
@@ -66,7 +104,9 @@ class TimingResult:
     samples: list[dict[str, float]] = field(default_factory=list)
     warmup_iters: int = 0
     warmup_s: float = 0.0
+    warmup_stopped_by: str = ""  # "settled" | "time_cap" | "max_iters"
     stopped_by: str = ""  # "cv_target" | "time_cap" | "max_iters"
+    sampling_s: float = 0.0
 
     def summary(self) -> dict:
         iter_s = np.array([s["iter_s"] for s in self.samples])
@@ -75,7 +115,9 @@ class TimingResult:
             "phases": {phase: summarize(np.array([s[phase] for s in self.samples])) for phase in PHASES},
             "warmup_iters": self.warmup_iters,
             "warmup_s": self.warmup_s,
+            "warmup_stopped_by": self.warmup_stopped_by,
             "stopped_by": self.stopped_by,
+            "sampling_s": self.sampling_s,
             "samples_s": iter_s.tolist(),
         }
 
@@ -110,21 +152,29 @@ def _settled(times_s: list[float]) -> bool:
 
 
 def time_iterations(step: Callable[[PhaseClock], None], device: torch.device, policy: TimingPolicy) -> TimingResult:
-    """Warm up until settled, then sample until CV < target or the time cap; `step` marks its phases."""
+    """Warm up until settled (within `warmup_share` of the time cap), then sample until CV < target
+    or the time cap (warm-up included) is spent; `step` marks its phases."""
     clock = PhaseClock(device)
     result = TimingResult()
     warmup_times_s: list[float] = []
     started = time.perf_counter()
+    warmup_cap_s = policy.warmup_share * policy.time_cap_s
+    result.warmup_stopped_by = "max_iters"
     while result.warmup_iters < policy.max_warmup_iters:
         step(clock)
         warmup_times_s.append(clock.finish()["iter_s"])
         result.warmup_iters += 1
-        enough = result.warmup_iters >= policy.min_warmup_iters
-        if enough and (_settled(warmup_times_s) or time.perf_counter() - started > policy.max_warmup_s):
+        if result.warmup_iters < policy.min_warmup_iters:
+            continue
+        if _settled(warmup_times_s):
+            result.warmup_stopped_by = "settled"
+            break
+        if time.perf_counter() - started >= warmup_cap_s:
+            result.warmup_stopped_by = "time_cap"
             break
     result.warmup_s = time.perf_counter() - started
 
-    started = time.perf_counter()
+    sampling_started = time.perf_counter()
     while True:
         step(clock)
         result.samples.append(clock.finish())
@@ -139,4 +189,5 @@ def time_iterations(step: Callable[[PhaseClock], None], device: torch.device, po
             result.stopped_by = "max_iters"
         else:
             continue
+        result.sampling_s = time.perf_counter() - sampling_started
         return result

@@ -20,9 +20,9 @@ SPEC = spec_dict(
 )
 
 
-def _profiler_children(server_pid: int) -> list[int]:
-    """Pids of the profiling children the server process started (from /proc)."""
-    children = []
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """pid -> (parent pid, command line) of every process (from /proc)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -31,10 +31,24 @@ def _profiler_children(server_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        parent_pid = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent_pid == server_pid and b"profiler.run_point" in cmdline:
-            children.append(int(entry.name))
-    return children
+        found[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+    return found
+
+
+def _warm_workers(server_pid: int) -> list[int]:
+    """Pids of the server's warm workers (`python -m profiler.warm_worker`)."""
+    return [pid for pid, (parent, cmdline) in _processes().items() if parent == server_pid and b"profiler.warm_worker" in cmdline]
+
+
+def _profiler_children(server_pid: int) -> list[int]:
+    """Pids of the profiling children running points for the server: forked by its warm workers, or
+    started cold (`python -m profiler.run_point`)."""
+    processes = _processes()
+    warm = {pid for pid, (parent, cmdline) in processes.items() if parent == server_pid and b"profiler.warm_worker" in cmdline}
+    return [
+        pid for pid, (parent, cmdline) in processes.items()
+        if parent in warm or (parent == server_pid and b"profiler.run_point" in cmdline)
+    ]  # fmt: skip
 
 
 def _job(server, job_id: str) -> dict:
@@ -52,6 +66,26 @@ def test_a_killed_profiling_child_is_retried_and_the_job_ends_done(make_server):
     assert len(retried) == 1 and retried[0]["state"] == "done"
     assert "killed by signal 9" in retried[0]["attempt_errors"][0]
     assert final["progress"]["points_retried"] == 1 and final["progress"]["points_failed"] == 0
+    log = server.log_path.read_text()
+    for event in ("job_submitted", "point_started", "point_retried", "point_done"):
+        assert f"tula.lifecycle: event={event} job={job_id}" in log
+    assert f"tula.lifecycle: event=job_finished job={job_id} state=done" in log
+
+
+def test_a_killed_warm_worker_is_restarted_and_the_job_ends_done(make_server):
+    server = make_server()
+    job_id = httpx.post(f"{server.url}/v1/jobs", json=SPEC, timeout=30).json()["id"]
+    [child] = wait_for(lambda: _profiler_children(server.process.pid), 60, "a profiling child")
+    [warm_worker] = _warm_workers(server.process.pid)
+    os.kill(warm_worker, signal.SIGKILL)
+    wait_for(lambda: gone(child), 10, "the point's child to die with its warm worker")
+    final = wait_for(lambda: (j := _job(server, job_id))["state"] in ("done", "failed") and j, 300, "the job to end")
+    assert final["state"] == "done", final["error"]
+    retried = [p for p in final["points"] if p["attempts"] == 2]
+    assert len(retried) == 1 and retried[0]["state"] == "done"
+    assert "warm worker died (killed by signal 9)" in retried[0]["attempt_errors"][0]
+    [restarted] = _warm_workers(server.process.pid)
+    assert restarted != warm_worker
 
 
 def test_a_server_killed_mid_profiling_restarts_and_the_job_completes(make_server, tmp_path):

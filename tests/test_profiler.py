@@ -43,8 +43,45 @@ def test_point_reports_timing_with_spread_and_phases(small_cnn_points):
 
 
 def test_sampling_stops_at_the_time_cap_when_the_cv_target_is_unreachable():
-    timing = profile_point(_request(8, target_cv=1e-9, time_cap_s=0.5, timed_iters=2))["iter_time"]
+    timing = profile_point(_request(8, target_cv=1e-9, time_cap_s=3.0, timed_iters=2, grad_iters=0))["iter_time"]
     assert timing["stopped_by"] == "time_cap" and timing["count"] > 2
+
+
+def test_the_time_cap_covers_the_whole_point_not_only_sampling():
+    """With a thousand gradient iterations allowed and an unreachable CV target, the gradient
+    statistics and the sampling both stop at their share of the point's one second."""
+    point = profile_point(_request(8, target_cv=1e-9, time_cap_s=1.0, timed_iters=2, grad_iters=1000, grad_target_rse=0.0))
+    budget = point["budget"]
+    assert budget["time_cap_s"] == 1.0 and set(budget["spent_s"]) == {"setup", "gradient", "timing", "memory"}
+    assert point["gradient"]["stopped_by"] == "time_cap" and 3 <= point["gradient"]["iterations"] < 1000
+    assert point["iter_time"]["stopped_by"] == "time_cap"
+
+
+def test_every_pass_says_how_many_iterations_it_ran_and_why_it_stopped(small_cnn_points):
+    point = small_cnn_points[16]
+    passes = point["budget"]["passes"]
+    assert passes["gradient"] == {"iterations": point["gradient"]["iterations"], "stopped_by": point["gradient"]["stopped_by"]}
+    assert passes["warmup"]["iterations"] == point["iter_time"]["warmup_iters"]
+    assert passes["timing"]["iterations"] == point["iter_time"]["count"]
+    assert passes["memory"]["iterations"] == point["memory"]["passes"]
+    assert passes["gradient"]["stopped_by"] in ("settled", "time_cap", "max_iters")
+    assert passes["warmup"]["stopped_by"] in ("settled", "time_cap", "max_iters")
+    assert passes["memory"]["stopped_by"] in ("unchanged", "time_cap", "max_passes")
+
+
+def test_gradient_statistics_stop_once_the_noise_scale_terms_have_settled():
+    gradient = profile_point(_request(16, grad_iters=50, grad_target_rse=1e6))["gradient"]
+    assert gradient["stopped_by"] == "settled" and gradient["iterations"] == 3
+    assert gradient["relative_stderr"]["trace_sigma"] <= 1e6 and gradient["target_rse"] == 1e6
+
+
+def test_with_time_to_spare_the_passes_run_to_their_own_ends():
+    """An unreachable gradient target with a long cap runs grad_iters; the memory passes stop when
+    two counts agree; sampling stops at the CV target."""
+    point = profile_point(_request(16, time_cap_s=60.0, grad_iters=5, grad_target_rse=0.0, target_cv=100.0, timed_iters=3))
+    assert (point["gradient"]["stopped_by"], point["gradient"]["iterations"]) == ("max_iters", 5)
+    assert (point["memory"]["stopped_by"], point["memory"]["passes"]) == ("unchanged", 2)
+    assert (point["iter_time"]["stopped_by"], point["iter_time"]["count"]) == ("cv_target", 3)
 
 
 def test_static_memory_is_weights_grads_and_momentum(small_cnn_points):

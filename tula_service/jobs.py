@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from models.data_roots import data_roots_from_env
+from tula_service import lifecycle
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
 from tula_service.perfmodel import MemoryModel
@@ -115,6 +116,7 @@ def advance(store: Store, job_id: str) -> bool:
             store.add_point(job_id, "retime", batch)
         return True
     finish_job(store, job)
+    lifecycle.job_finished(store.get_job(job_id))
     return False
 
 

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tula_service import lifecycle
 from tula_service.db import Point
 from tula_service.dispatch import (
     STDERR_TAIL_CHARS,
@@ -275,6 +276,7 @@ class RayExecutor:
         deadline = started + timeout_s + SCHEDULING_GRACE_S
         with self._lock:
             self._flights[ref] = _Flight(point.id, point.kind, started, deadline, placement_group_name)
+        lifecycle.point_started(point, self.worker_name, None, "ray")
 
     def _finish(self, ref) -> None:
         with self._lock:

@@ -351,9 +351,11 @@ class ProfilingSpec(_Strict):
     warmup_iters: int = Field(3, ge=0, le=1000, description="least warm-up iterations (more until time settles)")
     timed_iters: int = Field(10, ge=2, le=100_000, description="least timed iterations")
     target_cv: float = Field(0.03, gt=0, le=1, description="stop sampling once std/mean of iteration time is below")
-    time_cap_s: float = Field(5.0, gt=0, le=3600, description="...or once this much time was spent sampling")
+    time_cap_s: float = Field(5.0, gt=0, le=3600, description="the point's time budget: warm-up, timing, gradient "
+                              "statistics and memory passes share it (the least iteration counts may overrun it)")
     grad_microbatches: int = Field(4, ge=2, le=64, description="k: the batch is split in k for the noise scale")
-    grad_iters: int = Field(8, ge=0, le=1000, description="iterations of gradient statistics per point")
+    grad_iters: int = Field(8, ge=0, le=1000, description="most iterations of gradient statistics per point "
+                            "(fewer once |G|^2 and tr(Sigma) have settled, or the budget is spent)")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision")
     channels_last: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

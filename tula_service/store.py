@@ -16,6 +16,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
+from tula_service import lifecycle
 from tula_service.db import Job, Point, utcnow
 from tula_service.spec import JobSpec
 
@@ -75,7 +76,9 @@ class Store:
             if existing is None:
                 raise
             return existing, False
-        return self.get_job(job.id), True
+        created = self.get_job(job.id)
+        lifecycle.job_submitted(created)
+        return created, True
 
     def _job_by_key(self, key: str, digest: str) -> Job | None:
         with self.session() as session:

@@ -1,0 +1,151 @@
+"""Points forked from the warm worker keep the cold path's guarantees: a killed child or a killed warm
+worker costs an attempt and the job still finishes; cancelling and timeouts kill the point's child,
+not the warm worker; without a warm worker the points run cold. Real processes, real signals."""
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tula_service.db import make_engine, make_session_factory
+from tula_service.executor import LocalExecutor
+from tula_service.store import Store
+from tests.processes import fake_python, gone, submit, wait_for, wait_for_job
+
+FAST_PROFILING = {"time_cap_s": 1.0, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
+LONG_PROFILING = {"time_cap_s": 120.0, "timed_iters": 100_000, "target_cv": 1e-9}  # runs until killed
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
+
+
+@pytest.fixture
+def lifecycle_lines(caplog):
+    caplog.set_level(logging.INFO, logger="tula.lifecycle")
+    return lambda event: [r.getMessage() for r in caplog.records if r.name == "tula.lifecycle" and f"event={event} " in r.getMessage()]
+
+
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _running_child(store: Store, job_id: str) -> tuple[int, int]:
+    """(point id, child pid) of the job's running point once its child has started."""
+
+    def running():
+        return next(((p.id, p.worker_pid) for p in store.get_job(job_id).points if p.state == "running" and p.worker_pid), None)
+
+    return wait_for(running, 120, "a point's child to start")
+
+
+def test_points_run_in_children_of_one_warm_worker(store, lifecycle_lines):
+    job = submit(store, batch_sizes=[8, 16], profiling=FAST_PROFILING)
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        [warm_pid] = wait_for(executor.warm_worker_pids, 120, "the warm worker").values()
+        finished = wait_for_job(store, job.id)
+    finally:
+        executor.stop()
+    assert finished.state == "done", finished.error
+    assert all(p.state == "done" and p.attempts == 1 for p in finished.points)
+    started = lifecycle_lines("point_started")
+    assert len(started) == len(finished.points) and all("path=warm" in line for line in started)
+    assert len(lifecycle_lines("warm_worker_started")) == 1
+    assert f"pid={warm_pid} " not in " ".join(started)  # each point is a child of its own
+    assert gone(warm_pid)  # stopping the executor stops its warm worker
+
+
+def test_a_killed_point_child_is_retried_and_the_warm_worker_keeps_serving(store, lifecycle_lines):
+    job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "time_cap_s": 3.0})
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        point_id, child_pid = _running_child(store, job.id)
+        warm_pid = _parent_pid(child_pid)
+        os.kill(child_pid, signal.SIGKILL)
+        finished = wait_for_job(store, job.id)
+        assert executor.warm_worker_pids() == {0: warm_pid}
+    finally:
+        executor.stop()
+    assert finished.state == "done", finished.error
+    killed = next(p for p in finished.points if p.id == point_id)
+    assert killed.state == "done" and killed.attempts == 2
+    assert "profiling process died (killed by signal 9)" in killed.attempt_errors[0]
+    [retried] = lifecycle_lines("point_retried")
+    assert f"point={point_id} " in retried and "killed by signal 9" in retried
+    assert len(lifecycle_lines("warm_worker_started")) == 1
+
+
+def test_a_killed_warm_worker_is_restarted_and_its_point_retried(store, lifecycle_lines):
+    job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "time_cap_s": 3.0})
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        point_id, child_pid = _running_child(store, job.id)
+        warm_pid = _parent_pid(child_pid)
+        os.kill(warm_pid, signal.SIGKILL)
+        wait_for(lambda: gone(child_pid), 10, "the point's child to die with its warm worker")
+        finished = wait_for_job(store, job.id)
+        [new_warm_pid] = executor.warm_worker_pids().values()
+    finally:
+        executor.stop()
+    assert finished.state == "done", finished.error
+    killed = next(p for p in finished.points if p.id == point_id)
+    assert killed.state == "done" and killed.attempts == 2
+    assert "warm worker died (killed by signal 9)" in killed.attempt_errors[0]
+    assert new_warm_pid != warm_pid and len(lifecycle_lines("warm_worker_started")) == 2
+    assert finished.recommendation["profiled"]["failed"] == []
+
+
+def test_cancelling_a_job_kills_its_running_point_but_not_the_warm_worker(store, lifecycle_lines):
+    job = submit(store, batch_sizes=[8, 16], profiling=LONG_PROFILING)
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        _, child_pid = _running_child(store, job.id)
+        warm_pid = _parent_pid(child_pid)
+        executor.cancel(store.cancel_job(job.id))
+        wait_for(lambda: gone(child_pid), 10, "the cancelled point's child to die")
+        cancelled = wait_for_job(store, job.id)
+        assert {p.state for p in cancelled.points} == {"cancelled"}
+        assert store.claim_next_point() is None
+        assert executor.warm_worker_pids() == {0: warm_pid}
+    finally:
+        executor.stop()
+    [finished] = lifecycle_lines("job_finished")
+    assert f"job={job.id} " in finished and "state=cancelled" in finished
+
+
+def test_a_warm_child_that_overruns_its_timeout_is_killed(store, lifecycle_lines):
+    job = submit(store, batch_sizes=[8, 16], profiling={**LONG_PROFILING, "timeout_s": 1.0, "max_attempts": 1})
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        finished = wait_for_job(store, job.id)
+    finally:
+        executor.stop()
+    assert finished.state == "failed"
+    assert all(p.state == "failed" and p.error == "timed out after 1 s" for p in finished.points)
+    assert len(lifecycle_lines("point_failed")) == 2
+    [ended] = lifecycle_lines("job_finished")
+    assert "state=failed" in ended
+
+
+def test_without_a_warm_worker_the_points_run_as_fresh_processes(store, tmp_path, lifecycle_lines, caplog):
+    no_warm_worker = 'case "$*" in *profiler.warm_worker*) echo "no fork here" >&2; exit 3;; esac\nexec "$REAL" "$@"'
+    job = submit(store, batch_sizes=[8, 16], profiling=FAST_PROFILING)
+    executor = LocalExecutor(store, python=fake_python(tmp_path, no_warm_worker), poll_s=0.05)
+    executor.start()
+    try:
+        finished = wait_for_job(store, job.id)
+    finally:
+        executor.stop()
+    assert finished.state == "done", finished.error
+    started = lifecycle_lines("point_started")
+    assert started and all("path=cold" in line for line in started)
+    assert any("the warm worker did not start (exit code 3: no fork here)" in r.getMessage() for r in caplog.records)
