@@ -30,7 +30,10 @@ def finished_job(live_server):
 def test_job_finishes_with_every_point_measured(finished_job):
     job, _, _ = finished_job
     assert job["state"] == "done", job["error"]
-    assert job["progress"] == {"points_done": 6, "points_total": 6, "points_failed": 0, "points_retried": 0, "step": "done"}
+    progress = job["progress"]
+    retimed = sum(p["kind"] == "retime" for p in job["points"])  # noisy points timed again (tula_service.reliability)
+    assert (progress["points_total"], progress["points_failed"], progress["points_retried"], progress["step"]) == (6 + retimed, 0, 0, "done")
+    assert progress["points_done"] == progress["points_measured"] == progress["points_total"]
     assert [p["batch_size"] for p in job["points"] if p["kind"] == "grid"] == [8, 16, 32, 64, 128]
     assert [p["kind"] for p in job["points"]].count("comm") == 1
 
