@@ -247,6 +247,7 @@ def test_pareto_plot_has_one_marker_per_candidate_and_marks_the_knee(tab, server
 
 def test_what_if_with_twice_the_devices_replans_without_profiling_and_redraws(tab, server, profiled_job):
     job_id, _ = profiled_job
+    profiled = server.api.get(f"/v1/jobs/{job_id}")["points"]  # 3 planned, plus any noisy one timed again
     page = tab.open(f"/jobs/{job_id}")
     wait_for_plan(page, "stored")
     before = trace(tab.plot_data("plot-pareto"), "candidates")
@@ -262,7 +263,7 @@ def test_what_if_with_twice_the_devices_replans_without_profiling_and_redraws(ta
     assert "devices 2 → 4" in page.inner_text("#recommendation-body")
     assert page.inner_text("[data-copy-text='CLI command']").startswith(f"tula plan {job_id} --server {server.url} --nodes 2")
     points = server.api.get(f"/v1/jobs/{job_id}")["points"]
-    assert [p["state"] for p in points] == ["done"] * 3 and all(p["attempts"] == 1 for p in points)  # no new profiling
+    assert points == profiled and len(points) >= 3 and {p["state"] for p in points} == {"done"}  # no new profiling
     page.click("#what-if-reset")
     wait_for_plan(page, "stored")
     assert len(trace(tab.plot_data("plot-pareto"), "candidates")["x"]) == len(before["x"])
