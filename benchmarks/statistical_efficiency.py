@@ -25,8 +25,11 @@ where time = epochs x seconds per epoch measured for that batch (CPU: timed in c
 fastest packed placement of the 4 x 4 T4 cluster in placements.csv), so that the regret isolates the
 efficiency model. Besides the service's estimator, the same records are read by the alternatives it was
 chosen from (the noise scale at the first record, i.e. at initialization; the pooled ratio over the whole
-run; over its second half; the power-law trend read at other fractions of the run; pilot-like prefixes of
-the run) and, for Adam/AdamW, from the preconditioned statistics; and every batch is tried as the reference.
+run; over its second half; the geometric mean or median of pooled bins; the progress-weighted mean over
+other parts of the run, the whole run included; the finite-data factor D / (D - 1 - B) applied on top; the
+power-law trend read at other fractions of the run; pilot-like prefixes of the run) and, for Adam/AdamW,
+from the raw and the preconditioned statistics; and every batch is tried as the reference (the service's
+estimator against the geometric mean of bins).
 
 Run:  .venv/bin/python benchmarks/statistical_efficiency.py [--quick] [--out docs/validation/statistical_efficiency]
           [--regenerate-ground-truth [--workers 2]]
@@ -54,7 +57,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pollux_traces  # noqa: E402
-from tula_service.efficiency_evidence import epoch_model  # noqa: E402
+from tula_service.efficiency_evidence import STATISTIC_FOR_OPTIMIZER, epoch_model  # noqa: E402
 from tula_service.perfmodel.efficiency import EpochModel, fit_epochs_to_runs  # noqa: E402
 from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale, pooled_ratio, record_arrays  # noqa: E402
 from tula_service.spec import JobSpec  # noqa: E402
@@ -218,25 +221,40 @@ def _pooled(records: list[dict], statistic: str = "raw") -> float | None:
     return pooled_ratio(arrays["weights"], arrays["grad_sqr"], arrays["trace_sigma"]) if arrays["samples"].size else None
 
 
+def read_records(task: Task, records: list[dict], target_samples: float, **options: Any) -> float | None:
+    """TrajectoryNoiseScale(**options) on the statistic the service reads for the task's optimizer, the raw one
+    where that is not resolved (as tula_service.efficiency_evidence falls back)."""
+    value = TrajectoryNoiseScale(statistic=STATISTIC_FOR_OPTIMIZER[task.optimizer], **options).fit(records, target_samples).noise_scale_
+    return value if value is not None else TrajectoryNoiseScale(**options).fit(records, target_samples).noise_scale_
+
+
 def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
+    """The same records read by each alternative, with the statistic the service reads for the task's optimizer
+    (preconditioned for Adam/AdamW; the raw one where that is not resolved, as the service falls back) unless
+    the name says raw."""
     records, target_samples = _records_to_target(task, reference_batch)
+    wanted = STATISTIC_FOR_OPTIMIZER[task.optimizer]
+    read = lambda early=records, **options: read_records(task, early, target_samples, **options)  # noqa: E731
     half = [r for r in records if r["samples"] >= target_samples / 2]
     estimates: dict[str, float | None] = {
-        "first record (initialization)": _pooled(records[:1]),
-        "pooled, whole run": _pooled(records),
+        "first record (initialization)": _pooled(records[:1], wanted) or _pooled(records[:1]),
+        "pooled, whole run": _pooled(records, wanted) or _pooled(records),
         "pooled, second half (raw gradient)": _pooled(half),
+        "pooled, 25-75% of the run": read(window=(0.25, 0.75), window_average="pooled"),
     }
-    estimates["pooled, 25-75% of the run"] = TrajectoryNoiseScale(window=(0.25, 0.75)).fit(records, target_samples).noise_scale_
-    for average in ("geometric", "median"):
-        for window in ((0.5, 1.0), (0.25, 1.0), (0.75, 1.0)):
-            estimates[f"{average} of bins, {window[0]:.0%}-{window[1]:.0%} of the run"] = (
-                TrajectoryNoiseScale(window=window, window_average=average).fit(records, target_samples).noise_scale_)
+    for average in ("geometric", "median", "progress"):
+        for window in ((0.5, 1.0), (0.25, 1.0), (0.4, 1.0), (0.6, 1.0), (0.75, 1.0)) + (((0.0, 1.0),) if average == "progress" else ()):
+            name = "progress-weighted mean" if average == "progress" else f"{average} of bins"
+            estimates[f"{name}, {window[0]:.0%}-{window[1]:.0%} of the run"] = read(window=window, window_average=average)
+    for average in ("geometric", "progress"):
+        value = read(window_average=average)
+        estimates[f"{average}, 50-100%, x D / (D - 1 - B) (finite-data correction applied again)"] = (
+            value * task.dataset_size / (task.dataset_size - 1 - value) if value and value < task.dataset_size - 1 else None)
     for fraction in (0.25, 0.5, 0.75):
-        estimates[f"power-law trend read at {fraction:.0%} of the run"] = (
-            TrajectoryNoiseScale(run_fraction=fraction, window=None).fit(records, target_samples).noise_scale_)
+        estimates[f"power-law trend read at {fraction:.0%} of the run"] = read(run_fraction=fraction, window=None)
     for prefix in (0.05, 0.25, 0.5):
         early = [r for r in records if r["samples"] <= prefix * target_samples] or records[:2]
-        estimates[f"first {prefix:.0%} of the run only (pilot-like), extrapolated"] = TrajectoryNoiseScale().fit(early, target_samples).noise_scale_
+        estimates[f"first {prefix:.0%} of the run only (pilot-like), extrapolated"] = read(early)
     if any(r.get("precond_grad_sqr") is not None for r in records):
         for statistic in ("raw", "preconditioned"):
             estimates[f"Adam: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
@@ -314,10 +332,16 @@ def evaluate(task: Task) -> dict[str, Any]:
         if not task.trajectories.get(other):
             continue
         other_model, other_report = service_model(task, other)
+        records, target_samples = _records_to_target(task, other)
+        geometric = read_records(task, records, target_samples, window_average="geometric")
+        geometric_model = EpochModel(other, task.epochs[other], geometric) if geometric else None
         result["every_reference"][str(other)] = {
             "noise_scale": other_report["noise_scale"]["value"],
             "median_abs_epochs_err_pct": median_abs(epochs_errors_pct(task, lambda b: float(other_model.predict(b)), other)),
             "regret": regret(task, lambda b: float(other_model.predict(b)))["regret"],
+            "below_fitted_cbs": other <= truth_fit["noise_scale"],
+            "geometric_of_bins_err_pct": median_abs(epochs_errors_pct(task, lambda b: float(geometric_model.predict(b)), other))
+            if geometric_model else None,
         }  # fmt: skip
     return result
 
@@ -355,6 +379,22 @@ def alternatives_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def every_reference_table(results: list[dict[str, Any]]) -> str:
+    runs = [v for r in results for v in r["every_reference"].values() if v["geometric_of_bins_err_pct"] is not None]
+    lines = ["| reference runs | runs | service: median, mean, within 15% | geometric of bins: median, mean, within 15% |",
+             "|---|---:|---:|---:|"]  # fmt: skip
+    for label, chosen in (("all", runs), ("batch <= fitted CBS", [v for v in runs if v["below_fitted_cbs"]]),
+                          ("batch > fitted CBS", [v for v in runs if not v["below_fitted_cbs"]])):  # fmt: skip
+        if not chosen:
+            continue
+        cells = []
+        for key in ("median_abs_epochs_err_pct", "geometric_of_bins_err_pct"):
+            errors = np.array([v[key] for v in chosen])
+            cells.append(f"{np.median(errors):.1f}, {errors.mean():.1f}, {np.mean(errors <= EPOCHS_TARGET_PCT):.0%}")
+        lines.append(f"| {label} | {len(chosen)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Measured {meta['date']} on {meta['machine']}; ground truth: {meta['ground_truth']}.", "",
              "```sh", ".venv/bin/python benchmarks/statistical_efficiency.py", "```", "", "```", meta["summary"], "```", "",
@@ -380,8 +420,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   "| error % | " + " | ".join(f"{r['epochs_err_pct'][b]:+.1f}" if b in r["epochs_err_pct"] else "ref" for b in batches) + " |",
                   ""]  # fmt: skip
     lines += ["### The estimator, chosen by measured error", "",
-              "The same reference-run records, read by each alternative; the service pools the second half of the run "
-              "(raw gradient for SGD, preconditioned for Adam/AdamW), and extrapolates a trend when the records stop early.", ""]
+              "The same reference-run records, read by each alternative (raw gradient for SGD, preconditioned for "
+              "Adam/AdamW, unless the name says raw); the service takes the progress-weighted mean over the second half of "
+              "the run, and extrapolates a trend when the records stop early.", ""]  # fmt: skip
     lines += alternatives_table(results)
     lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam)", "",
               "max_lr = the largest LR that reached the target anywhere in the ground truth's LR sweeps (what a user's sweep finds).", "",
@@ -392,7 +433,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"| {r['task']} | {capped['reference_lr']:.4g} | {capped['max_lr']:.4g} | {capped['max_step_gain']:.3g} | "
                          f"{r['median_abs_epochs_err_pct']:.1f}, {capped['median_abs_epochs_err_pct']:.1f} | "
                          f"{r['regret']['regret']:.2f}, {capped['regret']:.2f} |")  # fmt: skip
-    lines += ["", "### Every batch as the reference run", "", "| task | " + "reference batch: median abs epochs err %, regret |", "|---|---|"]
+    lines += ["", "### Every batch as the reference run", "",
+              "Each run of each task taken as the reference run in turn (its own records, its own epochs); median abs "
+              "epochs err % over those runs, the service's estimator against the geometric mean of 8 pooled bins (the "
+              "estimator before the progress-weighted mean), split by the reference batch against the critical batch "
+              "fitted to the truth.", "", every_reference_table(results), "",
+              "| task | " + "reference batch: median abs epochs err %, regret |", "|---|---|"]  # fmt: skip
     for r in results:
         cells = ", ".join(f"{b}: {v['median_abs_epochs_err_pct']:.1f}%, {v['regret']:.2f}" for b, v in r["every_reference"].items())
         lines.append(f"| {r['task']} | {cells} |")

@@ -1,5 +1,5 @@
 """The HTTP contract on both databases: problem+json errors, idempotent submission, listing with
-filters and pages, cancel, delete, measurements, readiness and metrics. Real servers (API only:
+filters and pages, a job's points a page at a time, cancel, delete, measurements, readiness and metrics. Real servers (API only:
 `--executor none`, so nothing is profiled), real SQLite files and a real PostgreSQL server."""
 
 import uuid
@@ -9,6 +9,8 @@ import pytest
 
 from tests.api_fixtures import finished_job, store_for
 from tests.handmade import spec_dict
+from tula_service.db import JOB_STATES, make_engine, make_session_factory
+from tula_service.tokens import create_token
 
 PROBLEM = "application/problem+json"
 
@@ -79,7 +81,7 @@ def test_jobs_are_listed_by_state_a_page_at_a_time(api):
     cancelled = api.get("/v1/jobs", params={"state": "cancelled"}).json()
     assert cancelled["total"] == 2 and {j["id"] for j in cancelled["jobs"]} == set(ids[:2])
     both = api.get("/v1/jobs", params=[("state", "queued"), ("state", "cancelled")]).json()
-    assert both["total"] == 5 and api.get("/v1/jobs?state=queued,cancelled").json()["total"] == 5
+    assert both["total"] == 5
     seen, offset = [], 0
     while offset is not None:
         page = api.get("/v1/jobs", params={"limit": 2, "offset": offset}).json()
@@ -87,7 +89,17 @@ def test_jobs_are_listed_by_state_a_page_at_a_time(api):
         seen += [j["id"] for j in page["jobs"]]
         offset = page["next_offset"]
     assert sorted(seen) == sorted(ids)
-    assert api.get("/v1/jobs", params={"state": "running"}).status_code == 422
+
+
+def test_the_state_filter_is_an_enum_of_the_job_states(api):
+    parameter = next(p for p in api.get("/openapi.json").json()["paths"]["/v1/jobs"]["get"]["parameters"]
+                     if p["name"] == "state")
+    assert parameter["schema"]["type"] == "array" and parameter["schema"]["items"]["enum"] == list(JOB_STATES)
+    for unknown in ("running", "queued,cancelled"):  # a comma-separated list is one unknown state
+        response = api.get("/v1/jobs", params=[("state", "done"), ("state", unknown)])
+        assert response.status_code == 422 and response.headers["content-type"] == PROBLEM
+        (error,) = response.json()["errors"]
+        assert error["field"] == "query.state.1" and "'cancelled'" in error["message"], error
 
 
 def test_the_job_list_gives_counts_not_points_or_specs(api):
@@ -99,6 +111,47 @@ def test_the_job_list_gives_counts_not_points_or_specs(api):
     assert listed["chosen"]["global_batch"] >= 8
     one = api.get(f"/v1/jobs/{job_id}").json()
     assert len(one["points"]) == listed["progress"]["points_total"] and one["spec"]["model"] == listed["model"]
+
+
+def test_a_jobs_points_come_a_page_at_a_time_as_the_job_view_embeds_them(api):
+    job_id = finished_job(store_for(api.database_url), batch_sizes=[8, 16, 32])
+    embedded = api.get(f"/v1/jobs/{job_id}").json()["points"]
+    first = api.get(f"/v1/jobs/{job_id}/points", params={"limit": 2}).json()
+    assert (first["job_id"], first["total"], first["limit"], first["offset"], first["next_offset"]) == (job_id, 3, 2, 0, 2)
+    last = api.get(f"/v1/jobs/{job_id}/points", params={"limit": 2, "offset": first["next_offset"]}).json()
+    assert last["next_offset"] is None and len(last["points"]) == 1
+    assert first["points"] + last["points"] == embedded and [p["batch_size"] for p in embedded] == [8, 16, 32]
+    assert "measurement" not in embedded[0]
+    assert api.get(f"/v1/jobs/{job_id}/points", params={"offset": 3}).json()["points"] == []
+    assert api.get(f"/v1/jobs/{job_id}/points", params={"limit": 501}).status_code == 422
+
+
+def test_the_points_of_an_unknown_job_are_a_404_problem(api):
+    response = api.get("/v1/jobs/nope/points")
+    assert response.status_code == 404 and response.headers["content-type"] == PROBLEM
+    assert response.json()["detail"] == "job 'nope' not found"
+
+
+def test_a_job_without_its_points_has_its_spec_and_progress_for_polling(api):
+    job_id = finished_job(store_for(api.database_url), batch_sizes=[8, 16, 32])
+    full = api.get(f"/v1/jobs/{job_id}").json()
+    detail = api.get(f"/v1/jobs/{job_id}", params={"points": "false"}).json()
+    assert "points" not in detail and detail == {k: v for k, v in full.items() if k != "points"}
+    assert detail["progress"]["points_done"] == 3 and detail["links"]["points"] == f"/v1/jobs/{job_id}/points"
+    assert api.get("/v1/jobs/nope", params={"points": "false"}).status_code == 404
+
+
+def test_the_points_need_a_token_as_every_read_does_unless_reads_are_public(make_server, tmp_path):
+    database_url = f"sqlite:///{tmp_path / 'tula.db'}"
+    job_id = finished_job(store_for(database_url))
+    _, token = create_token(make_session_factory(make_engine(database_url)), "ci")
+    path = f"/v1/jobs/{job_id}/points"
+    private = make_server("--executor", "none", database_path=tmp_path / "tula.db")
+    refused = httpx.get(private.url + path, timeout=30)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
+    assert httpx.get(private.url + path, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+    public = make_server("--executor", "none", "--public-reads", database_path=tmp_path / "tula.db")
+    assert httpx.get(public.url + path, timeout=30).status_code == 200
 
 
 def test_a_cancelled_job_stops_and_has_no_recommendation(api):
@@ -155,11 +208,13 @@ def test_metrics_count_jobs_by_state_and_the_queue(api):
 
 def test_the_openapi_schema_lists_every_endpoint(api):
     paths = api.get("/openapi.json").json()["paths"]
-    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/measurements",
-                 "/v1/jobs/{job_id}/recommendation", "/v1/jobs/{job_id}/plan", "/v1/catalog/models", "/healthz",
-                 "/readyz", "/metrics"):
+    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/points", "/v1/jobs/{job_id}/cancel",
+                 "/v1/jobs/{job_id}/measurements", "/v1/jobs/{job_id}/recommendation", "/v1/jobs/{job_id}/plan",
+                 "/v1/catalog/models", "/healthz", "/readyz", "/metrics"):
         assert path in paths, path
     assert "delete" in paths["/v1/jobs/{job_id}"]
+    points = paths["/v1/jobs/{job_id}/points"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert points == {"$ref": "#/components/schemas/PointList"}
 
 
 def test_the_gpu_catalog_lists_memory_price_and_link(api):

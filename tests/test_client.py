@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import LiveServer
 from tests.handmade import spec_dict
 from tula_service.client import TulaClient, TulaError
-from tula_service.schemas import JobList, JobView, MeasurementList
+from tula_service.schemas import JobList, JobView, MeasurementList, PointList
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,17 @@ def test_responses_are_the_api_models(client):
     assert isinstance(measurements, MeasurementList) and [p.batch_size for p in measurements.points] == [8, 16, 32]
     assert "small_cnn" in {model["name"] for model in client.catalog("models")["models"]}
     assert client.ready()["status"] == "ready"
+
+
+def test_points_come_a_page_at_a_time_as_the_job_view_embeds_them(client):
+    job = client.submit(unique_spec(batch_sizes=[8, 16, 32]))
+    first = client.points(job.id, limit=2)
+    assert isinstance(first, PointList) and first.total == 3 and first.next_offset == 2
+    last = client.points(job.id, limit=2, offset=first.next_offset)
+    assert last.next_offset is None and first.points + last.points == job.points
+    with pytest.raises(TulaError) as refused:
+        client.points("nope")
+    assert refused.value.status_code == 404 and "job 'nope' not found" in refused.value.message
 
 
 def test_iter_jobs_pages_through_every_job(client):

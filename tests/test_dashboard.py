@@ -349,6 +349,17 @@ def test_pages_make_no_request_beyond_this_server(tab, server):
     assert not outside, f"requests beyond the server: {outside}"
 
 
+def test_the_job_page_lists_the_points_it_polls_from_the_points_endpoint(tab, server):
+    points = server.api.get(f"/v1/jobs/{server.handmade_id}/points")["points"]
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_until(page, f"document.querySelectorAll('#points-table tbody tr').length === {len(points)}")
+    rows = [[cell.inner_text() for cell in row.locator("td").all()[:3]] for row in page.locator("#points-table tbody tr").all()]
+    assert rows == [[f"batch {p['batch_size']}", "done", "1"] for p in points] and len(points) == 5
+    job_url = f"{server.url}/v1/jobs/{server.handmade_id}"
+    assert f"{job_url}/points?limit=500&offset=0" in tab.requests
+    assert f"{job_url}?points=false" in tab.requests and job_url not in tab.requests  # no points come with the job
+
+
 def test_jobs_page_lists_each_job_with_progress_and_the_recommended_batch(tab, server):
     job = server.api.get(f"/v1/jobs/{server.handmade_id}")
     page = tab.open("/")

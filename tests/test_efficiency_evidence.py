@@ -21,12 +21,15 @@ def records(noise_scale_at, count=30, last=TARGET_SAMPLES, batch=32):
              "window_steps": 5, "variability": 0.3} for i in range(count)]  # fmt: skip
 
 
-def second_half_pooled(stats):
-    """The estimator's read of these records: bins of the second half pooled, then their geometric mean."""
+def second_half_progress_weighted(stats):
+    """The estimator's read of these records: over the second half, B_eff = sum n (1 - r) / sum (n / b) r with
+    r = |G|^2 / (|G|^2 + tr / b), n the samples each record stands for (trapezoid, ends held to the edges)."""
     half = [r for r in stats if r["samples"] >= TARGET_SAMPLES / 2]
-    bins = np.array_split(np.arange(len(half)), min(8, len(half)))
-    ratios = [sum(half[i]["trace_sigma"] for i in b) / sum(half[i]["grad_sqr"] for i in b) for b in bins]
-    return float(np.exp(np.mean(np.log(ratios))))
+    samples = np.array([r["samples"] for r in half], dtype=float)
+    spans = np.diff(np.concatenate([[TARGET_SAMPLES / 2], (samples[1:] + samples[:-1]) / 2, [TARGET_SAMPLES]]))
+    batch = np.array([r["batch"] for r in half], dtype=float)
+    signal = np.array([r["grad_sqr"] / (r["grad_sqr"] + r["trace_sigma"] / r["batch"]) for r in half])
+    return float(np.sum(spans * (1 - signal)) / np.sum(spans / batch * signal))
 
 
 def efficiency(training=None, measurements=POINTS, **overrides):
@@ -44,7 +47,7 @@ def test_the_reference_runs_statistics_win_over_the_initial_weights():
     stats = records(lambda s: 1000.0 * s / TARGET_SAMPLES)
     report = efficiency({"reference_run": {"gradient_stats": stats}})
     assert report["noise_scale"]["evidence"] == "reference_run"
-    assert report["noise_scale"]["value"] == pytest.approx(second_half_pooled(stats))  # the second half of the run
+    assert report["noise_scale"]["value"] == pytest.approx(second_half_progress_weighted(stats))  # the second half of the run
     assert not report["weak"] and report["noise_scale"]["interval"][0] <= report["noise_scale"]["value"]
     initial = next(c for c in report["evidence"]["candidates"] if c["source"] == "initialization")
     assert initial["ratio_to_used"] == pytest.approx(100.0 / report["noise_scale"]["value"])
@@ -117,7 +120,7 @@ def test_a_job_submitted_with_reference_run_statistics_plans_from_them(api):
     job_id = finished_job(store_for(api.database_url), training={"reference_run": {"gradient_stats": stats}})
     rec = api.get(f"/v1/jobs/{job_id}/recommendation").json()
     assert rec["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
-    assert rec["models"]["efficiency"]["noise_scale"]["value"] == pytest.approx(second_half_pooled(stats))
+    assert rec["models"]["efficiency"]["noise_scale"]["value"] == pytest.approx(second_half_progress_weighted(stats))
 
 
 def test_a_what_if_over_http_takes_reference_run_statistics_and_rejects_a_bad_record(api):

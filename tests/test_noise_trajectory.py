@@ -20,25 +20,69 @@ def power_law_records(count: int, last_samples: float, slope: float = 1.0, level
     return records
 
 
-def test_a_full_trajectory_is_read_over_the_second_half_of_the_run_each_part_alike():
+def progress_weighted(records, low, high):
+    """B_eff = sum n (1 - r) / sum (n / b) r, r = |G|^2 / (|G|^2 + tr / b), over the records in [low, high]; n the
+    samples each stands for (trapezoidal rule, the end records held to the window's edges)."""
+    inside = [r for r in records if low <= r["samples"] <= high]
+    samples = np.array([r["samples"] for r in inside], dtype=float)
+    spans = np.diff(np.concatenate([[low], (samples[1:] + samples[:-1]) / 2, [high]]))
+    batch = np.array([r["batch"] for r in inside], dtype=float)
+    signal = np.array([r["grad_sqr"] / (r["grad_sqr"] + r["trace_sigma"] / r["batch"]) for r in inside])
+    return float(np.sum(spans * (1 - signal)) / np.sum(spans / batch * signal))
+
+
+def test_a_full_trajectory_is_read_over_the_second_half_of_the_run_weighted_by_progress():
     target = 1e6
     records = power_law_records(40, target)
     estimate = TrajectoryNoiseScale().fit(records, target)
-    second_half = [r for r in records if r["samples"] >= target / 2]
-    bins = np.array_split(np.arange(len(second_half)), min(8, len(second_half)))
-    ratios = [sum(second_half[i]["trace_sigma"] for i in b) / sum(second_half[i]["grad_sqr"] for i in b) for b in bins]
-    assert estimate.noise_scale_ == pytest.approx(np.exp(np.mean(np.log(ratios)))) and "between 50% and 100%" in estimate.method_
-    pooled = TrajectoryNoiseScale(window_average="pooled").fit(records, target).noise_scale_
-    assert pooled == pytest.approx(sum(r["trace_sigma"] for r in second_half) / sum(r["grad_sqr"] for r in second_half))
-    assert TrajectoryNoiseScale(window_average="median").fit(records, target).noise_scale_ == pytest.approx(np.median(ratios))
+    assert estimate.noise_scale_ == pytest.approx(progress_weighted(records, target / 2, target))
+    assert "progress-weighted mean of the records between 50% and 100%" in estimate.method_
     assert not estimate.extrapolated_ and estimate.coverage_ == pytest.approx(1.0, rel=0.01)
 
 
-def test_one_bin_whose_signal_vanished_moves_the_estimate_by_its_share_in_log_space_only():
+def test_the_window_can_also_be_read_as_bins_or_one_pooled_ratio():
+    target = 1e6
+    records = power_law_records(40, target)
+    second_half = [r for r in records if r["samples"] >= target / 2]
+    bins = np.array_split(np.arange(len(second_half)), min(8, len(second_half)))
+    ratios = [sum(second_half[i]["trace_sigma"] for i in b) / sum(second_half[i]["grad_sqr"] for i in b) for b in bins]
+    assert TrajectoryNoiseScale(window_average="geometric").fit(records, target).noise_scale_ == pytest.approx(np.exp(np.mean(np.log(ratios))))
+    pooled = TrajectoryNoiseScale(window_average="pooled").fit(records, target).noise_scale_
+    assert pooled == pytest.approx(sum(r["trace_sigma"] for r in second_half) / sum(r["grad_sqr"] for r in second_half))
+    assert TrajectoryNoiseScale(window_average="median").fit(records, target).noise_scale_ == pytest.approx(np.median(ratios))
+
+
+def test_the_progress_weighted_noise_scale_makes_the_epochs_model_reproduce_a_varying_noise_scale():
+    # the window's first half at B_noise 50, its second at 800, run at b = 32; the theory (McCandlish et al.
+    # 2018): S(B) = sum dS_min (1 + B_noise / B), dS_min = steps / (1 + B_noise / b) in the run at b
+    target, b = 1e6, 32
+    records = [{"samples": int(s), "batch": b, "grad_sqr": 1.0, "trace_sigma": 50.0 if s <= 0.75 * target else 800.0}
+               for s in np.linspace(0.5 * target, target, 101)[1:]]  # fmt: skip
+    noise_scale = TrajectoryNoiseScale().fit(records, target).noise_scale_
+    progress = {level: (target / 4 / b) / (1 + level / b) for level in (50.0, 800.0)}  # dS_min of each half
+    steps = lambda batch: sum(p * (1 + level / batch) for level, p in progress.items())  # noqa: E731
+    for batch in (32, 256, 4096):
+        epochs_ratio = (batch * steps(batch)) / (b * steps(b))
+        assert EpochModel(b, 1.0, noise_scale).predict(batch) == pytest.approx(epochs_ratio, rel=0.01)
+    harmonic, arithmetic = 2 / (1 / 50 + 1 / 800), (50 + 800) / 2
+    assert harmonic < noise_scale < arithmetic
+
+
+def test_a_record_whose_signal_vanished_moves_the_progress_weighted_estimate_by_its_share_only():
     target = 1e5
     records = [{"samples": 5000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 100.0} for i in range(20)]
     records[15] = dict(records[15], grad_sqr=1e-3)  # an all-but-zero |G|^2 window: its own ratio is 1e5
-    estimate = TrajectoryNoiseScale().fit(records, target)
+    estimate = TrajectoryNoiseScale().fit(records, target).noise_scale_
+    assert estimate == pytest.approx(progress_weighted(records, target / 2, target))
+    signal = 1 / (1 + 100 / 32)
+    assert 100 < estimate < 32 * (1 / (signal * (1 - 5000 / 50_000)) - 1) + 1e-9  # at most its 1/10 of the window's progress lost
+
+
+def test_one_bin_whose_signal_vanished_moves_the_geometric_mean_by_its_share_in_log_space_only():
+    target = 1e5
+    records = [{"samples": 5000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 100.0} for i in range(20)]
+    records[15] = dict(records[15], grad_sqr=1e-3)
+    estimate = TrajectoryNoiseScale(window_average="geometric").fit(records, target)
     assert estimate.noise_scale_ == pytest.approx(100.0 * 1000 ** (1 / 8))  # one bin of 8, 1000x off
 
 
@@ -96,9 +140,9 @@ def test_unresolved_statistics_give_no_noise_scale():
 
 
 def test_preconditioned_statistics_are_read_when_asked():
-    records = [dict(r, precond_grad_sqr=1.0, precond_trace_sigma=10 * r["trace_sigma"]) for r in power_law_records(20, 1e5)]
-    raw = TrajectoryNoiseScale().fit(records, 1e5).noise_scale_
-    assert TrajectoryNoiseScale(statistic="preconditioned").fit(records, 1e5).noise_scale_ == pytest.approx(10 * raw)
+    records = [dict(r, trace_sigma=100.0, precond_grad_sqr=1.0, precond_trace_sigma=1000.0) for r in power_law_records(20, 1e5)]
+    assert TrajectoryNoiseScale().fit(records, 1e5).noise_scale_ == pytest.approx(100.0)
+    assert TrajectoryNoiseScale(statistic="preconditioned").fit(records, 1e5).noise_scale_ == pytest.approx(1000.0)
 
 
 def test_runs_at_several_batches_give_e_min_and_b_noise():

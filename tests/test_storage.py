@@ -1,5 +1,5 @@
 """The store on SQLite and on PostgreSQL: jobs, idempotency keys, claiming points, conditional state
-changes, restarts, deletion and listing. Every test runs on a fresh database of each backend."""
+changes, restarts, deletion, listing and a job's points a page at a time. Every test runs on a fresh database of each backend."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import delete, event, func, select
+from sqlalchemy import delete, event, func, inspect, select
 
 from tests.handmade import spec_dict
 from tula_service.db import Job, Point, make_engine, make_session_factory
@@ -394,6 +394,36 @@ def test_list_jobs_pages_through_every_job_once(store, five_jobs):
     assert sorted(job.id for page in queued_pages for job in page) == sorted(
         job_id for job_id, state in five_jobs.items() if state == "queued"
     )
+
+
+def test_job_points_pages_one_jobs_points_in_order_without_their_measurements(store):
+    job, _ = store.create_job(job_spec(batch_sizes=[8, 16, 32]))
+    store.create_job(job_spec(batch_sizes=[64, 128]))  # another job's points are not in the pages
+    point = store.claim_next_point("w")
+    store.finish_point(point.id, "done", {"batch_size": 8}, None, 1.5)
+
+    pages = [store.job_points(job.id, limit=2, offset=offset) for offset in (0, 2, 4)]
+
+    assert [total for total, _ in pages] == [3, 3, 3]
+    assert [[p.batch_size for p in points] for _, points in pages] == [[8, 16], [32], []]
+    first = pages[0][1][0]
+    assert (first.state, first.duration_s) == ("done", 1.5) and "measurement" in inspect(first).unloaded
+
+
+def test_job_points_of_an_unknown_job_are_none(store):
+    assert store.job_points("nope") is None
+
+
+def test_get_job_without_measurements_has_every_point_but_not_their_records(store):
+    job, _ = store.create_job(job_spec(batch_sizes=[8, 16]))
+    point = store.claim_next_point("w")
+    store.finish_point(point.id, "done", {"batch_size": 8}, None, 1.5)
+
+    light = store.get_job(job.id, measurements=False)
+
+    assert [(p.batch_size, p.state) for p in light.points] == [(8, "done"), (16, "queued")]
+    assert all("measurement" in inspect(p).unloaded for p in light.points)
+    assert store.get_job(job.id).points[0].measurement == {"batch_size": 8}
 
 
 def test_queued_points_counts_only_queued_points_of_active_jobs(store):

@@ -27,7 +27,7 @@ from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.auth import TokenAuth
 from tula_service.catalogs import gpu_catalog_listing
 from tula_service.dashboard import mount_api_docs, mount_dashboard
-from tula_service.db import JOB_STATES, make_engine, make_session_factory
+from tula_service.db import make_engine, make_session_factory
 from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.jobs import plan_inputs
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
@@ -35,12 +35,14 @@ from tula_service.metrics import CONTENT_TYPE, Metrics
 from tula_service.migrate import current_revision, head_revision
 from tula_service.problems import ProblemError, field_errors, problem_response
 from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, MeasurementView, Problem
+from tula_service.schemas import (JobDetail, JobList, JobState, JobSummary, JobView, MeasurementList, MeasurementView,
+                                  PointList, PointView, Problem, next_offset)
 from tula_service.security import (DEFAULT_CSP, IN_PROCESS_ALLOWED_HOSTS, STATIC_SECURITY_HEADERS, HostAllowlist,
                                    SecurityHeaders)
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.specfile import load_spec_file
 from tula_service.store import IdempotencyConflict, Store
+from tula_service.submission_schema import publish_job_submission
 from tula_service.user_code_check import checked_submission, client_submission
 from tula_service.whatif import WhatIf, merged_spec
 
@@ -307,31 +309,49 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
 
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(
-        state: Annotated[list[str], Query(description="filter: one or more states, repeated or comma-separated")] = [],  # noqa: B006
+        state: Annotated[list[JobState], Query(description="filter: one or more states, repeated (`?state=done&state=failed`)")] = [],  # noqa: B006
         limit: int = Query(50, ge=1, le=500),
         offset: int = Query(0, ge=0, le=10**9),
     ) -> JobList:
-        states = [s.strip() for value in state for s in value.split(",") if s.strip()]
-        unknown = [s for s in states if s not in JOB_STATES]
-        if unknown:
-            raise RequestValidationError(
-                [{"loc": ("query", "state"), "msg": f"unknown state {unknown[0]!r}; known: {', '.join(JOB_STATES)}",
-                  "type": "enum"}]
-            )
-        total = store.count_jobs(states)
-        jobs = [JobSummary.of(j) for j in store.list_jobs(states, limit, offset)]
-        next_offset = offset + limit if offset + limit < total else None
-        return JobList(jobs=jobs, total=total, limit=limit, offset=offset, next_offset=next_offset)
+        total = store.count_jobs(state)
+        jobs = [JobSummary.of(j) for j in store.list_jobs(state, limit, offset)]
+        return JobList(jobs=jobs, total=total, limit=limit, offset=offset, next_offset=next_offset(offset, limit, total))
+
+    def _not_found(job_id: str) -> HTTPException:
+        return HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{job_id}' not found")
 
     def _job_or_404(job_id: str):
         job = store.get_job(job_id)
         if job is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{job_id}' not found")
+            raise _not_found(job_id)
         return job
 
-    @app.get("/v1/jobs/{job_id}", response_model=JobView, tags=["jobs"])
-    def get_job(job_id: str) -> JobView:
-        return JobView.of(_job_or_404(job_id))
+    @app.get("/v1/jobs/{job_id}", response_model=JobView | JobDetail, tags=["jobs"])
+    def get_job(
+        job_id: str,
+        points: Annotated[bool, Query(description="false: the job without its points (a JobDetail), for polling "
+                                      "its state and progress; GET /v1/jobs/{job_id}/points pages the points")] = True,
+    ) -> JobView | JobDetail:
+        """The job with its spec and, unless `points=false`, every point."""
+        job = store.get_job(job_id, measurements=False)  # neither view shows a measurement record
+        if job is None:
+            raise _not_found(job_id)
+        return JobView.of(job) if points else JobDetail.of(job)
+
+    @app.get("/v1/jobs/{job_id}/points", response_model=PointList, tags=["jobs"])
+    def get_points(
+        job_id: str,
+        limit: int = Query(50, ge=1, le=500),
+        offset: int = Query(0, ge=0, le=10**9),
+    ) -> PointList:
+        """A page of the job's points, in the order they were made: what to poll for them while the job
+        runs (the measurements are at /v1/jobs/{job_id}/measurements)."""
+        page = store.job_points(job_id, limit, offset)
+        if page is None:
+            raise _not_found(job_id)
+        total, points = page
+        return PointList(job_id=job_id, points=[PointView.of(p) for p in points], total=total, limit=limit,
+                         offset=offset, next_offset=next_offset(offset, limit, total))
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, tags=["jobs"])
     def cancel_job(job_id: str) -> JobView:
@@ -390,7 +410,7 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
         except NotEnoughMeasurements as error:
             raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
 
-    app.openapi = lambda: standard_bounds(FastAPI.openapi(app))  # type: ignore[method-assign]  # cached by FastAPI
+    app.openapi = lambda: publish_job_submission(standard_bounds(FastAPI.openapi(app)))  # type: ignore[method-assign]  # cached by FastAPI
     mount_api_docs(app)
     mount_dashboard(app)
     return app

@@ -25,6 +25,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from models.data_roots import DATA_ROOTS_ENV, data_roots_from_env
 from tula_service.client import DEFAULT_URL, URL_ENV, TulaClient, TulaError
+from tula_service.db import JOB_STATES
 from tula_service.schemas import JobView
 
 EXIT_JOB_NOT_DONE = 1  # `submit --wait`: the job failed or was cancelled; `show`: the job failed
@@ -737,8 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=_submit)
 
     status = sub.add_parser("status", parents=[client_options], help="list jobs, newest first")
-    status.add_argument("--state", action="append", choices=["queued", "profiling", "fitting", "done", "failed", "cancelled"],
-                        help="only jobs in this state (repeatable)")
+    status.add_argument("--state", action="append", choices=JOB_STATES, help="only jobs in this state (repeatable)")
     status.add_argument("--limit", type=positive_int, default=50)
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_status)

@@ -1,7 +1,7 @@
 """A typed HTTP client for the Tula API (httpx). The CLI uses it; so can an orchestrator.
 
 Responses parse into the API's own pydantic models (`tula_service.schemas`: JobView, JobList,
-MeasurementList); recommendations and what-if plans stay dicts. Errors are `TulaError` with the
+PointList, MeasurementList); recommendations and what-if plans stay dicts. Errors are `TulaError` with the
 server's problem+json body and a message naming each bad field.
 
 Retries: transport errors (connection refused or reset, timeouts) and 502/503/504 are retried with
@@ -23,7 +23,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList
+from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "TULA_URL"
@@ -163,6 +163,12 @@ class TulaClient:
         if response.status_code == 404 and attempts > 1:
             return
         _raise_for_problem(response)
+
+    def points(self, job_id: str, limit: int = 50, offset: int = 0) -> PointList:
+        """One page of the job's points, in the order they were made; `next_offset` is None on the last page."""
+        return PointList.model_validate(
+            self._json("GET", self._job_path(job_id, "points"), params={"limit": limit, "offset": offset})
+        )
 
     def measurements(self, job_id: str) -> MeasurementList:
         return MeasurementList.model_validate(self._json("GET", self._job_path(job_id, "measurements")))

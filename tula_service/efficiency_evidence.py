@@ -8,7 +8,8 @@ to it with their ratio to it, so a disagreement is visible):
    (perfmodel.efficiency.fit_epochs_to_runs) and win over any gradient statistic.
 2. "reference_run": gradient statistics along the user's reference run (training.reference_run.
    gradient_stats, written by profiler.reference_logger): the user's model, data, optimizer and cluster, up
-   to the target. Read by perfmodel.noise_trajectory at half the run's samples to the target.
+   to the target. Read by perfmodel.noise_trajectory: the noise scale averaged over the progress the run
+   made in the second half of its samples to the target (the B_noise a fixed-batch run sees when it varies).
 3. "pilot": the pilot point's trajectory (profiling.pilot): the same estimator, but a pilot covers the
    start of the run only, so the value is extrapolated and labelled so.
 4. "initialization": the compute points' statistics at the initial weights, pooled with equal weights.
@@ -214,7 +215,8 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
 
 _NOTES = {
     "other_runs": "E_min and B_noise fitted to the epochs measured at the given batches: the most direct evidence",
-    "reference_run": "noise scale pooled over the second half of the user's reference run to the target",
+    "reference_run": "noise scale averaged over the progress made in the second half of the user's reference run to the "
+    "target",
     "pilot": "noise scale read along the pilot run at the reference batch and extrapolated to the second half of the "
     "reference run to the target",
     "initialization": "noise scale measured in the first iterations from the initial weights; it grows as the loss "

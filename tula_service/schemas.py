@@ -6,13 +6,16 @@ The typed client (`tula_service.client`) parses responses into these same models
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tula_service.db import Job, Point
+from tula_service.db import JOB_STATES, Job, Point
 
 FINISHED_POINT_STATES = ("done", "oom", "failed", "cancelled")
+# tula_service.db's job states as a type: a query parameter of this type is documented as an enum in
+# OpenAPI and refused with FastAPI's own 422 for any other value.
+JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 
 
 def utc(moment: dt.datetime | None) -> dt.datetime | None:
@@ -92,6 +95,7 @@ def _links(job_id: str) -> dict[str, str]:
     return {
         "self": f"/v1/jobs/{job_id}",
         "recommendation": f"/v1/jobs/{job_id}/recommendation",
+        "points": f"/v1/jobs/{job_id}/points",
         "measurements": f"/v1/jobs/{job_id}/measurements",
         "cancel": f"/v1/jobs/{job_id}/cancel",
         "plan": f"/v1/jobs/{job_id}/plan",
@@ -103,6 +107,11 @@ class ClusterSummary(BaseModel):
     gpus_per_node: int
     gpu_type: str | None = None
     device_memory_gib: float | None = None
+
+
+def next_offset(offset: int, limit: int, total: int) -> int | None:
+    """The offset of the page after [offset, offset + limit) of `total` items; None on the last page."""
+    return offset + limit if offset + limit < total else None
 
 
 class JobSummary(BaseModel):
@@ -135,20 +144,41 @@ class JobSummary(BaseModel):
         )  # fmt: skip
 
 
-class JobView(JobSummary):
-    """A job with its validated spec and its points (the measurements are at links.measurements)."""
+class JobDetail(JobSummary):
+    """A job with its validated spec, not its points (GET /v1/jobs/{id}?points=false): what to poll for
+    a job's state and progress, with GET /v1/jobs/{id}/points for its points a page at a time."""
 
     spec: dict[str, Any] = Field(description="the validated job spec, defaults filled in")
+
+    @classmethod
+    def of(cls, job: Job) -> JobDetail:
+        return cls(**JobSummary.of(job).model_dump(), spec=job.spec)
+
+
+class JobView(JobDetail):
+    """A job with its validated spec and every point (the measurements are at links.measurements)."""
+
     points: list[PointView]
 
     @classmethod
     def of(cls, job: Job) -> JobView:
-        return cls(**JobSummary.of(job).model_dump(), spec=job.spec, points=[PointView.of(p) for p in job.points])
+        return cls(**JobDetail.of(job).model_dump(), points=[PointView.of(p) for p in job.points])
 
 
 class JobList(BaseModel):
     jobs: list[JobSummary]
     total: int = Field(description="jobs matching the filter, over all pages")
+    limit: int
+    offset: int
+    next_offset: int | None = Field(None, description="offset of the next page; null on the last page")
+
+
+class PointList(BaseModel):
+    """A page of one job's points, in the order they were made."""
+
+    job_id: str
+    points: list[PointView]
+    total: int = Field(description="the job's points, over all pages")
     limit: int
     offset: int
     next_offset: int | None = Field(None, description="offset of the next page; null on the last page")

@@ -24,7 +24,7 @@ from models.registry import (
     user_model_allowed,
 )
 from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool
-from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors
+from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors, validating_client_submission
 
 # Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec_limits).
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(reject_bool)]
@@ -49,6 +49,7 @@ class _Strict(BaseModel):
 # Where a value of the validated spec came from: given in the spec, or filled from the GPU catalog
 # (`cluster.gpu_type`). A what-if re-derives the catalog ones when it changes what they came from.
 ValueSource = Literal["spec", "catalog-assumed"]
+VALUE_SOURCES = ("spec", "catalog-assumed", None)
 
 
 DATASET_FIELDS = DATASET_SPEC_FIELDS
@@ -141,14 +142,22 @@ def powers_of_two_between(low: int, high: int) -> list[int]:
     return sorted(values)
 
 
+def _whole(value: object) -> object:
+    """A whole float (8.0, as JSON and YAML may write an integer) as its int, as a listed batch size is read;
+    anything else (a bool among them) as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None if isinstance(value, bool) else value
+
+
 def _expand_batch_range(value: object) -> object:
     """Accept `{min, max}` as shorthand for the powers of two between them."""
     if not isinstance(value, dict):
         return value
     if set(value) != {"min", "max"}:
         raise ValueError("a batch range is {min, max}; or give a list of batch sizes")
-    low, high = value["min"], value["max"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (low, high)):
+    low, high = (_whole(value[end]) for end in ("min", "max"))
+    if not all(isinstance(v, int) and v >= 1 for v in (low, high)):
         raise ValueError("batch range min and max must be integers >= 1")
     if low > high:
         raise ValueError(f"batch range min ({low}) must be <= max ({high})")
@@ -178,10 +187,11 @@ class ClusterSpec(_Strict):
     intra_node_link: str | None = Field(None, description="interconnect catalog name, e.g. nvlink4, pcie4_x16")
     inter_node_link: str | None = Field(None, description="interconnect catalog name, e.g. infiniband_ndr")
     device_memory_source: ValueSource = Field(
-        "spec", description="set by the server: 'catalog-assumed' when device_memory_gib came from gpu_type"
+        "spec", description="set by the server: 'catalog-assumed' when device_memory_gib came from gpu_type (ignored in a submission)"
     )
     intra_node_link_source: ValueSource | None = Field(
-        None, description="set by the server: 'spec', 'catalog-assumed' (from gpu_type), or null without a named link"
+        None, description="set by the server: 'spec', 'catalog-assumed' (from gpu_type), or null without a named link "
+        "(ignored in a submission)"
     )
 
     @model_validator(mode="before")
@@ -242,7 +252,7 @@ class PricingSpec(_Strict):
     )
     fixed_overhead_usd: float = Field(0.0, ge=0, description="per-job cost on top (e.g. start-up, storage)")
     price_source: ValueSource = Field(
-        "spec", description="set by the server: 'catalog-assumed' when price is the catalog's for cluster.gpu_type"
+        "spec", description="set by the server: 'catalog-assumed' when price is the catalog's for cluster.gpu_type (ignored in a submission)"
     )
 
     @field_validator("price")
@@ -380,6 +390,22 @@ class ProfilingSpec(_Strict):
     )
 
 
+# Fields the server sets while validating (where a value came from); a client's are ignored, not trusted.
+SERVER_SET_FIELDS = {"cluster": ("device_memory_source", "intra_node_link_source"), "pricing": ("price_source",)}
+
+
+def _without_server_fields(data: object) -> object:
+    """A submitted spec without the server-set `*_source` fields: the server derives them again. A value
+    that is not a source at all stays, so that it is a 422 as the schema says."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for part, fields in SERVER_SET_FIELDS.items():
+        if isinstance(data.get(part), dict):
+            data[part] = {k: v for k, v in data[part].items() if not (k in fields and v in VALUE_SOURCES)}
+    return data
+
+
 class JobSpec(_Strict):
     name: str | None = Field(None, max_length=200)
     model: str = Field(description="model catalog name, or 'package.module:factory' when allowlisted")
@@ -404,6 +430,8 @@ class JobSpec(_Strict):
     @classmethod
     def _catalog_price(cls, data: object) -> object:
         """pricing.price defaults to the catalog price of cluster.gpu_type when billed per GPU-hour."""
+        if validating_client_submission():
+            data = _without_server_fields(data)
         if not isinstance(data, dict) or not isinstance(data.get("pricing"), dict):
             return data
         pricing, cluster = data["pricing"], data.get("cluster")

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, selectinload, sessionmaker
+from sqlalchemy.orm import Session, defer, selectinload, sessionmaker
 
 from tula_service import lifecycle
 from tula_service.db import Job, Point, utcnow
@@ -91,11 +91,12 @@ class Store:
             raise IdempotencyConflict(key, job_id)
         return self.get_job(job_id)
 
-    def get_job(self, job_id: str) -> Job | None:
+    def get_job(self, job_id: str, *, measurements: bool = True) -> Job | None:
+        """A job with its points; `measurements=False` leaves the points' measurement records unread
+        (a record is kilobytes, and a job's state and progress need none of them)."""
+        points = selectinload(Job.points) if measurements else selectinload(Job.points).defer(Point.measurement)
         with self.session() as session:
-            return session.scalars(
-                select(Job).where(Job.id == job_id).options(selectinload(Job.points))
-            ).one_or_none()
+            return session.scalars(select(Job).where(Job.id == job_id).options(points)).one_or_none()
 
     def list_jobs(self, states: Sequence[str] = (), limit: int = 100, offset: int = 0) -> list[Job]:
         """A page of jobs, newest first, with their points' states but not their measurements (the
@@ -164,6 +165,19 @@ class Store:
             return bool(session.execute(delete(Job).where(Job.id == job_id)).rowcount)
 
     # --- points -----------------------------------------------------------------------------
+
+    def job_points(self, job_id: str, limit: int = 100, offset: int = 0) -> tuple[int, list[Point]] | None:
+        """How many points the job has and a page of them in the order they were made, without their
+        measurement records (GET /v1/jobs/{id}/measurements has those); None for an unknown job."""
+        with self.session() as session:
+            if session.scalar(select(Job.id).where(Job.id == job_id)) is None:
+                return None
+            total = session.scalar(select(func.count()).select_from(Point).where(Point.job_id == job_id))
+            page = session.scalars(
+                select(Point).where(Point.job_id == job_id).options(defer(Point.measurement))
+                .order_by(Point.id).limit(limit).offset(offset)
+            )  # fmt: skip
+            return int(total), list(page)
 
     def claim_next_point(self, worker: str | None = None) -> Point | None:
         """Mark the oldest queued point of an active job running and return it (None when idle)."""

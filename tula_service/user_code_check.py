@@ -55,6 +55,11 @@ async def client_submission() -> None:
     _CLIENT_SUBMISSION.set(True)
 
 
+def validating_client_submission() -> bool:
+    """Whether the spec being validated is a client's submission (the submit route's body)."""
+    return _CLIENT_SUBMISSION.get()
+
+
 def field_errors(problems: list[tuple[Loc, str]], error_type: str = "user_code_contract") -> ValidationError:
     """A pydantic ValidationError with one error per (field path, message). Raised inside a validator, its
     paths are kept (prefixed by the enclosing fields), so the API's 422 names each field."""

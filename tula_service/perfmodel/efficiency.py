@@ -8,7 +8,9 @@ B_simple = tr(Sigma) / |G|^2. Epochs follow
 with E_min calibrated so that E(reference_batch) = reference_epochs (the user's reference run), or, with
 epochs measured at two or more batches, E_min and B_noise fitted to them (`fit_epochs_to_runs`).
 Where B_noise comes from is decided in tula_service.efficiency_evidence; the noise scale along a
-training run is read by perfmodel.noise_trajectory. At initialization, each profiling point estimates
+training run is read by perfmodel.noise_trajectory. When the noise scale varies along the run, this form
+still holds with B_noise its mean weighted by the progress dS_min (McCandlish et al. 2018, App. D):
+S(B) = int (1 + B_noise / B) dS_min, so B_noise = int B_noise dS_min / S_min. At initialization, each profiling point estimates
 |G|^2 and tr(Sigma) with the unbiased two-batch estimator (profiler.gradstats), and NoiseScaleModel pools
 the points: numerator and denominator are averaged separately, every point with the same weight (a
 weight by samples let the two largest batches carry 75% of it), and only then divided.

@@ -3,32 +3,56 @@
 The noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) grows 10-1000x as the loss falls, so
 one value read at initialization under-predicts the useful batch. The epochs model E(B) = E_min (1 + B /
 B_noise) needs one B_noise for the whole run to the target; this module reads it from the trajectory of a
-run at the reference batch (the user's reference run, or the pilot point). T = E_ref x D is the reference
-run's samples to the target; records past T (a run logged beyond the target) are not used.
+run at batch b (the user's reference run, or the pilot point). T = E_ref x D is the reference run's samples
+to the target; records past T (a run logged beyond the target) are not used.
 
-1. Read (the default, WINDOW): the records between WINDOW[0] T and WINDOW[1] T, the second half of the
-   run to the target, are split into at most WINDOW_BINS contiguous bins. Each bin is pooled: numerator
-   and denominator averaged separately, weighted by each record's window steps, then divided, B_bin =
-   sum(w tr Sigma) / sum(w |G|^2) (never an average of ratios, which a near-zero |G|^2 would blow up).
-   B_noise is the geometric mean of the bins: each part of the window weighs the same (one ratio pooled
-   over the whole window weighs the records by |G|^2, which falls fast, i.e. by the window's start), and
-   one bin whose |G|^2 all but vanished moves it by its 1/n share in log space only. Which part of the run
-   to read, and how, was chosen by measured error over 9 tasks (benchmarks/statistical_efficiency.py,
-   docs/validation.md; medians over tasks of the median |epochs error|): the first record (what
-   initialization gives) 47%, the whole run pooled 45%, the second half pooled 25%, the geometric mean of
-   its bins 17% with the lowest worst-task error (50%) and critical-batch ratio; the median of its bins
-   13% but a worse worst task (56%); power-law trends read at 25-75% of the run 26-31%.
+1. Read (the default, WINDOW and WINDOW_AVERAGE = "progress"): the progress-weighted mean of the noise
+   scale over the records between WINDOW[0] T and WINDOW[1] T, the second half of the run to the target.
+   Why that mean (McCandlish et al. 2018, sec. 2.2, and App. D on a noise scale that varies): a step at
+   batch B with the best LR makes the progress of 1 / (1 + B_noise / B) noise-free steps, so at a fixed B
+   the steps are S(B) = int (1 + B_noise / B) dS_min = S_min + (1 / B) int B_noise dS_min and the epochs
+   E(B) = B S(B) / D = E_min (1 + B / B_eff), with
+
+       B_eff = int B_noise dS_min / int dS_min        (E_min = int B_noise dS_min / D):
+
+   the noise scale averaged over the progress dS_min, not over steps or samples. A record i of the run at
+   batch b stands for n_i samples, n_i / b steps that made the progress dS_min,i = (n_i / b) r_i, where
+   r_i = 1 / (1 + B_i / b) = |G_i|^2 / (|G_i|^2 + tr_i / b) is the share of the step's E|g_b|^2 that is
+   signal. Since B_i dS_min,i = n_i (1 - r_i),
+
+       B_eff = sum_i n_i (1 - r_i) / sum_i (n_i / b) r_i                (progress_weighted_ratio).
+
+   r_i is taken per record, as the integral wants it per step; its denominator |G|^2 + tr/b = |g_b|^2 is
+   the measured squared norm of the step's gradient (positive, and measured far better than |G|^2), so a
+   record whose |G|^2 estimate is near zero or negative moves the sum by its share, linearly, and never
+   blows it up (pooling the records first would weigh them by |g_b|^2). n_i: the trapezoidal rule over the
+   records, the first and last held out to the window's edges (window_spans). The theory integrates over
+   the whole run; measured, that misses by far more (the first half of the run, where the noise scale is
+   small, carries most of S_min, and the runs at large batches did not pay for it as predicted), so which
+   part of the run to read is the measured choice below, and the mean over it is the theory's.
+   Measured over 9 tasks (benchmarks/statistical_efficiency.py, docs/validation.md; medians over tasks of
+   the median |epochs error|, worst task in brackets): the first record (what initialization gives) 47%,
+   the whole run pooled 45%, the second half pooled 25%, the geometric mean of 8 pooled bins of it 17%
+   (50%), their median 13% (56%), the progress-weighted mean 13% (46%); that mean over the whole run 31%
+   (99%), over 25-100% 24% (66%); power-law trends read at 25-75% of the run 26-31%.
+   Finite data: batches drawn without replacement from D samples have E|g_b|^2 = |G|^2 + s^2 (1/b - 1/D)
+   (s^2 the per-sample variance), so the two-batch estimates tend to s^2 and |G|^2 - s^2 / D, and their
+   ratio is s^2 / (|G|^2 - s^2 / D) = B' / (1 - B' / D), B' = s^2 / |G|^2: exactly the B_eff of E(B) when
+   a step's noise is s^2 (1/B - 1/D). The correction is in the measurement; applying it again (x D / (D -
+   1 - B)) counts it twice.
 2. Extrapolation, when the records do not reach the window's middle (a pilot, a truncated log): the
-   records are grouped into at most MAX_BINS contiguous bins (each pooled as above; a bin whose pooled
-   |G|^2 or tr(Sigma) is not positive is unresolved and dropped), log B_bin = a + c log(samples_bin) is
-   fitted by least squares on the later half of the bins, and read at the window's middle with the slope
-   floored at 0: early in training the noise scale can first fall (a transient of the initialization)
-   before it grows, and McCandlish et al. find it grows as the loss falls, so a falling early trend is not
-   extended. The result is labelled extrapolated, with the fraction of the run covered.
-3. Interval: a seeded bootstrap (records of the window resampled with replacement; bins for a trend),
-   the INTERVAL_QUANTILES of the estimate: the statistical uncertainty, not the model's error.
-With window=None the power-law trend over all bins is read at run_fraction T instead (an alternative the
-benchmark compares).
+   records are grouped into at most MAX_BINS contiguous bins (each pooled: numerator and denominator
+   averaged separately, weighted by window steps, then divided; a bin whose pooled |G|^2 or tr(Sigma) is
+   not positive is unresolved and dropped), log B_bin = a + c log(samples_bin) is fitted by least squares
+   on the later half of the bins, and read at the window's middle with the slope floored at 0: early in
+   training the noise scale can first fall (a transient of the initialization) before it grows, and
+   McCandlish et al. find it grows as the loss falls, so a falling early trend is not extended. The result
+   is labelled extrapolated, with the fraction of the run covered.
+3. Interval: a seeded bootstrap (records of the window resampled with replacement, each with its n_i;
+   bins for a trend), the INTERVAL_QUANTILES of the estimate: the statistical uncertainty, not the model's
+   error.
+With window=None the power-law trend over all bins is read at run_fraction T instead; window_average
+"geometric", "median" or "pooled" read the window as before (alternatives the benchmark compares).
 """
 
 from __future__ import annotations
@@ -42,7 +66,7 @@ MAX_BINS = 16
 MIN_RECORDS_PER_BIN = 2
 RUN_FRACTION = 0.5
 WINDOW = (0.5, 1.0)
-WINDOW_AVERAGE = "geometric"
+WINDOW_AVERAGE = "progress"
 WINDOW_BINS = 8
 INTERVAL_QUANTILES = (0.1, 0.9)
 BOOTSTRAP_RESAMPLES = 200
@@ -60,17 +84,44 @@ def _field(record: Any, name: str) -> Any:
 
 
 def record_arrays(records: Sequence[Any], statistic: str = "raw") -> dict[str, np.ndarray]:
-    """samples, weights (window steps), |G|^2 and tr(Sigma) of the records, sorted by samples seen.
+    """samples, weights (window steps), |G|^2, tr(Sigma) and batch of the records, sorted by samples seen.
     statistic "preconditioned" reads the Adam-preconditioned pair (records without it are skipped)."""
     keys = ("grad_sqr", "trace_sigma") if statistic == "raw" else ("precond_grad_sqr", "precond_trace_sigma")
     rows = [
-        (float(_field(r, "samples")), float(_field(r, "window_steps") or 1), float(_field(r, keys[0])), float(_field(r, keys[1])))
+        (float(_field(r, "samples")), float(_field(r, "window_steps") or 1), float(_field(r, keys[0])), float(_field(r, keys[1])),
+         float(_field(r, "batch") or np.nan))
         for r in records
         if _field(r, keys[0]) is not None and _field(r, keys[1]) is not None
-    ]
+    ]  # fmt: skip
     rows.sort(key=lambda row: row[0])
-    samples, weights, grad_sqr, trace_sigma = (np.array(column, dtype=float) for column in zip(*rows)) if rows else (np.array([]),) * 4
-    return {"samples": samples, "weights": weights, "grad_sqr": grad_sqr, "trace_sigma": trace_sigma}
+    columns = (np.array(column, dtype=float) for column in zip(*rows)) if rows else (np.array([]),) * 5
+    return dict(zip(("samples", "weights", "grad_sqr", "trace_sigma", "batch"), columns))
+
+
+def window_spans(samples: np.ndarray, low: float, high: float) -> np.ndarray:
+    """The samples of [low, high] each record stands for: the trapezoidal rule over the records' range (each
+    record gets half the gap to either neighbour), the first and the last record's value held out to the
+    window's edges. Sorted samples inside [low, high]."""
+    edges = np.concatenate([[low], (samples[1:] + samples[:-1]) / 2, [high]])
+    return np.diff(edges)
+
+
+def progress_weighted_ratio(arrays: dict[str, np.ndarray]) -> float | None:
+    """The noise scale the epochs model sees when it varies over the window (see the module docstring, 1.):
+
+        r_i = |G_i|^2 / (|G_i|^2 + tr_i / b_i),   B_eff = sum_i n_i (1 - r_i) / sum_i (n_i / b_i) r_i,
+
+    n_i the window's samples record i stands for (arrays["span"], else its window steps x b_i), b_i its batch.
+    None when the pooled signal or noise is not positive (not resolved)."""
+    batch, grad_sqr, trace_sigma = arrays["batch"], arrays["grad_sqr"], arrays["trace_sigma"]
+    span = arrays["span"] if "span" in arrays else arrays["weights"] * batch
+    squared_norm = grad_sqr + trace_sigma / batch  # E|g_b|^2 at the run's batch: > 0 for two-batch estimates
+    ok = np.isfinite(squared_norm) & (squared_norm > 0) & (span > 0)
+    if not ok.any():
+        return None
+    signal = grad_sqr[ok] / squared_norm[ok]
+    progress, noise = float(np.sum(span[ok] / batch[ok] * signal)), float(np.sum(span[ok] * (1.0 - signal)))
+    return noise / progress if progress > 0 and noise > 0 else None
 
 
 def pooled_ratio(weights: np.ndarray, grad_sqr: np.ndarray, trace_sigma: np.ndarray) -> float | None:
@@ -95,10 +146,12 @@ def bins_of(arrays: dict[str, np.ndarray]) -> tuple[list[Bin], int]:
 
 
 def window_value(arrays: dict[str, np.ndarray], average: str) -> float | None:
-    """One B_noise for the records of a window: "pooled", sum(w tr Sigma) / sum(w |G|^2) over all of them
-    (which weighs the records by |G|^2, so by the start of the window when |G|^2 falls fast); or the
-    "median" or "geometric" mean of up to WINDOW_BINS contiguous pooled bins, each part of the window
-    weighing the same."""
+    """One B_noise for the records of a window: "progress", the progress-weighted mean of the theory
+    (progress_weighted_ratio); "pooled", sum(w tr Sigma) / sum(w |G|^2) over all of them (which weighs the
+    records by |G|^2, so by the start of the window when |G|^2 falls fast); or the "median" or "geometric"
+    mean of up to WINDOW_BINS contiguous pooled bins, each part of the window weighing the same."""
+    if average == "progress":
+        return progress_weighted_ratio(arrays)
     if average == "pooled":
         return pooled_ratio(arrays["weights"], arrays["grad_sqr"], arrays["trace_sigma"])
     count = arrays["samples"].size
@@ -137,8 +190,9 @@ def read_trend(bins: list[Bin], at_samples: float) -> tuple[float, float, bool]:
 class TrajectoryNoiseScale:
     """B_noise for the target from a run's gradient-statistics records (see the module docstring).
 
-    window=(lo, hi): read the pooled ratio of the records between lo T and hi T when they reach the
-    window's middle, else extrapolate the trend to the middle; window=None: read the trend at run_fraction T."""
+    window=(lo, hi): read the records between lo T and hi T by window_average (default: their progress-weighted
+    mean) when they reach the window's middle, else extrapolate the trend to the middle; window=None: read the
+    trend at run_fraction T."""
 
     def __init__(
         self, run_fraction: float = RUN_FRACTION, statistic: str = "raw", window: tuple[float, float] | None = WINDOW,
@@ -170,13 +224,17 @@ class TrajectoryNoiseScale:
             return None
         low, high = (fraction * self.target_samples_ for fraction in self.window)
         inside = (arrays["samples"] >= low) & (arrays["samples"] <= high)
-        return {key: value[inside] for key, value in arrays.items()} if inside.sum() >= MIN_RECORDS_PER_BIN else None
+        if inside.sum() < MIN_RECORDS_PER_BIN:
+            return None
+        window = {key: value[inside] for key, value in arrays.items()}
+        return window | {"span": window_spans(window["samples"], low, high)}
 
     def _estimate(self, bins: list[Bin], arrays: dict[str, np.ndarray]) -> tuple[float | None, float | None, bool, str]:
         window = self._window(arrays)
         if window is not None:
             low, high = self.window
-            how = "geometric mean of the pooled bins" if self.window_average == "geometric" else "pooled ratio"
+            how = {"progress": "progress-weighted mean", "geometric": "geometric mean of the pooled bins",
+                   "median": "median of the pooled bins"}.get(self.window_average, "pooled ratio")  # fmt: skip
             return window_value(window, self.window_average), None, False, f"{how} of the records between {low:.0%} and {high:.0%} of the run to the target"
         if len(bins) >= 3:
             value, slope, extrapolated = read_trend(bins, self.at_samples_)

@@ -1,5 +1,5 @@
-// Job page: live progress (GET /v1/jobs/{id} every second until the job ends), then the
-// recommendation, its plots and the what-if controls (POST /v1/jobs/{id}/plan).
+// Job page: live progress (GET /v1/jobs/{id}?points=false and GET /v1/jobs/{id}/points every second
+// until the job ends), then the recommendation, its plots and the what-if controls (POST /v1/jobs/{id}/plan).
 
 import { api } from "./api.js";
 import { clusterText } from "./format.js";
@@ -10,9 +10,11 @@ import { renderErrorTable, renderRecommendation, renderRunnerUps } from "./recom
 import { FieldError, WHAT_IF_ALIASES, fillWhatIf, whatIfRequest } from "./whatif.js";
 
 const POLL_MS = 1000;
+const POINTS_PAGE = 500; // the most GET /v1/jobs/{id}/points gives at once
 const TERMINAL = new Set(["done", "failed", "cancelled"]);
 const $ = (id) => document.getElementById(id);
 const jobId = $("job-header").dataset.jobId;
+const jobPath = `/v1/jobs/${encodeURIComponent(jobId)}`;
 const whatIfForm = $("what-if-form");
 const page = { job: null, stored: null, gpus: [] };
 
@@ -65,7 +67,7 @@ function renderResult(rec, whatIf) {
 
 async function showResult(job) {
   const [rec, gpus] = await Promise.all([
-    api(`/v1/jobs/${encodeURIComponent(jobId)}/recommendation`),
+    api(`${jobPath}/recommendation`),
     api("/v1/catalog/gpus").then((listing) => listing.gpus, () => []),
   ]);
   page.stored = rec;
@@ -75,16 +77,29 @@ async function showResult(job) {
   renderResult(rec, null);
 }
 
-function showFailure(job) {
+function showFailure(job, points) {
   $("job-failure").hidden = false;
   $("job-error").textContent = job.error || "the job failed without an error message";
-  renderFailedPoints($("failed-points"), job);
+  renderFailedPoints($("failed-points"), points);
+}
+
+async function allPoints() {
+  const points = [];
+  for (let offset = 0; offset !== null;) {
+    const pointsPage = await api(`${jobPath}/points?limit=${POINTS_PAGE}&offset=${offset}`);
+    points.push(...pointsPage.points);
+    offset = pointsPage.next_offset;
+  }
+  return points;
 }
 
 async function poll() {
-  let job;
+  let job, points;
   try {
-    job = await api(`/v1/jobs/${encodeURIComponent(jobId)}`);
+    // The job first, then its points: once the job has ended its points have too, so the last table
+    // drawn shows them finished.
+    job = await api(`${jobPath}?points=false`);
+    points = await allPoints();
   } catch (error) {
     $("job-step").textContent = error.status === 404 ? `No job ${jobId} on this server.` : `Could not load the job: ${error.message}`;
     if (error.status !== 404) setTimeout(poll, error.status === 401 ? 5 * POLL_MS : POLL_MS);
@@ -92,12 +107,12 @@ async function poll() {
   }
   page.job = job;
   renderHeader(job);
-  renderPoints($("points-table"), job);
+  renderPoints($("points-table"), points);
   if (!TERMINAL.has(job.state)) {
     setTimeout(poll, POLL_MS);
     return;
   }
-  if (job.state === "failed") showFailure(job);
+  if (job.state === "failed") showFailure(job, points);
   if (job.state === "done") {
     try {
       await showResult(job);
@@ -127,7 +142,7 @@ async function replan(event) {
   status.textContent = "Re-planning…";
   $("what-if-submit").disabled = true;
   try {
-    const rec = await api(`/v1/jobs/${encodeURIComponent(jobId)}/plan`, { method: "POST", body: request.body });
+    const rec = await api(`${jobPath}/plan`, { method: "POST", body: request.body });
     renderResult(rec, request);
     status.textContent = `Re-planned: ${request.changes.join("; ")}.`;
   } catch (error) {

@@ -9,15 +9,16 @@ function what(point) {
   return `batch ${point.batch_size}${point.kind === "search" ? " (max-batch search)" : ""}`;
 }
 
-export function renderPoints(node, job) {
+// `points`: the job's points, every page of GET /v1/jobs/{id}/points.
+export function renderPoints(node, points) {
   replaceChildren(node, table(["point", "state", "attempts", "duration", "worker", "error"],
-    job.points.map((p) => [what(p), el("span", { class: `state state-${p.state}` }, p.state), String(p.attempts),
+    points.map((p) => [what(p), el("span", { class: `state state-${p.state}` }, p.state), String(p.attempts),
       p.duration_s === null ? "–" : `${formatDuration(p.duration_s)} (measured)`, p.worker || "–",
       p.error ? el("span", { class: "error-text" }, p.error) : ""])));
 }
 
-export function renderFailedPoints(node, job) {
-  const failing = job.points.filter((p) => p.state === "failed" || p.attempt_errors.length);
+export function renderFailedPoints(node, points) {
+  const failing = points.filter((p) => p.state === "failed" || p.attempt_errors.length);
   replaceChildren(node, table(["point", "state", "attempts", "error", "earlier attempts"],
     failing.map((p) => [what(p), p.state, String(p.attempts),
       el("pre", { class: "error-text point-error" }, p.error || "–"),

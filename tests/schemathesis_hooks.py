@@ -1,0 +1,137 @@
+"""schemathesis hooks (`SCHEMATHESIS_HOOKS=tests.schemathesis_hooks`): generated job specs made to meet the
+rules that JSON Schema cannot state (tula_service.submission_schema.SCHEMA_CANNOT_STATE), one repair per
+rule, so that the positive-data check holds POST /v1/jobs to "every spec the schema allows and these rules
+allow is accepted". Only positive cases are changed: a negative case keeps the violation it was made for.
+The repairs read the same catalogs and limits as the validators, and change the least they can.
+
+One more rule is state, not schema: an Idempotency-Key already used with another spec is a 422 (the code
+the IETF Idempotency-Key draft gives it), so a positive case that sends a key sends a fresh one. Replays
+with the same key are tested in tests/test_api.py and tests/test_durability.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import uuid
+from typing import Any
+
+import schemathesis
+
+from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_problem
+from tula_service.spec import MAX_BATCH, powers_of_two_between
+from tula_service.spec_limits import max_batch_sizes, max_devices
+
+@schemathesis.hook.apply_to(method="POST", path="/v1/jobs")  # on the other operations a case hook costs seconds a case
+def map_case(context, case):
+    if case.meta is None or not case.meta.generation.mode.is_positive:
+        return case
+    if isinstance(case.body, dict):
+        try:
+            case.body = meeting_the_rules(copy.deepcopy(case.body))
+        except (KeyError, TypeError, AttributeError):
+            pass  # a "positive" body the schema does not allow after all (the generator can miss a keyword): sent as drawn
+    for name in list(case.headers or {}):
+        if name.lower() == "idempotency-key":
+            case.headers[name] = uuid.uuid4().hex
+    return case
+
+
+def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` (schema-valid) changed to meet each rule of SCHEMA_CANNOT_STATE."""
+    _distinct_batches(spec)
+    _batches_within_the_dataset(spec)
+    _devices_within_the_limit(spec)
+    _max_lr_above_reference(spec)
+    _one_other_run_per_batch(spec)
+    _width_splits_into_heads(spec)
+    _image_side_the_model_takes(spec)
+    return spec
+
+
+def _distinct_batches(spec: dict[str, Any]) -> None:
+    """At least 2 distinct sizes and at most the server's limit; a range's min below its max."""
+    sizes = spec["batch_sizes"]
+    if isinstance(sizes, dict):
+        low, high = sorted((sizes["min"], sizes["max"]))
+        if low == high:
+            low, high = (low, high + 1) if high < MAX_BATCH else (low - 1, high)
+        spec["batch_sizes"] = {"min": low, "max": high}
+        return
+    distinct = list(dict.fromkeys(sizes))[: max_batch_sizes()]
+    if len(distinct) < 2:
+        distinct.append(distinct[0] + 1 if distinct[0] < MAX_BATCH else distinct[0] - 1)
+    spec["batch_sizes"] = distinct
+
+
+def _batches(spec: dict[str, Any]) -> list[int]:
+    sizes = spec["batch_sizes"]
+    profiled = powers_of_two_between(sizes["min"], sizes["max"]) if isinstance(sizes, dict) else sizes
+    others = [run["batch"] for run in spec["training"].get("other_runs") or []]
+    return [*profiled, spec["training"]["reference_batch"], *others]
+
+
+def _batches_within_the_dataset(spec: dict[str, Any]) -> None:
+    """Every batch at most num_samples: the dataset grows to the largest batch where it may, else the
+    batches shrink to it."""
+    dataset, info = spec["dataset"], DATASETS[spec["dataset"]["name"]]
+    samples = dataset.get("num_samples") or info.split_sizes.get(dataset.get("split") or "", info.fixed_num_samples)
+    needed = max(_batches(spec))
+    if samples is None:  # not schema-valid after all (the generator can miss a `required`): schemathesis drops it
+        return
+    if samples >= needed:
+        return
+    samples = needed if info.max_num_samples is None else min(needed, info.max_num_samples)
+    dataset["num_samples"] = samples
+    if needed > samples:
+        sizes = spec["batch_sizes"]
+        if isinstance(sizes, dict):
+            spec["batch_sizes"] = {"min": min(sizes["min"], samples - 1), "max": min(sizes["max"], samples)}
+        else:
+            spec["batch_sizes"] = sorted({min(b, samples) for b in sizes} | {samples - 1})
+        training = spec["training"]
+        training["reference_batch"] = min(training["reference_batch"], samples)
+        for run in training.get("other_runs") or []:
+            run["batch"] = min(run["batch"], samples)
+
+
+def _devices_within_the_limit(spec: dict[str, Any]) -> None:
+    cluster, limit = spec["cluster"], max_devices()
+    nodes = min(cluster.get("nodes", 1), limit)
+    cluster["nodes"] = nodes
+    cluster["gpus_per_node"] = min(cluster.get("gpus_per_node", 1), limit // nodes)
+
+
+def _max_lr_above_reference(spec: dict[str, Any]) -> None:
+    training = spec["training"]
+    if training.get("max_lr") is not None and training["max_lr"] < training["reference_lr"]:
+        training["max_lr"], training["reference_lr"] = training["reference_lr"], training["max_lr"]
+
+
+def _one_other_run_per_batch(spec: dict[str, Any]) -> None:
+    training = spec["training"]
+    runs = {run["batch"]: run for run in training.get("other_runs") or [] if run["batch"] != training["reference_batch"]}
+    if "other_runs" in training:
+        training["other_runs"] = list(runs.values())
+
+
+def _width_splits_into_heads(spec: dict[str, Any]) -> None:
+    defaults = MODELS[spec["model"]].options
+    if not {"width", "heads"} <= defaults.keys():
+        return
+    options = spec.setdefault("model_options", {})
+    width, heads = options.get("width", defaults["width"]), options.get("heads", defaults["heads"])
+    if width % heads:
+        rounded = heads * math.ceil(width / heads)
+        options["width"] = rounded if rounded <= MAX_MODEL_OPTION_INT else heads
+
+
+def _image_side_the_model_takes(spec: dict[str, Any]) -> None:
+    """The smallest side, from the dataset's (given or default) up, that the model takes."""
+    dataset, info = spec["dataset"], DATASETS[spec["dataset"]["name"]]
+    side = dataset.get("image_size") or info.fields.get("image_size")
+    if not isinstance(side, int):
+        return
+    while image_size_problem(spec["model"], side) is not None:
+        side += 1
+    dataset["image_size"] = side
