@@ -1,0 +1,177 @@
+"""The typed contract of what a profiling worker returns (torch-free): one Measurement per point.
+
+The profiler (profiler/measure.py, profiler/comm.py, profiler/pilot.py) writes these records as JSON; the
+store keeps them as it got them; the service parses them here (`parse_measurement`) and reads attributes.
+Each model names the fields the service reads and their types; every other field a record carries
+(phase timings, per-iteration series, budgets, host details) is kept as it came (`extra="allow"`) and
+shown to users as measured, so the profiler can add detail without a change here.
+
+- ComputeMeasurement (kind "compute", also a "retime" point's record): one batch size timed, sized and
+  its gradient statistics taken (`status` "ok"), out of memory ("oom", the memory limit as data), or
+  "failed" with the point's own error (a model that does not build).
+- CommMeasurement (kind "comm"): all-reduce times per world size and message size.
+- PilotMeasurement (kind "pilot"): training at the reference batch, with gradient-statistics records
+  along the way (the contract of `training.reference_run.gradient_stats`, GradientStatsRecord).
+
+SourcedValue is how the recommendation says where a number came from: measured, fitted (with its
+error), predicted (from fitted models, with their error), assumed, or given in the spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from tula_service.spec import GradientStatsRecord
+
+Source = Literal["measured", "fitted", "predicted", "assumed", "spec", "catalog-assumed"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class IterTime(_Record):
+    """Seconds per training iteration over the timed iterations (profiler.timing.summarize)."""
+
+    median_s: float = Field(gt=0)
+    p10_s: float | None = None
+    p90_s: float | None = None
+    cv: float | None = Field(None, ge=0, description="std / mean of the timed iterations")
+    count: int | None = Field(None, ge=1, description="timed iterations")
+
+
+class MemoryRecord(_Record):
+    """Bytes of one device: the peak (CUDA allocator, or static + saved activations on a CPU)."""
+
+    peak_bytes: float = Field(ge=0)
+    static_bytes: float | None = Field(None, ge=0, description="parameters, gradients and optimizer state")
+    activation_bytes: float | None = Field(None, ge=0, description="saved for backward at this batch")
+    nvml: dict[str, Any] | None = Field(None, description="the device as NVML reports it (CUDA only)")
+
+    @property
+    def device_total_bytes(self) -> float | None:
+        """The device's memory as NVML reports it, when it did."""
+        total = (self.nvml or {}).get("total_bytes")
+        return float(total) if total else None
+
+
+class GradientRecord(_Record):
+    """The two-batch estimates at this point (McCandlish et al. 2018, App. A.1): |G|^2 and tr(Sigma) per
+    sample; B_simple = trace_sigma / true_grad_sq_norm. None where the batch was too small to split."""
+
+    true_grad_sq_norm: float | None = None
+    trace_sigma: float | None = None
+    batch: int = Field(ge=1, description="samples whose mean gradient the estimate is of")
+    iterations: int = Field(ge=0)
+    variability_series: list[float] = Field(default_factory=list, description="| |g_t| - |g_t-1| | / |g_t-1| per step (AGS)")
+    precond_true_grad_sq_norm: float | None = None
+    precond_trace_sigma: float | None = None
+
+
+class ModelSize(_Record):
+    parameter_count: int = Field(ge=0)
+    gradient_bytes: int = Field(ge=0, description="bytes one all-reduce moves per step")
+    input_kind: str | None = None
+    tokens_per_sample: int | None = None
+
+
+class HostLoad(_Record):
+    contended: bool = Field(description="the 1-minute load was above the cores around the point")
+
+
+class ComputeMeasurement(_Record):
+    schema_version: int = 2
+    kind: Literal["compute", "retime"] = "compute"
+    status: Literal["ok", "oom", "failed"]
+    batch_size: int = Field(ge=1)
+    device: str | None = None
+    iter_time: IterTime | None = None
+    memory: MemoryRecord | None = None
+    gradient: GradientRecord | None = None
+    model: ModelSize | None = None
+    options: dict[str, Any] | None = None
+    host_load: HostLoad | None = None
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _ok_is_measured(self) -> ComputeMeasurement:
+        if self.status == "ok" and (self.iter_time is None or self.memory is None or self.model is None):
+            raise ValueError("an 'ok' compute measurement needs iter_time, memory and model")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class CommPoint(_Record):
+    world_size: int = Field(ge=2)
+    message_bytes: int = Field(ge=1)
+    median_s: float = Field(gt=0)
+    count: int | None = Field(None, ge=1)
+
+
+class CommMeasurement(_Record):
+    schema_version: int = 1
+    kind: Literal["comm"]
+    status: Literal["ok", "failed", "skipped"]
+    backend: str | None = Field(None, description="nccl (informs the network model) or gloo (does not)")
+    device: str | None = None
+    points: list[CommPoint] = Field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class PilotMeasurement(_Record):
+    schema_version: int = 2
+    kind: Literal["pilot"]
+    status: Literal["ok", "oom", "failed"]
+    batch_size: int = Field(ge=1)
+    optimizer: str | None = None
+    trajectory: list[GradientStatsRecord] = Field(default_factory=list)
+    samples: int | None = Field(None, ge=0, description="training samples the pilot saw")
+    stopped_by: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _kind(record: Any) -> str:
+    """A record without a kind is a compute point (schema version 1 records had none)."""
+    if isinstance(record, dict):
+        return record.get("kind") or "compute"
+    return getattr(record, "kind", "compute")
+
+
+Measurement = ComputeMeasurement | CommMeasurement | PilotMeasurement
+_ADAPTERS = {"compute": TypeAdapter(ComputeMeasurement), "retime": TypeAdapter(ComputeMeasurement),
+             "comm": TypeAdapter(CommMeasurement), "pilot": TypeAdapter(PilotMeasurement)}  # fmt: skip
+
+
+def parse_measurement(record: Any) -> Measurement:
+    """The typed measurement of one stored record (a parsed one is returned as it is). Raises
+    pydantic's ValidationError for a record that breaks the contract, ValueError for an unknown kind."""
+    if isinstance(record, ComputeMeasurement | CommMeasurement | PilotMeasurement):
+        return record
+    kind = _kind(record)
+    if kind not in _ADAPTERS:
+        raise ValueError(f"unknown measurement kind '{kind}'; known: {', '.join(_ADAPTERS)}")
+    return _ADAPTERS[kind].validate_python(record)
+
+
+class SourcedValue(BaseModel):
+    """A number of the recommendation and where it came from; rel_err is the model's measured relative
+    error (leave-one-out) for fitted and predicted values, None for measured, assumed or given ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    value: float | int | None
+    source: Source
+    rel_err: float | None = None
