@@ -1,0 +1,29 @@
+"""The catalogs a spec names: models, datasets and GPU types."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+
+from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
+from tula_service.catalogs import gpu_catalog_listing
+from tula_service.spec import allowed_model_modules
+
+router = APIRouter(prefix="/v1/catalog", tags=["catalog"])
+
+
+@router.get("/models")
+def catalog_models() -> dict[str, Any]:
+    return {"models": [asdict(info) for info in sorted(MODELS.values(), key=lambda i: i.name)],
+            "user_models": {"allowed_module_prefixes": allowed_model_modules(), "env": ALLOWED_MODULES_ENV}}
+
+@router.get("/datasets")
+def catalog_datasets() -> dict[str, Any]:
+    return {"datasets": [asdict(info) for info in sorted(DATASETS.values(), key=lambda i: i.name)]}
+
+@router.get("/gpus")
+def catalog_gpus() -> dict[str, Any]:
+    """GPU types: memory, default price, intra-node link, peak BF16 and memory bandwidth (catalog-assumed)."""
+    return {"gpus": gpu_catalog_listing()}

@@ -1,0 +1,44 @@
+"""What the routes depend on (FastAPI `Depends`): the store, the executor, the settings, the database
+engine and the metrics the app was made with (`create_app` puts them on app.state).
+
+Authentication is not a dependency but a middleware (tula_service.auth.TokenAuth): FastAPI reads and
+validates a body before it solves a route's dependencies, and a request without a valid token must be
+refused before its body is read.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from sqlalchemy.engine import Engine
+
+from tula_service.metrics import Metrics
+from tula_service.store import Store
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def _executor(request: Request) -> Any:
+    return request.app.state.executor
+
+
+def _settings(request: Request) -> Any:  # tula_service.api.app.Settings (which imports the routers)
+    return request.app.state.settings
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+StoreDep = Annotated[Store, Depends(_store)]
+ExecutorDep = Annotated[Any, Depends(_executor)]  # LocalExecutor, RayExecutor or NoExecutor: start/stop/notify/cancel/alive
+SettingsDep = Annotated[Any, Depends(_settings)]  # tula_service.api.app.Settings
+EngineDep = Annotated[Engine, Depends(_engine)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]

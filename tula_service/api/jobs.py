@@ -1,0 +1,166 @@
+"""The jobs: submit, list, read (with or without points, the points a page at a time, the measurements,
+the recommendation), cancel, delete, and re-plan (what-if) without profiling again."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from tula_service.api.deps import ExecutorDep, StoreDep
+from tula_service.api.errors import what_if_conflict
+from tula_service.jobs import plan_inputs
+from tula_service.recommend import NotEnoughMeasurements, plan
+from tula_service.schemas import (JobDetail, JobList, JobState, JobSummary, JobView, MeasurementList, MeasurementView,
+                                  PointList, PointView, next_offset)
+from tula_service.spec import JobSpec, allowed_model_modules
+from tula_service.store import IdempotencyConflict, Store
+from tula_service.user_code_check import checked_submission, client_submission
+from tula_service.whatif import WhatIf, merged_spec
+
+IDEMPOTENCY_KEY_MAX_CHARS = 255
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+def _not_found(job_id: str) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{job_id}' not found")
+
+
+def _job_or_404(store: Store, job_id: str):
+    job = store.get_job(job_id)
+    if job is None:
+        raise _not_found(job_id)
+    return job
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobView,
+          responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"}},
+          dependencies=[Depends(client_submission)])
+def submit_job(
+    spec: JobSpec,
+    response: Response,
+    store: StoreDep,
+    executor: ExecutorDep,
+    idempotency_key: Annotated[str | None, Header(max_length=IDEMPOTENCY_KEY_MAX_CHARS, min_length=1)] = None,
+) -> JobView:
+    """Submit a job. With an `Idempotency-Key` header, a retried submission returns the same job
+    (200, `Idempotent-Replayed: true`); the same key with a different spec is a 422."""
+    try:  # user code is checked here, in this worker thread, not while the event loop validated the body
+        spec = checked_submission(spec, allowed_model_modules())
+    except ValidationError as error:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
+        ) from None
+    try:
+        job, created = store.create_job(spec, idempotency_key)
+    except IdempotencyConflict as error:
+        raise RequestValidationError(
+            [{"loc": ("header", "Idempotency-Key"), "msg": str(error), "type": "idempotency_key_reused"}]
+        ) from None
+    if created:
+        executor.notify()
+    else:
+        response.status_code = status.HTTP_200_OK
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobView.of(job)
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    store: StoreDep,
+    state: Annotated[list[JobState], Query(description="filter: one or more states, repeated (`?state=done&state=failed`)")] = [],  # noqa: B006
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0, le=10**9),
+) -> JobList:
+    total = store.count_jobs(state)
+    jobs = [JobSummary.of(j) for j in store.list_jobs(state, limit, offset)]
+    return JobList(jobs=jobs, total=total, limit=limit, offset=offset, next_offset=next_offset(offset, limit, total))
+
+@router.get("/{job_id}", response_model=JobView | JobDetail)
+def get_job(
+    job_id: str,
+    store: StoreDep,
+    points: Annotated[bool, Query(description="false: the job without its points (a JobDetail), for polling "
+                                  "its state and progress; GET /v1/jobs/{job_id}/points pages the points")] = True,
+) -> JobView | JobDetail:
+    """The job with its spec and, unless `points=false`, every point."""
+    job = store.get_job(job_id, measurements=False)  # neither view shows a measurement record
+    if job is None:
+        raise _not_found(job_id)
+    return JobView.of(job) if points else JobDetail.of(job)
+
+@router.get("/{job_id}/points", response_model=PointList)
+def get_points(
+    job_id: str,
+    store: StoreDep,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0, le=10**9),
+) -> PointList:
+    """A page of the job's points, in the order they were made: what to poll for them while the job
+    runs (the measurements are at /v1/jobs/{job_id}/measurements)."""
+    page = store.job_points(job_id, limit, offset)
+    if page is None:
+        raise _not_found(job_id)
+    total, points = page
+    return PointList(job_id=job_id, points=[PointView.of(p) for p in points], total=total, limit=limit,
+                     offset=offset, next_offset=next_offset(offset, limit, total))
+
+@router.post("/{job_id}/cancel", response_model=JobView)
+def cancel_job(job_id: str, store: StoreDep, executor: ExecutorDep) -> JobView:
+    """Cancel a queued or running job: its running points are stopped, the rest never run.
+    Cancelling a cancelled job is a no-op; a done or failed job is a 409."""
+    job = _job_or_404(store, job_id)
+    if job.state in ("done", "failed"):
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is already {job.state}; nothing to cancel")
+    executor.cancel(store.cancel_job(job_id))
+    return JobView.of(_job_or_404(store, job_id))
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: str, store: StoreDep, executor: ExecutorDep) -> Response:
+    """Delete a job and its measurements (an active job is cancelled first)."""
+    _job_or_404(store, job_id)
+    executor.cancel(store.cancel_job(job_id))
+    store.delete_job(job_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+@router.get("/{job_id}/measurements", response_model=MeasurementList)
+def get_measurements(job_id: str, store: StoreDep) -> MeasurementList:
+    """Every profiling point with its attempts, timings, errors and the worker's raw record."""
+    job = _job_or_404(store, job_id)
+    return MeasurementList(job_id=job.id, points=[MeasurementView.of(p) for p in job.points])
+
+@router.get("/{job_id}/recommendation")
+def get_recommendation(job_id: str, store: StoreDep) -> dict[str, Any]:
+    job = _job_or_404(store, job_id)
+    if job.state in ("failed", "cancelled"):
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job {job.state}" + (f": {job.error}" if job.error else ""))
+    if job.recommendation is None:
+        view = JobView.of(job)
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail=f"job is {job.state} ({view.progress.points_done}/{view.progress.points_total} points); "
+            "the recommendation exists once it is done",
+        )
+    return {"job_id": job.id, **job.recommendation}
+
+@router.post("/{job_id}/plan")
+def what_if(job_id: str, what_if: WhatIf, store: StoreDep) -> dict[str, Any]:
+    """Re-plan the job's stored measurements for another cluster, GPU type, pricing, objective,
+    deadline, budget or reference run (no profiling). Fields left out keep their stored values. A
+    what-if outside its schema is a 422; one that does not fit the stored spec (a rule between
+    fields, e.g. max_lr below the stored reference_lr) is a 409 naming the fields."""
+    job = _job_or_404(store, job_id)
+    if job.state != "done":
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is {job.state}: what-if needs its measurements")
+    try:
+        spec = merged_spec(job.spec, what_if)
+    except ValidationError as error:
+        raise what_if_conflict(job.id, error) from None
+    measurements, failed = plan_inputs(job)
+    try:
+        return {"job_id": job.id, "what_if": what_if.given(), **plan(spec, measurements, failed)}
+    except NotEnoughMeasurements as error:
+        raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
