@@ -27,7 +27,9 @@ zoo's `cnn1d`; scikit-learn digits (1797 images, 80/20 split) with the zoo's `sm
 
 Run:  .venv/bin/python benchmarks/generalization.py [--quick] [--seeds 5] [--batches 512 1024 2048]
           [--datasets mnist1d digits] [--workers 2] [--out DIR]
-Out:  DIR/results.json (every run), DIR/accuracy_vs_batch.png, DIR/sensitivity_s.png, DIR/sensitivity_delta.png.
+Out:  DIR/results.json (every run), DIR/accuracy_vs_batch.png, DIR/sensitivity_s.png, DIR/sensitivity_delta.png;
+      DIR is docs/generalization, or with --quick a new temporary folder (the quick run in the docs,
+      docs/generalization/quick, is refreshed with --quick --out docs/generalization/quick).
 Last line:  generalization: batches=N ags_minus_lbt_pts=X ags_minus_small_pts=Y seeds=S
 (N large-batch cells, data set x batch; X, Y the mean over them of AGS's mean test accuracy minus LBT's,
 and minus the small batch's, in percentage points.)
@@ -40,6 +42,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -492,12 +495,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="large batches for every data set (default: per data set)")
     parser.add_argument("--datasets", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--workers", type=int, default=1, help="training processes, one thread each")
-    parser.add_argument("--out", type=Path, default=None, help="default docs/generalization (quick: docs/generalization/quick)")
+    parser.add_argument("--out", type=Path, default=None, help="default docs/generalization (quick: a new temporary folder)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     seeds = args.seeds or (2 if args.quick else 5)
-    out = args.out or REPO / ("docs/generalization/quick" if args.quick else "docs/generalization")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="tula-generalization-quick-")) if args.quick else REPO / "docs" / "generalization")
     out.mkdir(parents=True, exist_ok=True)
     workloads = {}
     for dataset in args.datasets:

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import profile_fidelity  # noqa: E402
 
+from tula_service.units import GIB  # noqa: E402
+
 
 def main() -> int:
     import torch
@@ -35,7 +37,7 @@ def main() -> int:
             )
     oom = profile_fidelity.run_point(
         {**profile_fidelity.WORKLOADS["resnet18"], "batch_size": 4096, "device": "cuda", "time_cap_s": 1.0,
-         "memory_limit_bytes": 2 * 2**30}  # fmt: skip
+         "memory_limit_bytes": 2 * GIB}  # fmt: skip
     )
     print(f"\nresnet18 batch 4096 under a 2 GiB limit: {oom['status']} {oom.get('error', '')[:120]}")
     print(profile_fidelity.summary_line(results, time.perf_counter() - started))

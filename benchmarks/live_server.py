@@ -1,4 +1,9 @@
-"""A real `tula serve` for benchmarks: a free loopback port, its own SQLite file unless a database URL is given."""
+"""A real `tula serve` (uvicorn) on a free loopback port: started, waited on until /healthz answers,
+stopped. The benchmarks use `api_server`; the tests' fixtures (tests/conftest.py) use `LiveServer`.
+
+It lives here rather than in tests/ because a benchmark never imports the test suite, while the tests
+can import this folder (`benchmarks.live_server`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 60
+START_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -24,42 +29,73 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class LiveServer:
+    """`python -m tula_service serve` on a free loopback port, on its own SQLite file (`database_path`)
+    or on any database (`database_url`, e.g. one on the test PostgreSQL server); its output is
+    appended to `log_path`."""
+
+    def __init__(
+        self,
+        database_path: Path | None,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        env: dict | None = None,
+        database_url: str | None = None,
+    ):
+        if (database_path is None) == (database_url is None):
+            raise ValueError("give a LiveServer either database_path or database_url")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.database_url = database_url or f"sqlite:///{database_path}"
+        self.log_path = log_path
+        self.extra_args = extra_args
+        self.env = env or {}
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LiveServer:
+        """Launch the server and return once GET /healthz answers 200; RuntimeError with the log when it
+        exits first or does not answer in `timeout_s` (then it is stopped)."""
+        command = [
+            sys.executable, "-m", "tula_service", "serve",
+            "--port", str(self.port), "--database-url", self.database_url, *self.extra_args,
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not answer in {timeout_s:g} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
 @contextmanager
 def api_server(
     database_url: str | None, log_path: Path, executor: str = "none", extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, str]]:
-    """`python -m tula_service serve --executor EXECUTOR`; yields (base URL, database URL), stops it afterwards."""
-    port = free_port()
+    """`python -m tula_service serve --executor EXECUTOR`, logging to a fresh `log_path`, on `database_url`
+    or else its own SQLite file in a temporary folder; yields (base URL, database URL), stops it afterwards."""
     with tempfile.TemporaryDirectory(prefix="tula-bench-") as folder:
-        url_of_db = database_url or f"sqlite:///{Path(folder) / 'tula.db'}"
-        command = [sys.executable, "-m", "tula_service", "serve", "--port", str(port),
-                   "--database-url", url_of_db, "--executor", executor, *(extra_args or [])]  # fmt: skip
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        url = f"http://127.0.0.1:{port}"
+        log_path.write_bytes(b"")
+        database_path = None if database_url else Path(folder) / "tula.db"
+        server = LiveServer(database_path, log_path, ("--executor", executor, *(extra_args or [])), env, database_url)
         try:
-            _wait_healthy(process, url, log_path)
-            yield url, url_of_db
+            yield server.start().url, server.database_url
         finally:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not answer within {START_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.2)
+            server.stop()

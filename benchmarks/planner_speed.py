@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from tests.handmade import measurement, spec_dict  # noqa: E402
 from tula_service import recommend  # noqa: E402
 from tula_service.fitting import fit_models  # noqa: E402
-from tula_service.planner import GIB, PlanInputs, choose, sweep  # noqa: E402
+from tula_service.planner import PlanInputs, choose, sweep  # noqa: E402
 from tula_service.spec import JobSpec  # noqa: E402
+from tula_service.units import GIB  # noqa: E402
 
 DEVICE_BATCHES = np.arange(8, 8 * 65, 8)  # 8, 16, ..., 512: 64 per-device batch sizes
 DEVICE_COUNTS = np.arange(1, 65)  # 64 device counts

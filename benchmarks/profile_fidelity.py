@@ -19,8 +19,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
+
+from tula_service.spec import Precision
 
 IMAGES_32 = {"name": "synthetic_images", "num_samples": 50_000, "channels": 3, "image_size": 32, "num_classes": 10}
 TOKENS = {"name": "synthetic_tokens", "num_samples": 10_000, "seq_len": 64, "vocab_size": 256}
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="three batch sizes, 1 s time cap per point")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--dtype", default="fp32", choices=get_args(Precision))
     parser.add_argument("--channels-last", action="store_true")
     args = parser.parse_args(argv)
     batches = (QUICK_BATCHES if args.quick else BATCHES)[args.device]

@@ -78,6 +78,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from live_server import api_server  # noqa: E402
 from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
+from tula_service.units import GIB  # noqa: E402
 
 MOMENTUM = 0.9
 LR_MULTIPLIERS = (1.0, 0.5, 2.0)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
@@ -335,7 +336,7 @@ def ground_truth(task: Task, batches: list[int], seeds: int, lr_multipliers: tup
 
 
 def host_memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 def job_spec(task: Task, batches: tuple[int, ...], reference: dict[str, Any], search: str, time_cap_s: float | None = None) -> dict[str, Any]:

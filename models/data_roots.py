@@ -22,10 +22,6 @@ from pathlib import Path, PurePosixPath
 DATA_ROOTS_ENV = "TULA_DATA_ROOTS"
 
 
-def data_roots_from_env() -> list[str]:
-    return [root for root in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if root.strip()]
-
-
 def _how_to_allow(path: str) -> str:
     folder = PurePosixPath(path).parent if path.startswith("/") else "DIR"
     return f"the server operator can allow a folder with `tula serve --data-root {folder}` (or {DATA_ROOTS_ENV})"

@@ -247,15 +247,14 @@ def _raised(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: list[str], notes: list[str]) -> Any:
+def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: list[str], roots: list[str], notes: list[str]) -> Any:
     """The dataset of a check request, or None when it cannot be built on this machine (a note says why).
     Raises ContractError, or an ExceptionGroup of them for several signature problems."""
     from models.data import build_dataset
-    from models.data_roots import data_roots_from_env
 
     if not is_user_ref(name):
         try:
-            return build_dataset(name, seed=seed, data_roots=data_roots_from_env(), **{**dataset, "num_samples": CHECK_CATALOG_SAMPLES})
+            return build_dataset(name, seed=seed, data_roots=roots, **{**dataset, "num_samples": CHECK_CATALOG_SAMPLES})
         except Exception as error:  # noqa: BLE001 - e.g. a path that exists on the workers only
             notes.append(f"dataset '{name}' was not built here ({_raised(error)}): the model's signature was checked, not its output")
             return None
@@ -341,7 +340,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     notes: list[str] = []
     source = model_report = None
     try:
-        source = _checked_dataset(dataset_name, dataset, seed, allowed, notes)
+        source = _checked_dataset(dataset_name, dataset, seed, allowed, list(request.get("data_roots") or []), notes)
     except* ContractError as group:
         errors.extend(group.exceptions)
     input_kind = source.input_kind if source is not None else (DATASETS[dataset_name].input_kind if dataset_name in DATASETS else None)
@@ -363,7 +362,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.user_contract", description=__doc__.split("\n")[0])
     request = parser.add_mutually_exclusive_group(required=True)
-    request.add_argument("--check", metavar="JSON", help="a profiling request: model, model_options, dataset, seed, allowed_model_modules")
+    request.add_argument("--check", metavar="JSON", help="a profiling request: model, model_options, dataset, seed, allowed_model_modules, data_roots")
     request.add_argument("--check-file", metavar="FILE", help="the same request, read from a file")
     parser.add_argument("--out", help="write the result (JSON) here instead of stdout (user code may print)")
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tula_service.db import TERMINAL_JOB_STATES
 from tula_service.spec import JobSpec
 from tula_service.store import Store
 from tests.handmade import spec_dict
@@ -48,7 +49,7 @@ def submit(store: Store, **overrides):
     return job
 
 
-def wait_for_job(store: Store, job_id: str, states=("done", "failed", "cancelled"), timeout_s: float = 180):
+def wait_for_job(store: Store, job_id: str, states=TERMINAL_JOB_STATES, timeout_s: float = 180):
     def ended():
         job = store.get_job(job_id)
         return job if job.state in states else None

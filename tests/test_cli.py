@@ -67,14 +67,6 @@ DONE_SPEC = {
 
 
 @pytest.fixture(scope="module")
-def api_only(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli-api")
-    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "none")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def done_job(tmp_path_factory):
     """A real job profiled by a local executor: (server, job id, the `submit --wait` run)."""
     folder = tmp_path_factory.mktemp("cli-done")

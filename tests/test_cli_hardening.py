@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, LiveServer, free_port
+from tests.conftest import REPO, free_port
 from tests.handmade import spec_dict
 from tula_service.cli import human_bandwidth, human_bytes, human_duration, human_number, human_usd
 from tula_service.client import TulaClient
@@ -178,14 +178,6 @@ def test_a_web_server_that_is_not_tula_is_named_not_dumped(not_tula):
 def test_a_bad_database_url_is_exit_2():
     result = tula("token", "list", "--database-url", "nonsense")
     assert refused(result, "not a database URL (--database-url, $TULA_DATABASE_URL)"), result.stderr
-
-
-@pytest.fixture(scope="module")
-def api_only(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli-hardening")
-    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "none")).start()
-    yield server
-    server.stop()
 
 
 def test_an_unknown_job_is_one_line_and_exit_2(api_only):

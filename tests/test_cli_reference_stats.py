@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import REPO, LiveServer
+from tests.conftest import REPO
 from tests.handmade import spec_dict
 from tula_service.cli import with_reference_stats
 from tula_service.gradient_stats_file import GradientStatsFileError, read_gradient_stats
@@ -130,14 +130,6 @@ def test_a_bad_records_file_is_exit_2_naming_the_line_before_anything_is_sent(tm
 
 
 # -- against a real server ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def api_only(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cli-reference-stats")
-    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "none")).start()
-    yield server
-    server.stop()
 
 
 def test_submitted_job_carries_the_records_in_its_spec(api_only, tmp_path):

@@ -7,23 +7,14 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import LiveServer
 from tests.handmade import spec_dict
 from tula_service.client import TulaClient, TulaError
 from tula_service.schemas import JobList, JobView, MeasurementList, PointList
 
 
-@pytest.fixture(scope="module")
-def api_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("client")
-    server = LiveServer(folder / "tula.db", folder / "server.log", ("--executor", "none")).start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture
-def client(api_server):
-    with TulaClient(api_server.url, backoff_s=0.01) as client:
+def client(api_only):
+    with TulaClient(api_only.url, backoff_s=0.01) as client:
         yield client
 
 
@@ -169,26 +160,26 @@ def test_the_same_key_with_another_spec_is_a_422(client):
     assert "header.Idempotency-Key: " in str(refused.value)
 
 
-def test_a_submission_whose_answer_was_lost_is_retried_without_a_second_job(api_server):
-    proxy = FlakyProxy(api_server.port, "drop")
+def test_a_submission_whose_answer_was_lost_is_retried_without_a_second_job(api_only):
+    proxy = FlakyProxy(api_only.port, "drop")
     spec = unique_spec()
-    with TulaClient(proxy.url, backoff_s=0.01) as flaky, TulaClient(api_server.url) as direct:
+    with TulaClient(proxy.url, backoff_s=0.01) as flaky, TulaClient(api_only.url) as direct:
         job = flaky.submit(spec)
         assert len(proxy.requests) == 2 and idempotency_key(proxy.requests[0]) == idempotency_key(proxy.requests[1])
         assert [j.id for j in jobs_named(direct, spec["name"])] == [job.id]
     proxy.close()
 
 
-def test_a_503_is_retried(api_server):
-    proxy = FlakyProxy(api_server.port, "unavailable", spoil=2)
+def test_a_503_is_retried(api_only):
+    proxy = FlakyProxy(api_only.port, "unavailable", spoil=2)
     with TulaClient(proxy.url, backoff_s=0.01) as flaky:
         assert flaky.submit(unique_spec()).state == "queued"
     assert len(proxy.requests) == 3
     proxy.close()
 
 
-def test_without_retries_the_transport_error_reaches_the_caller(api_server):
-    proxy = FlakyProxy(api_server.port, "drop")
+def test_without_retries_the_transport_error_reaches_the_caller(api_only):
+    proxy = FlakyProxy(api_only.port, "drop")
     with TulaClient(proxy.url, retries=0) as flaky, pytest.raises(httpx.TransportError):
         flaky.submit(unique_spec())
     proxy.close()

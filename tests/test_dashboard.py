@@ -15,8 +15,8 @@ import re
 import time
 
 import httpx
-import numpy as np
 import pytest
+from sqlalchemy import update
 
 from tests.api_fixtures import finished_job, store_for
 from tests.browser import launched_chromium
@@ -25,9 +25,7 @@ from tula_service.dispatch import Outcome, record_outcome
 from tula_service.spec import JobSpec
 from tests.conftest import REPO, LiveServer
 from tula_service.dashboard import plotly_js_path, plotly_js_url
-from tula_service.db import make_engine, make_session_factory
-from tula_service.perfmodel import EpochModel, MemoryModel
-from tula_service.perfmodel.compute import COMPUTE_MODELS
+from tula_service.db import TERMINAL_JOB_STATES, Job, make_engine, make_session_factory
 from tula_service.tokens import create_token
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
@@ -36,7 +34,6 @@ pytestmark = pytest.mark.e2e
 
 LAPTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
-TERMINAL = ("done", "failed", "cancelled")
 SCREENSHOTS = REPO / "docs" / "img" if os.environ.get("TULA_WRITE_SCREENSHOTS") == "1" else None
 # Seconds, not minutes, per point: one warm-up and three timed iterations, capped at 0.3 s of sampling.
 FAST_PROFILING = {"time_cap_s": 0.3, "warmup_iters": 1, "timed_iters": 3, "grad_iters": 2, "grad_microbatches": 2,
@@ -60,7 +57,7 @@ class Api:
 
     def wait(self, job_id: str, timeout_s: float = 180) -> dict:
         deadline = time.monotonic() + timeout_s
-        while (job := self.get(f"/v1/jobs/{job_id}"))["state"] not in TERMINAL:
+        while (job := self.get(f"/v1/jobs/{job_id}"))["state"] not in TERMINAL_JOB_STATES:
             assert time.monotonic() < deadline, f"job {job_id} still {job['state']} after {timeout_s} s"
             time.sleep(0.3)
         return job
@@ -79,12 +76,25 @@ def _noisy_finished_job(database_url: str) -> str:
     return job.id
 
 
+def _job_planned_before_curves(database_url: str) -> str:
+    """A finished job whose stored recommendation has no `curves` (and no knee index): planned by an older server."""
+    store = store_for(database_url)
+    job_id = finished_job(store)
+    recommendation = store.get_job(job_id).recommendation
+    recommendation.pop("curves")
+    recommendation["knee"].pop("candidate")
+    with store.session() as session, session.begin():
+        session.execute(update(Job).where(Job.id == job_id).values(recommendation=recommendation))
+    return job_id
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dashboard")
     database_url = f"sqlite:///{folder / 'tula.db'}"
     handmade_id = finished_job(store_for(database_url))
     noisy_id = _noisy_finished_job(database_url)  # before the server starts, so its executor never sees the points
+    older_id = _job_planned_before_curves(database_url)
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
     # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
     live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
@@ -92,6 +102,7 @@ def server(tmp_path_factory):
     live.token = token
     live.handmade_id = handmade_id
     live.noisy_id = noisy_id
+    live.older_id = older_id
     yield live
     live.stop()
 
@@ -196,7 +207,7 @@ def profiled_job(browser, server):
         )
         if state != "loading" and (not seen or seen[-1] != (value, maximum, state)):  # "loading": before the first answer
             seen.append((int(value), int(maximum), state))
-        if state in TERMINAL:
+        if state in TERMINAL_JOB_STATES:
             break
         time.sleep(0.25)
     tab.close()
@@ -470,43 +481,36 @@ def test_the_ags_snippet_scales_the_update_when_variability_is_below_delta(tab, 
     assert [moved for _, moved in steps] == pytest.approx([0.1, 2.0 * 0.1 * 1.1, 0.1 * 5.0])
 
 
-def test_fitted_curves_drawn_in_the_browser_match_the_python_models(tab, server):
-    rec = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")
-    spec = server.api.get(f"/v1/jobs/{server.handmade_id}")["spec"]
+def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):
+    curves = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["curves"]
     page = tab.open(f"/jobs/{server.handmade_id}")
     wait_for_plan(page, "stored")
-    batches = [1, 3, 8, 20, 100, 1000, 100_000]
-    shapes = rec["models"]["compute"]["selection"]["candidates"]
-    assert set(shapes) == set(COMPUTE_MODELS)
-    assumed = {"noise_scale": None}
-    capped = {**rec["models"]["efficiency"], "max_step_gain": {"value": 3.0, "source": "spec"}}  # as with training.max_lr
-    drawn = page.evaluate(
-        """async ([models, training, shapes, assumed, capped, batches]) => {
-            const curves = await import('/static/js/curves.js');
-            const compute = Object.fromEntries(Object.entries(shapes).map(([name, shape]) =>
-                [name, curves.computeTimeS({name, params: shape.params}, batches)]));
-            return {compute, memory: curves.memoryBytes(models.memory, batches),
-                    fitted_epochs: curves.epochs(models.efficiency, training, batches),
-                    capped_epochs: curves.epochs(capped, training, batches),
-                    assumed_epochs: curves.epochs(assumed, training, batches)};
-        }""",
-        [rec["models"], spec["training"], shapes, assumed, capped, batches],
-    )
-    for name, shape in shapes.items():
-        model = COMPUTE_MODELS[name]()
-        for param, value in shape["params"].items():
-            setattr(model, param + "_", value)
-        assert drawn["compute"][name] == pytest.approx(model.predict(np.array(batches)).tolist(), rel=1e-12), name
-    memory = MemoryModel()
-    memory.static_bytes_ = rec["models"]["memory"]["static_bytes"]
-    memory.act_bytes_per_sample_ = rec["models"]["memory"]["act_bytes_per_sample"]
-    assert drawn["memory"] == pytest.approx(memory.predict(np.array(batches)).tolist(), rel=1e-12)
-    training = spec["training"]
-    noise_scale = rec["models"]["efficiency"]["noise_scale"]["value"]
-    fitted = EpochModel(training["reference_batch"], training["reference_epochs"], noise_scale)
-    assert drawn["fitted_epochs"] == pytest.approx(fitted.predict(np.array(batches)).tolist(), rel=1e-12)
-    with_gain = EpochModel(training["reference_batch"], training["reference_epochs"], noise_scale, 3.0)
-    assert with_gain.predict(100_000) > fitted.predict(100_000)  # the floor is what decides there
-    assert drawn["capped_epochs"] == pytest.approx(with_gain.predict(np.array(batches)).tolist(), rel=1e-12)
-    plain = EpochModel(training["reference_batch"], training["reference_epochs"], None)
-    assert drawn["assumed_epochs"] == pytest.approx(plain.predict(np.array(batches)).tolist(), rel=1e-12)
+    iter_time, memory, epochs = curves["iter_time"], curves["memory"], curves["epochs"]
+    drawn = trace(tab.plot_data("plot-iter-time"), f"fitted: {iter_time['model']}")
+    assert (drawn["x"], drawn["y"]) == (iter_time["device_batch"], iter_time["iter_time_s"])
+    drawn = trace(tab.plot_data("plot-throughput"), f"fitted: batch / T_comp({iter_time['model']})")
+    assert (drawn["x"], drawn["y"]) == (iter_time["device_batch"], iter_time["samples_per_s"])
+    memory_traces = tab.plot_data("plot-memory")
+    drawn = trace(memory_traces, "fitted: M(b) = static + act × b")
+    assert drawn["x"] == memory["device_batch"]
+    assert drawn["y"] == pytest.approx([value / 2**30 for value in memory["memory_bytes"]], rel=1e-15)
+    assert memory["memory_upper_bytes"] == memory["memory_bytes"]  # hand-made points lie on their line:
+    assert not [t for t in memory_traces if t["name"].startswith("95% upper bound")]  # no band to draw
+    drawn = trace(tab.plot_data("plot-efficiency"), "fitted: E(B) = E_min (1 + B / B_noise)")
+    assert (drawn["x"], drawn["y"]) == (epochs["global_batch"], epochs["epochs"])
+
+
+def test_a_plan_stored_before_curves_were_served_draws_its_measurements(tab, server):
+    rec = server.api.get(f"/v1/jobs/{server.older_id}/recommendation")
+    assert "curves" not in rec
+    page = tab.open(f"/jobs/{server.older_id}")
+    wait_for_plan(page, "stored")
+    for div in ("plot-iter-time", "plot-throughput", "plot-memory", "plot-efficiency"):
+        names = [t["name"] for t in tab.plot_data(div)]
+        assert not [name for name in names if name.startswith("fitted")], (div, names)
+    assert len(trace(tab.plot_data("plot-pareto"), "candidates")["x"]) == len(rec["candidates"])
+
+
+def test_the_job_page_polls_until_one_of_the_servers_terminal_states(server):
+    page = httpx.get(f"{server.url}/jobs/{server.handmade_id}", timeout=30)
+    assert f'data-terminal-states="{" ".join(TERMINAL_JOB_STATES)}"' in page.text

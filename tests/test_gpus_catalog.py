@@ -9,6 +9,7 @@ import yaml
 
 from tula_service.catalogs import GPUS_PATH, gpu, gpu_catalog_listing, load_gpus, load_interconnects
 from tula_service.spec import JobSpec
+from tula_service.units import GIB, MIB
 from tests.handmade import spec_dict
 
 REQUIRED_GPUS = {
@@ -50,7 +51,7 @@ def test_memory_is_what_the_driver_reports_as_quoted_in_the_note():
     for entry in load_gpus().values():
         mib = re.search(r"(?:nvidia-smi reports (\d+) MiB)|(?:rocm-smi reports (\d+) B)", entry.note)
         assert mib, f"{entry.name}: the note quotes the driver's total"
-        reported_gib = int(mib[1]) / 1024 if mib[1] else int(mib[2]) / 2**30
+        reported_gib = int(mib[1]) * MIB / GIB if mib[1] else int(mib[2]) / GIB
         assert entry.memory_gib == reported_gib, entry.name
 
 

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tula_service.fitting import fit_models
 from tula_service.planner import pareto_mask
 from tula_service.recommend import NotEnoughMeasurements, plan
 from tula_service.spec import JobSpec
@@ -220,3 +221,63 @@ def test_the_left_over_step_is_split_over_devices_and_micro_batches():
     assert t_net > 0
     assert row["step_time_s"]["value"] == pytest.approx(t_comp(128) + t_comp(128) + t_net)
     assert row["epoch_time_s"]["value"] == pytest.approx(row["step_time_s"]["value"] + t_comp(128) + t_comp(116) + t_net)
+
+
+def _saturating_noisy_points(batches=BATCHES) -> list[dict]:
+    """Flat time up to batch 64, then linear; memory off its line by a few percent (a non-zero interval)."""
+    points = [measurement(b) for b in batches]
+    for i, point in enumerate(points):
+        point["iter_time"] = {**point["iter_time"], "median_s": 0.01 + 0.001 * max(point["batch_size"], 64)}
+        point["memory"] = {**point["memory"], "peak_bytes": point["memory"]["peak_bytes"] * (1 + 0.03 * (-1) ** i)}
+    return points
+
+
+def test_the_recommendation_carries_curves_evaluated_by_the_planners_models():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1, "max_lr": 0.3}))
+    points = _saturating_noisy_points()
+    curves = plan(spec, points)["curves"]
+    models, report = fit_models(spec, points)
+    assert report["compute"]["name"] == "saturating"
+    iter_time, memory, epochs = curves["iter_time"], curves["memory"], curves["epochs"]
+    device_batch = np.array(iter_time["device_batch"])
+    assert iter_time["iter_time_s"] == pytest.approx(models.compute.predict(device_batch).tolist(), rel=1e-12)
+    assert iter_time["samples_per_s"] == pytest.approx((device_batch / models.compute.predict(device_batch)).tolist(), rel=1e-12)
+    assert (iter_time["model"], iter_time["source"]) == ("saturating", "predicted")
+    assert iter_time["rel_err"] == report["compute"]["leave_one_out"]["median_rel_err"]
+    memory_batch = np.array(memory["device_batch"])
+    assert memory["memory_bytes"] == pytest.approx(models.memory.predict(memory_batch).tolist(), rel=1e-12)
+    assert memory["memory_upper_bytes"] == pytest.approx(models.memory.predict_interval(memory_batch)[1].tolist(), rel=1e-12)
+    assert epochs["epochs"] == pytest.approx(models.epochs.predict(np.array(epochs["global_batch"])).tolist(), rel=1e-12)
+    assert epochs["source"] == "predicted" and "max_step_gain" in epochs["formula"]
+
+
+def test_the_memory_curves_upper_bound_fits_the_device_exactly_up_to_the_max_batch():
+    rec = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)), _saturating_noisy_points())
+    memory, max_batch = rec["curves"]["memory"], rec["search_space"]["max_device_batch"]["value"]
+    usable_bytes = rec["device"]["memory_gib"]["value"] * 2**30 * (1 - rec["search_space"]["memory_margin"]["value"])
+    fits = [upper <= usable_bytes for upper in memory["memory_upper_bytes"]]
+    assert fits == [batch <= max_batch for batch in memory["device_batch"]]
+    assert memory["device_batch"][-1] == pytest.approx(1.5 * max_batch, rel=1e-3)  # past the max batch (to 4 digits)
+    assert any(upper > center for upper, center in zip(memory["memory_upper_bytes"], memory["memory_bytes"]))
+
+
+def test_curves_are_bounded_and_cover_what_the_plots_mark():
+    rec = _plan(batches=[8, 16, 32, 64], spec_overrides={"training": {"other_runs": [{"batch": 4096, "epochs": 40}]}})
+    for curve in rec["curves"].values():
+        lengths = {len(values) for values in curve.values() if isinstance(values, list)}
+        assert len(lengths) == 1 and 10 <= lengths.pop() <= 300
+    iter_time, epochs = rec["curves"]["iter_time"], rec["curves"]["epochs"]
+    assert iter_time["device_batch"][0] < 8 and iter_time["device_batch"][-1] > 64
+    marked = [r["global_batch"] for r in rec["candidates"]] + [rec["models"]["efficiency"]["noise_scale"]["value"], 4096]
+    assert epochs["global_batch"][0] < min(marked) and epochs["global_batch"][-1] > max(marked)
+
+
+def test_without_a_noise_scale_the_epochs_curve_is_labelled_assumed():
+    rec = _plan(true_grad_sq_norm=0.0)
+    assert rec["curves"]["epochs"]["source"] == "assumed" == rec["chosen"]["epochs"]["source"]
+
+
+def test_the_knee_names_its_candidate():
+    rec = _plan()
+    knee = rec["candidates"][rec["knee"]["candidate"]]
+    assert knee == rec["chosen"] and knee["global_batch"] == rec["knee"]["global_batch"] and knee["pareto"]

@@ -157,3 +157,14 @@ def test_what_if_a_new_reference_run_or_lr_ceiling_replans_without_profiling():
     assert merged_spec(stored, WhatIf(training={"max_lr": 0.2})).training.reference_lr == 0.1  # merged, not replaced
     with pytest.raises(ValueError, match="below reference_lr"):
         replan(stored, POINTS, WhatIf(training={"max_lr": 0.01}))
+
+
+def test_what_if_answers_carry_curves_redrawn_for_the_new_inputs():
+    stored = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)).model_dump(mode="json")
+    base = replan(stored, POINTS, WhatIf())["curves"]
+    longer = replan(stored, POINTS, WhatIf(training={"reference_epochs": 20}))["curves"]
+    assert longer["epochs"]["global_batch"] == base["epochs"]["global_batch"]
+    assert longer["epochs"]["epochs"] == pytest.approx([2 * epochs for epochs in base["epochs"]["epochs"]])
+    assert longer["iter_time"] == base["iter_time"] and longer["memory"] == base["memory"]
+    bigger = replan(stored, POINTS, WhatIf(cluster={"device_memory_gib": 64}))["curves"]["memory"]
+    assert bigger["device_batch"][-1] > base["memory"]["device_batch"][-1]  # drawn past the new max batch

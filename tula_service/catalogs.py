@@ -15,47 +15,71 @@ Files are read once per path and cached; callers get their own dict.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import yaml
 
 from models.registry import unknown_name_message
-from tula_service.perfmodel.network import Link
+
+if TYPE_CHECKING:
+    from tula_service.perfmodel.network import Link
 
 INTERCONNECTS_PATH = Path(__file__).resolve().parents[1] / "configs" / "interconnects.yaml"
 GPUS_PATH = Path(__file__).resolve().parents[1] / "configs" / "gpus.yaml"
 LINK_KINDS = ("intra_node", "inter_node", "both")
 CATALOG_SOURCE = "catalog-assumed"
+Entry = TypeVar("Entry")
+
+
+def _load_catalog(path: str | Path, kind: str, parse_entry: Callable[[str, str, object], Entry]) -> dict[str, Entry]:
+    """Every entry of a YAML catalog file (a mapping of names to entries), each checked and built by
+    `parse_entry(path, name, entry)`; `kind` names an entry in the errors. Read once per file."""
+    return dict(_read_catalog(str(Path(path).resolve()), kind, parse_entry))
+
+
+@lru_cache(maxsize=16)
+def _read_catalog(path: str, kind: str, parse_entry: Callable[[str, str, object], Entry]) -> dict[str, Entry]:
+    entries = yaml.safe_load(Path(path).read_text())
+    if not isinstance(entries, dict) or not entries:
+        raise ValueError(f"{path}: expected a mapping of {kind} names to entries")
+    return {str(name): parse_entry(path, str(name), entry) for name, entry in entries.items()}
+
+
+def _named(kind: str, name: str, entries: Mapping[str, Entry]) -> Entry:
+    if name not in entries:
+        raise KeyError(unknown_name_message(kind, name, entries))
+    return entries[name]
 
 
 def load_interconnects(path: str | Path | None = None) -> dict[str, Link]:
     """Every interconnect of the catalog file (default: configs/interconnects.yaml) as a Link."""
-    return dict(_read_interconnects(str(Path(path or INTERCONNECTS_PATH).resolve())))
+    return _load_catalog(path or INTERCONNECTS_PATH, "interconnect", _link)
 
 
 def interconnect(name: str) -> Link:
     """One link of the default catalog; KeyError naming the known links when `name` is not one."""
-    links = load_interconnects()
-    if name not in links:
-        raise KeyError(unknown_name_message("interconnect", name, links))
-    return links[name]
-
-
-@lru_cache(maxsize=8)
-def _read_interconnects(path: str) -> dict[str, Link]:
-    entries = yaml.safe_load(Path(path).read_text())
-    if not isinstance(entries, dict) or not entries:
-        raise ValueError(f"{path}: expected a mapping of interconnect names to entries")
-    return {str(name): _link(path, str(name), entry) for name, entry in entries.items()}
+    return _named("interconnect", name, load_interconnects())
 
 
 def _positive_number(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def _note(where: str, entry: dict) -> str:
+    if not isinstance(entry.get("note"), str) or not entry["note"].strip():
+        raise ValueError(f"{where}: note must say where the numbers come from")
+    return entry["note"]
+
+
 def _link(path: str, name: str, entry: object) -> Link:
+    # Imported here: the perfmodel package loads scipy, and the CLI reads the spec (which reads this
+    # module) for its choices; only building a link needs it.
+    from tula_service.perfmodel.network import Link
+
     where = f"{path}: interconnect '{name}'"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a mapping with bandwidth_gbps, latency_s, kind, note")
@@ -64,15 +88,14 @@ def _link(path: str, name: str, entry: object) -> Link:
             raise ValueError(f"{where}: {key} must be a positive number, got {entry.get(key)!r}")
     if entry.get("kind") not in LINK_KINDS:
         raise ValueError(f"{where}: kind must be one of {', '.join(LINK_KINDS)}, got {entry.get('kind')!r}")
-    if not isinstance(entry.get("note"), str) or not entry["note"].strip():
-        raise ValueError(f"{where}: note must say where the numbers come from")
+    note = _note(where, entry)
     return Link(
         latency_s=float(entry["latency_s"]),
         bandwidth_gbps=float(entry["bandwidth_gbps"]),
         source=CATALOG_SOURCE,
         name=name,
         kind=entry["kind"],
-        note=entry["note"],
+        note=note,
     )
 
 
@@ -96,28 +119,17 @@ GPU_NUMBERS = ("memory_gib", "default_price_usd_per_hour", "memory_bandwidth_gbp
 def load_gpus(path: str | Path | None = None) -> dict[str, Gpu]:
     """Every GPU of the catalog file (default: configs/gpus.yaml); links are checked against the
     default interconnect catalog."""
-    return dict(_read_gpus(str(Path(path or GPUS_PATH).resolve())))
+    return _load_catalog(path or GPUS_PATH, "GPU", _gpu)
 
 
 def gpu(name: str) -> Gpu:
     """One GPU of the default catalog; KeyError naming the known GPUs when `name` is not one."""
-    gpus = load_gpus()
-    if name not in gpus:
-        raise KeyError(unknown_name_message("GPU type", name, gpus))
-    return gpus[name]
+    return _named("GPU type", name, load_gpus())
 
 
 def gpu_catalog_listing() -> list[dict[str, object]]:
     """The body of GET /v1/catalog/gpus: every GPU as a dict (with its source), sorted by name."""
     return [asdict(entry) for _, entry in sorted(load_gpus().items())]
-
-
-@lru_cache(maxsize=8)
-def _read_gpus(path: str) -> dict[str, Gpu]:
-    entries = yaml.safe_load(Path(path).read_text())
-    if not isinstance(entries, dict) or not entries:
-        raise ValueError(f"{path}: expected a mapping of GPU names to entries")
-    return {str(name): _gpu(path, str(name), entry) for name, entry in entries.items()}
 
 
 def _gpu(path: str, name: str, entry: object) -> Gpu:
@@ -141,8 +153,7 @@ def _gpu(path: str, name: str, entry: object) -> Gpu:
             raise ValueError(f"{where}: intra_node_link: {unknown_name_message('interconnect', str(link), links)}")
         if links[link].kind == "inter_node":
             raise ValueError(f"{where}: intra_node_link '{link}' is an inter-node link")
-    if not isinstance(entry["note"], str) or not entry["note"].strip():
-        raise ValueError(f"{where}: note must say where the numbers come from")
+    note = _note(where, entry)
     return Gpu(
         name=name,
         memory_gib=float(entry["memory_gib"]),
@@ -150,5 +161,5 @@ def _gpu(path: str, name: str, entry: object) -> Gpu:
         intra_node_link=link,
         peak_bf16_tflops=None if bf16 is None else float(bf16),
         memory_bandwidth_gbps=float(entry["memory_bandwidth_gbps"]),
-        note=entry["note"],
+        note=note,
     )

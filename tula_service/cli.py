@@ -16,25 +16,27 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, get_args
 
 import httpx
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from models.data_roots import DATA_ROOTS_ENV, data_roots_from_env
-from tula_service.client import DEFAULT_URL, URL_ENV, TulaClient, TulaError
-from tula_service.db import JOB_STATES
+from models.data_roots import DATA_ROOTS_ENV
+from tula_service.client import CATALOG_KINDS, TulaClient, TulaError
+from tula_service.settings import environment
+from tula_service.db import ACTIVE_JOB_STATES, ACTIVE_POINT_STATES, JOB_STATES, TERMINAL_JOB_STATES
 from tula_service.schemas import JobView
+from tula_service.spec import Objective, PricingKind
+from tula_service.units import GIB, KIB, MIB, TIB
 
 EXIT_JOB_NOT_DONE = 1  # `submit --wait`: the job failed or was cancelled; `show`: the job failed
 EXIT_MISTAKE = 2  # a bad argument or file, a refusal by the server, a server that cannot be reached
 EXIT_WAIT_TIMEOUT = 124  # `submit --wait --timeout-s`: the job is still running (as timeout(1) exits)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_BROKEN_PIPE = 141  # stdout closed early, `tula ... | head -1` (128 + SIGPIPE, as `yes | head -1`)
-OBJECTIVES = ("knee", "min_time", "min_cost", "deadline", "budget")
-PRICING_KINDS = ("gpu_hour", "node_hour", "memory_gb_hour")
 HOURS_PER_UNIT = {"": 1.0, "s": 1 / 3600, "sec": 1 / 3600, "m": 1 / 60, "min": 1 / 60, "h": 1.0, "hr": 1.0, "d": 24.0}
 TOKEN_HINT = "pass the API token with --token TOKEN or in the TULA_TOKEN environment variable"
 
@@ -57,24 +59,26 @@ def duration_h(text: str) -> float:
     return hours
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"'{text}' must be at least 1")
-    return value
+Number = TypeVar("Number", int, float)
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"'{text}' must be greater than 0")
-    return value
+def positive(number: Callable[[str], Number]) -> Callable[[str], Number]:
+    """An argparse type: `positive(int)` takes a whole number >= 1, `positive(float)` a number > 0."""
+    noun, bound = ("a whole number", "at least 1") if number is int else ("a number", "greater than 0")
+
+    def parse(text: str) -> Number:
+        try:
+            value = number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not {noun}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"'{text}' must be {bound}")
+        return value
+
+    return parse
+
+
+positive_int, positive_float = positive(int), positive(float)
 
 
 # --- numbers for people: three significant digits in a unit chosen for the size (--json is exact) ---
@@ -103,7 +107,7 @@ def _scaled(value: float, units: tuple[tuple[float, str], ...]) -> str:
 
 def human_bytes(count: float) -> str:
     """6.5e6 -> 6.2 MiB; 2.4147e10 -> 22.5 GiB."""
-    return _scaled(count, ((1, "B"), (2**10, "KiB"), (2**20, "MiB"), (2**30, "GiB"), (2**40, "TiB")))
+    return _scaled(count, ((1, "B"), (KIB, "KiB"), (MIB, "MiB"), (GIB, "GiB"), (TIB, "TiB")))
 
 
 def human_bandwidth(gbit_per_s: float) -> str:
@@ -198,7 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"API docs:       {base}/docs", flush=True)
     print(f"Database:       {database_url}", flush=True)
     print(f"Executor:       {args.executor}", flush=True)
-    roots = data_roots_from_env()
+    roots = environment().data_roots
     print(f"Data roots:     {', '.join(roots) if roots else f'none: file datasets are refused (--data-root DIR allows one)'}", flush=True)
     print(f"Auth:           {auth}", flush=True)
     print(f"Allowed hosts:  {', '.join(allowed_hosts)}", flush=True)
@@ -483,7 +487,7 @@ def describe_job(job: JobView) -> str:
         f"  {job.model} on {job.dataset}; created {_when(job.created_at)}"
         + (f", finished {_when(job.finished_at)}" if job.finished_at else "") + " (UTC)",
     ]
-    if job.state in ("queued", "profiling", "fitting") and progress.step:
+    if job.state in ACTIVE_JOB_STATES and progress.step:
         lines.append(f"  now: {progress.step}")
     if job.error:
         lines.append(f"  error: {job.error}")
@@ -494,8 +498,8 @@ def describe_job(job: JobView) -> str:
             for p in job.points
         ]  # fmt: skip
         lines += ["", _table(["BATCH", "STATE", "ATTEMPTS", "DURATION", "ERROR"], rows)]
-    if job.state in ("done", "failed", "cancelled"):
-        groups = {"out of memory": ("oom",), "failed": ("failed",), "not measured": ("queued", "running", "cancelled")}
+    if job.state in TERMINAL_JOB_STATES:
+        groups = {"out of memory": ("oom",), "failed": ("failed",), "not measured": (*ACTIVE_POINT_STATES, "cancelled")}
         for title, states in groups.items():
             labels = [_point_label(p.kind, p.batch_size) for p in job.points if p.state in states]
             if labels:
@@ -660,7 +664,7 @@ def format_gpu_catalog(gpus: list[dict[str, Any]]) -> str:
         return "-" if value is None else shown(value)
 
     rows = [
-        [gpu["name"], unit(gpu.get("memory_gib"), lambda gib: human_bytes(gib * 2**30)),
+        [gpu["name"], unit(gpu.get("memory_gib"), lambda gib: human_bytes(gib * GIB)),
          unit(gpu.get("memory_bandwidth_gbps"), human_bandwidth),
          unit(gpu.get("peak_bf16_tflops"), lambda tflops: f"{human_number(tflops)} TFLOPS"),
          gpu.get("intra_node_link") or "-", unit(gpu.get("default_price_usd_per_hour"), lambda usd: f"{human_usd(usd)}/GPU-hour"),
@@ -756,8 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-type", help="GPU catalog name (`tula catalog gpus`)")
     plan.add_argument("--device-memory-gib", type=positive_float)
     plan.add_argument("--price", type=positive_float, help="USD per pricing unit")
-    plan.add_argument("--pricing-kind", choices=PRICING_KINDS)
-    plan.add_argument("--objective", choices=OBJECTIVES)
+    plan.add_argument("--pricing-kind", choices=get_args(PricingKind))
+    plan.add_argument("--objective", choices=get_args(Objective))
     plan.add_argument("--deadline", dest="deadline_h", type=duration_h, metavar="DURATION", help="4h, 90m, 2.5h, 1d, 3600s; a number is hours")
     plan.add_argument("--budget", type=positive_float, help="USD")
     plan.add_argument("--reference-epochs", type=positive_float, help="epochs the reference run needs (re-anchors E(B))")
@@ -773,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(func=func)
 
     catalog = sub.add_parser("catalog", parents=[client_options], help="list the models, datasets or GPUs the server knows")
-    catalog.add_argument("kind", choices=["models", "datasets", "gpus"])
+    catalog.add_argument("kind", choices=CATALOG_KINDS)
     catalog.add_argument("--json", action="store_true")
     catalog.set_defaults(func=_catalog)
 
@@ -792,7 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _server_url(args: argparse.Namespace) -> str:
-    return getattr(args, "server", None) or os.environ.get(URL_ENV) or DEFAULT_URL
+    return getattr(args, "server", None) or environment().url
 
 
 def _server_problem(error: TulaError, server: str) -> str:

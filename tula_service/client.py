@@ -12,7 +12,6 @@ response was lost is answered with the job the first attempt made, never a secon
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import uuid
@@ -23,14 +22,12 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
+from tula_service.db import TERMINAL_JOB_STATES
+from tula_service.settings import environment
 from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-URL_ENV = "TULA_URL"
-TOKEN_ENV = "TULA_TOKEN"
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_BACKOFF_S = 10.0
-TERMINAL_STATES = ("done", "failed", "cancelled")
 CATALOG_KINDS = ("models", "datasets", "gpus")
 
 
@@ -88,8 +85,9 @@ class TulaClient:
         backoff_s: float = 0.25,
         transport: httpx.BaseTransport | None = None,
     ):
-        self.base_url = (base_url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        env = environment()
+        self.base_url = (base_url or env.url).rstrip("/")
+        token = token if token is not None else env.token
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"User-Agent": "tula-client"}
@@ -194,7 +192,7 @@ class TulaClient:
             job = self.job(job_id)
             if on_progress:
                 on_progress(job)
-            if job.state in TERMINAL_STATES:
+            if job.state in TERMINAL_JOB_STATES:
                 return job
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job.state} after {timeout_s:g} s")

@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from tula_service.db import TERMINAL_JOB_STATES
 from tula_service.security import content_security_policy, inline_script_hashes
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -84,7 +85,8 @@ def new_job_page(request: Request) -> HTMLResponse:
 @router.get("/jobs/{job_id}")
 def job_page(request: Request, job_id: str) -> HTMLResponse:
     plots_csp = {"Content-Security-Policy": content_security_policy(inline_styles=True)}  # plotly.js styles its plots
-    return _page(request, "job.html", "Job", headers=plots_csp, job_id=job_id)
+    return _page(request, "job.html", "Job", headers=plots_csp, job_id=job_id,
+                 terminal_states=TERMINAL_JOB_STATES)  # the job page polls until the job is in one
 
 
 def _vendor_file(path: Path):

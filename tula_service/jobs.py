@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from models.data_roots import data_roots_from_env
 from tula_service import lifecycle
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
@@ -12,6 +11,7 @@ from tula_service.perfmodel import MemoryModel
 from tula_service.planner import GIB
 from tula_service.recommend import NotEnoughMeasurements, plan, usable_measurements
 from tula_service.reliability import points_to_retime
+from tula_service.settings import environment
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import ACTIVE_JOB_STATES, Store
 
@@ -31,7 +31,7 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
         "model_options": spec.model_options,
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
         "allowed_model_modules": allowed_model_modules(),
-        "data_roots": data_roots_from_env(),
+        "data_roots": environment().data_roots,
         "batch_size": batch_size,
         "warmup_iters": profiling.warmup_iters,
         "timed_iters": profiling.timed_iters,

@@ -24,8 +24,7 @@ import numpy as np
 from tula_service.knee import Knee, find_knee
 from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel
 from tula_service.perfmodel.overlap import OverlapModel
-
-GIB = 2**30
+from tula_service.units import GIB
 ACCUMULATION_STEPS = (1, 2, 4, 8)
 MEMORY_MARGIN = 0.05
 

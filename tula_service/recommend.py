@@ -17,7 +17,9 @@ from tula_service.advice import ags_config, batch_ramp, lr_rule, runner_ups, war
 from tula_service.fitting import fit_models
 from tula_service.knee import KNEE_METHODS
 from tula_service.maxbatch import bracket
-from tula_service.planner import ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, PlanInputs, choose, max_device_batch, sweep
+from tula_service.planner import (
+    ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, sweep,
+)  # fmt: skip
 from tula_service.reliability import assess, quieter
 from tula_service.spec import JobSpec, powers_of_two_between
 
@@ -105,6 +107,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "method_explained": KNEE_METHODS[knee.method],
             "sensitivity": knee.sensitivity,
             "curve": "pareto front: log2 total time vs log2 global batch",
+            "candidate": chosen,  # its index in candidates: a knee exists only under objective "knee", which picks it
         },
         "candidates": rows,
         "pareto_front": [i for i in range(len(rows)) if front[i]],
@@ -118,6 +121,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "memory_gib": {"value": spec.cluster.device_memory_gib, "source": spec.cluster.device_memory_source},
         },
         "models": report,
+        "curves": model_curves(models, report, spec, sorted(measured), oom_batches, max_batch, rows),
         "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(measurements)),
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],
@@ -132,6 +136,66 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "memory_limit": _measured_limit(sorted(measured), oom_batches),
             "failed": failed_points or [],
             "points": [_point_summary(m) for m in ok],
+        },
+    }
+
+
+CURVE_POINTS = 80  # per curve: smooth on a log axis, a few KB of JSON
+CURVE_DIGITS = 4  # significant digits of a curve's batches; the models are evaluated at the rounded batches
+
+
+def log_grid(low: float, high: float, points: int = CURVE_POINTS) -> np.ndarray:
+    """`points` batches evenly spaced in log from low to high (both included), to CURVE_DIGITS digits."""
+    return np.array([float(f"{batch:.{CURVE_DIGITS}g}") for batch in np.geomspace(low, high, points)])
+
+
+def model_curves(
+    models: FittedModels, report: dict[str, Any], spec: JobSpec, ok_batches: list[int], oom_batches: list[int],
+    max_batch: int, rows: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The fitted models evaluated for drawing, by the objects the sweep uses, so a curve cannot drift from the plan.
+
+    Each curve is parallel lists named with their unit, plus where the values come from (as a candidate's):
+    - iter_time: one device, T_iter(b) = T_comp(b) (no communication), and b / T_iter(b), over the profiled
+      batches +- 25%;
+    - memory: M(b) and the upper end of its 95% prediction interval (what the max batch must fit), up to
+      past the max batch and the out-of-memory batches;
+    - epochs: E(B) over the candidates' global batches, the reference and other runs and B_noise, 2x either side.
+    """
+    low, high = min(ok_batches) / 1.25, max(ok_batches) * 1.25
+    device_batch = log_grid(low, high)
+    iter_time_s = models.overlap.combine(models.compute.predict(device_batch), models.network.predict(1))
+    memory_batch = log_grid(low, max(high, 1.5 * max_batch, *(1.25 * b for b in oom_batches)))
+    _, memory_upper_bytes = models.memory.predict_interval(memory_batch)
+    efficiency = report["efficiency"]
+    noise_scale = [efficiency["noise_scale"]["value"]] if efficiency["noise_scale"] else []
+    around = [*(row["global_batch"] for row in rows), spec.training.reference_batch, *noise_scale,
+              *(run.batch for run in spec.training.other_runs)]  # fmt: skip
+    global_batch = log_grid(min(around) / 2, max(around) * 2)
+    return {
+        "iter_time": {
+            "device_batch": device_batch.tolist(),
+            "iter_time_s": iter_time_s.tolist(),
+            "samples_per_s": (device_batch / iter_time_s).tolist(),
+            "devices": 1,
+            "model": report["compute"]["name"],
+            "formula": report["compute"]["formula"],
+            "source": "predicted",
+            "rel_err": report["compute"]["leave_one_out"]["median_rel_err"],
+        },
+        "memory": {
+            "device_batch": memory_batch.tolist(),
+            "memory_bytes": models.memory.predict(memory_batch).tolist(),
+            "memory_upper_bytes": memory_upper_bytes.tolist(),
+            "formula": report["memory"]["formula"],
+            "source": "predicted",
+            "rel_err": report["memory"]["leave_one_out"]["median_rel_err"],
+        },
+        "epochs": {
+            "global_batch": global_batch.tolist(),
+            "epochs": models.epochs.predict(global_batch).tolist(),
+            "formula": efficiency["formula"],
+            "source": "assumed" if efficiency["source"] == "assumed" else "predicted",
         },
     }
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import ipaddress
-import os
 import re
 from collections.abc import Iterable
 
@@ -31,8 +30,8 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tula_service.problems import problem_response
+from tula_service.settings import ALLOWED_HOSTS_ENV, environment
 
-ALLOWED_HOSTS_ENV = "TULA_ALLOWED_HOSTS"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # What Starlette's TestClient sends: an app built in-process (tests, embedding) answers it too;
 # `tula serve` replaces this list with the bound address and the loopback names.
@@ -75,7 +74,7 @@ def host_pattern(host: str) -> str:
 
 
 def allowed_hosts_from_env() -> list[str]:
-    return [host.strip() for host in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if host.strip()]
+    return environment().allowed_hosts
 
 
 def served_hosts(bind_host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from models.data_roots import check_submitted_path, data_roots_from_env
+from models.data_roots import check_submitted_path
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from models.registry import (
     ALLOWED_MODULES_ENV,
@@ -23,6 +22,7 @@ from models.registry import (
     unknown_name_message,
     user_model_allowed,
 )
+from tula_service.settings import environment
 from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool
 from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors, validating_client_submission
 
@@ -33,7 +33,7 @@ BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH), BeforeValidator(reject_boo
 
 def allowed_model_modules() -> list[str]:
     """Module prefixes whose `module:factory` user models may be imported (it is code execution)."""
-    return [p.strip() for p in os.environ.get(ALLOWED_MODULES_ENV, "").split(",") if p.strip()]
+    return environment().allowed_model_modules
 
 
 def in_catalog(kind: str, name: str, catalog: dict[str, object]) -> str:
@@ -50,6 +50,11 @@ class _Strict(BaseModel):
 # (`cluster.gpu_type`). A what-if re-derives the catalog ones when it changes what they came from.
 ValueSource = Literal["spec", "catalog-assumed"]
 VALUE_SOURCES = ("spec", "catalog-assumed", None)
+
+# Choices of the spec that the CLI and the benchmarks offer too (typing.get_args lists them).
+Objective = Literal["knee", "min_time", "min_cost", "deadline", "budget"]
+PricingKind = Literal["gpu_hour", "node_hour", "memory_gb_hour"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 DATASET_FIELDS = DATASET_SPEC_FIELDS
@@ -96,7 +101,7 @@ class DatasetSpec(_Strict):
     @classmethod
     def _path_under_a_data_root(cls, path: str | None) -> str | None:
         """The worker reads `path`: only under the operator's data roots (models.data_roots)."""
-        problem = None if path is None else check_submitted_path(path, data_roots_from_env())
+        problem = None if path is None else check_submitted_path(path, environment().data_roots)
         if problem:
             raise ValueError(problem)
         return path
@@ -245,7 +250,7 @@ class ClusterSpec(_Strict):
 
 
 class PricingSpec(_Strict):
-    kind: Literal["gpu_hour", "node_hour", "memory_gb_hour"]
+    kind: PricingKind
     price: float | None = Field(
         None, gt=0, validate_default=True, description="USD per GPU-hour, per node-hour, or per GiB-hour of device "
         "memory used; kind gpu_hour with cluster.gpu_type defaults to the GPU catalog's price"
@@ -366,7 +371,7 @@ class ProfilingSpec(_Strict):
     grad_microbatches: int = Field(4, ge=2, le=64, description="k: the batch is split in k for the noise scale")
     grad_iters: int = Field(8, ge=0, le=1000, description="most iterations of gradient statistics per point "
                             "(fewer once |G|^2 and tr(Sigma) have settled, or the budget is spent)")
-    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision")
+    dtype: Precision = Field("fp32", description="autocast precision")
     channels_last: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     memory_limit_gib: float | None = Field(None, gt=0, description="emulate a device with this much memory")
@@ -416,7 +421,7 @@ class JobSpec(_Strict):
     )
     cluster: ClusterSpec
     pricing: PricingSpec
-    objective: Literal["knee", "min_time", "min_cost", "deadline", "budget"] = "knee"
+    objective: Objective = "knee"
     deadline_h: float | None = Field(None, gt=0, description="objective deadline: the cheapest plan finishing within")
     budget_usd: float | None = Field(None, gt=0, description="objective budget: the fastest plan costing at most")
     training: TrainingSpec

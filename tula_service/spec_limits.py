@@ -13,32 +13,18 @@ the user-code allowlist); the fixed ones are where a value stops meaning anythin
 
 from __future__ import annotations
 
-import os
+from tula_service.settings import environment
 
-MAX_BATCH_SIZES_ENV = "TULA_MAX_BATCH_SIZES"
-MAX_DEVICES_ENV = "TULA_MAX_DEVICES"
-DEFAULT_MAX_BATCH_SIZES = 64
-DEFAULT_MAX_DEVICES = 65_536
 MAX_BATCH = 2**24
 MAX_NUM_SAMPLES = 10**12
 
 
-def _env_limit(name: str, default: int) -> int:
-    """A positive integer from the environment; a bad value is the operator's error, said at once."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise RuntimeError(f"{name}={raw!r}: give a positive integer (default {default})")
-    return int(raw)
-
-
 def max_batch_sizes() -> int:
-    return _env_limit(MAX_BATCH_SIZES_ENV, DEFAULT_MAX_BATCH_SIZES)
+    return environment().max_batch_sizes
 
 
 def max_devices() -> int:
-    return _env_limit(MAX_DEVICES_ENV, DEFAULT_MAX_DEVICES)
+    return environment().max_devices
 
 
 def reject_bool(value: object) -> object:

@@ -17,12 +17,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, selectinload, sessionmaker
 
 from tula_service import lifecycle
-from tula_service.db import Job, Point, utcnow
+from tula_service.db import (
+    ACTIVE_JOB_STATES,
+    ACTIVE_POINT_STATES,
+    PROFILING_JOB_STATES,
+    TERMINAL_JOB_STATES,
+    TERMINAL_POINT_STATES,
+    Job,
+    Point,
+    utcnow,
+)
 from tula_service.spec import JobSpec
-
-TERMINAL_POINT_STATES = ("done", "oom", "failed", "cancelled")
-TERMINAL_JOB_STATES = ("done", "failed", "cancelled")
-ACTIVE_JOB_STATES = ("queued", "profiling", "fitting")
 
 
 class IdempotencyConflict(ValueError):
@@ -150,7 +155,7 @@ class Store:
             now = utcnow()
             session.execute(
                 update(Point)
-                .where(Point.job_id == job_id, Point.state.in_(("queued", "running")))
+                .where(Point.job_id == job_id, Point.state.in_(ACTIVE_POINT_STATES))
                 .values(state="cancelled", error="job cancelled", finished_at=now)
                 .execution_options(synchronize_session=False)  # callers get the points as they were running
             )
@@ -185,7 +190,7 @@ class Store:
             point = session.scalars(
                 select(Point)
                 .join(Job, Job.id == Point.job_id)
-                .where(Point.state == "queued", Job.state.in_(("queued", "profiling")))
+                .where(Point.state == "queued", Job.state.in_(PROFILING_JOB_STATES))
                 .order_by(Point.id)
                 .limit(1)
             ).one_or_none()
@@ -257,7 +262,7 @@ class Store:
                     select(func.count())
                     .select_from(Point)
                     .join(Job, Job.id == Point.job_id)
-                    .where(Point.state == "queued", Job.state.in_(("queued", "profiling")))
+                    .where(Point.state == "queued", Job.state.in_(PROFILING_JOB_STATES))
                 )
             )
 

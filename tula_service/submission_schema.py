@@ -30,9 +30,9 @@ import os
 import re
 from typing import Any
 
-from models.data_roots import data_roots_from_env
 from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
+from tula_service.settings import environment
 from tula_service.spec import allowed_model_modules
 from tula_service.spec_limits import max_batch_sizes
 
@@ -187,7 +187,7 @@ def _batch_sizes_schema(base: dict[str, Any]) -> dict[str, Any]:
 
 def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
     """The JobSubmission schema from the OpenAPI document's components (JobSpec and the ones it names)."""
-    roots, prefixes = data_roots_from_env(), allowed_model_modules()
+    roots, prefixes = environment().data_roots, allowed_model_modules()
     spec = copy.deepcopy(components["JobSpec"])
     properties = spec["properties"]
     gpus = sorted(load_gpus())

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from models.registry import is_user_ref
+from tula_service.settings import environment
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ def contract_request(spec: _CheckedSpec, allowed_model_modules: list[str]) -> di
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
         "seed": spec.profiling.seed,
         "allowed_model_modules": allowed_model_modules,
+        "data_roots": environment().data_roots,
     }
 
 

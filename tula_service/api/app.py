@@ -9,7 +9,6 @@ the Host allowlist and the security headers are tula_service.security; tokens ar
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from tula_service.executor import LocalExecutor, NoExecutor
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from tula_service.metrics import Metrics
 from tula_service.security import IN_PROCESS_ALLOWED_HOSTS, HostAllowlist, SecurityHeaders
+from tula_service.settings import environment
 from tula_service.spec import JobSpec
 from tula_service.specfile import load_spec_file
 from tula_service.store import Store
@@ -34,11 +34,10 @@ log = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray", "none")
 ROUTERS = (operations.router, catalog.router, jobs.router)  # a router per resource
-DATABASE_URL_ENV = "TULA_DATABASE_URL"
 
 
 def default_database_url() -> str:
-    return os.environ.get(DATABASE_URL_ENV) or "sqlite:///var/tula.db"
+    return environment().database_url
 
 
 @dataclass(frozen=True)

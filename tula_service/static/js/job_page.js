@@ -11,9 +11,9 @@ import { FieldError, WHAT_IF_ALIASES, fillWhatIf, whatIfRequest } from "./whatif
 
 const POLL_MS = 1000;
 const POINTS_PAGE = 500; // the most GET /v1/jobs/{id}/points gives at once
-const TERMINAL = new Set(["done", "failed", "cancelled"]);
 const $ = (id) => document.getElementById(id);
 const jobId = $("job-header").dataset.jobId;
+const TERMINAL = new Set($("job-header").dataset.terminalStates.split(" ")); // the server's, from the page shell
 const jobPath = `/v1/jobs/${encodeURIComponent(jobId)}`;
 const whatIfForm = $("what-if-form");
 const page = { job: null, stored: null, gpus: [] };

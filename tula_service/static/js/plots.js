@@ -1,7 +1,9 @@
 // Plotly figures of a recommendation (the API's JSON): pure functions from data to {data, layout}.
 // plotly.js is the copy shipped in the `plotly` Python package, loaded as the global `Plotly`.
+// The model curves are the server's (recommendation.curves, evaluated by the planner's own models):
+// nothing here evaluates a formula. A recommendation stored before it carried curves draws the
+// measurements alone.
 
-import { computeTimeS, epochs, logGrid, memoryBytes } from "./curves.js";
 import { formatDuration, formatPercent, formatUsd, significant } from "./format.js";
 
 const GIB = 2 ** 30;
@@ -50,14 +52,9 @@ export function draw(div, figure) {
   return Plotly.react(div, figure.data, figure.layout, CONFIG);
 }
 
-// The index of the knee candidate: at the knee's global batch, the fastest point of the front
-// (the rule of tula_service.planner.choose; the API names the knee by its global batch).
+// The index of the knee candidate, as the API names it (null without a knee, or in a plan stored before it did).
 export function kneeIndex(rec) {
-  if (!rec.knee) return null;
-  const atKnee = rec.pareto_front.filter((i) => rec.candidates[i].global_batch === rec.knee.global_batch);
-  if (!atKnee.length) return null;
-  return atKnee.reduce((best, i) =>
-    rec.candidates[i].total_time_s.value < rec.candidates[best].total_time_s.value ? i : best);
+  return rec.knee?.candidate ?? null;
 }
 
 // The unit of the time axis: hours, minutes or seconds, whichever suits the median candidate.
@@ -145,16 +142,16 @@ export function paretoFigure(rec) {
   };
 }
 
-function batchRange(rec) {
+// The x range of a curve: its first and last batch, or the measured batches' without a curve.
+function batchRange(rec, curve) {
+  if (curve) return [curve.device_batch[0], curve.device_batch.at(-1)];
   const batches = rec.profiled.points.map((p) => p.batch_size);
-  return [Math.min(...batches) / 1.25, Math.max(...batches) * 1.25];
+  return [Math.min(...batches), Math.max(...batches)];
 }
 
 export function iterTimeFigure(rec) {
   const points = rec.profiled.points;
-  const grid = logGrid(...batchRange(rec));
-  const fitted = computeTimeS(rec.models.compute, grid);
-  const loo = rec.models.compute.leave_one_out.median_rel_err;
+  const curve = rec.curves?.iter_time;
   const data = [{
     type: "scatter", mode: "markers", name: "measured (median, p10–p90)",
     x: points.map((p) => p.batch_size),
@@ -169,8 +166,8 @@ export function iterTimeFigure(rec) {
     hovertemplate: "batch %{x}: %{customdata[0]} median (measured)<br>%{customdata[1]} samples, CV %{customdata[2]}%%{customdata[3]}<extra></extra>",
     marker: { color: COLORS.measured, size: 9 },
   }];
-  if (fitted) {
-    data.push(line(`fitted: ${rec.models.compute.name} (LOO ±${formatPercent(loo)})`, grid, fitted,
+  if (curve) {
+    data.push(line(`fitted: ${curve.model} (LOO ±${formatPercent(curve.rel_err)})`, curve.device_batch, curve.iter_time_s,
       { line: { color: COLORS.fitted, width: 2 } }));
   }
   const layout = baseLayout("per-device batch", "iteration time (s)");
@@ -181,8 +178,7 @@ export function iterTimeFigure(rec) {
 export function throughputFigure(rec) {
   const points = rec.profiled.points;
   const unit = rec.batch_unit?.unit || "samples";
-  const grid = logGrid(...batchRange(rec));
-  const fitted = computeTimeS(rec.models.compute, grid);
+  const curve = rec.curves?.iter_time;
   const rate = (p, seconds) => p.batch_size / seconds;
   const data = [{
     type: "scatter", mode: "markers", name: "measured (from p90, median, p10 time)",
@@ -196,8 +192,8 @@ export function throughputFigure(rec) {
     hovertemplate: `batch %{x}: %{y:.4g} ${unit}/s (measured)<extra></extra>`,
     marker: { color: COLORS.measured, size: 9 },
   }];
-  if (fitted) {
-    data.push(line(`fitted: batch / T_comp(${rec.models.compute.name})`, grid, grid.map((b, i) => b / fitted[i]),
+  if (curve) {
+    data.push(line(`fitted: batch / T_comp(${curve.model})`, curve.device_batch, curve.samples_per_s,
       { line: { color: COLORS.fitted, width: 2 } }));
   }
   const layout = baseLayout("per-device batch", `throughput (${unit}/s per device)`);
@@ -210,9 +206,8 @@ export function memoryFigure(rec) {
   const capacityGib = rec.device.memory_gib.value;
   const margin = rec.search_space.memory_margin.value;
   const maxBatch = rec.search_space.max_device_batch.value;
-  const [low, high] = batchRange(rec);
-  const right = Math.max(high, maxBatch * 1.5, ...rec.profiled.oom_batches.map((b) => b * 1.25));
-  const grid = logGrid(low, right);
+  const curve = rec.curves?.memory;
+  const [low, right] = batchRange(rec, curve);
   const data = [
     {
       type: "scatter", mode: "markers", name: "measured peak",
@@ -220,8 +215,17 @@ export function memoryFigure(rec) {
       hovertemplate: "batch %{x}: %{y:.4g} GiB peak (measured)<extra></extra>",
       marker: { color: COLORS.measured, size: 9 },
     },
-    line(`fitted: M(b) = static + act × b (LOO ±${formatPercent(rec.models.memory.leave_one_out.median_rel_err)})`,
-      grid, memoryBytes(rec.models.memory, grid).map((bytes) => bytes / GIB), { line: { color: COLORS.fitted, width: 2 } }),
+  ];
+  if (curve) {
+    const toGib = (values) => values.map((bytes) => bytes / GIB);
+    data.push(line(`fitted: M(b) = static + act × b (LOO ±${formatPercent(curve.rel_err)})`, curve.device_batch,
+      toGib(curve.memory_bytes), { line: { color: COLORS.fitted, width: 2 } }));
+    if (curve.memory_upper_bytes.some((bytes, i) => bytes > curve.memory_bytes[i])) { // zero width: the same line
+      data.push(line("95% upper bound (what the max batch must fit)", curve.device_batch, toGib(curve.memory_upper_bytes),
+        { line: { color: COLORS.fitted, width: 1, dash: "dash" } }));
+    }
+  }
+  data.push(
     line(`device capacity ${significant(capacityGib)} GiB (${rec.device.memory_gib.source})`, [low, right],
       [capacityGib, capacityGib], { line: { color: COLORS.limit, width: 2 } }),
     line(`usable: ${significant(100 * (1 - margin))}% (margin assumed)`, [low, right],
@@ -231,7 +235,7 @@ export function memoryFigure(rec) {
       y: [Math.min(...points.map((p) => p.peak_bytes / GIB)) / 2, capacityGib * 1.5],
       line: { color: COLORS.note, width: 2, dash: "dot" }, hovertemplate: `max per-device batch ${maxBatch} (predicted)<extra></extra>`,
     },
-  ];
+  );
   if (rec.profiled.oom_batches.length) {
     data.push({
       type: "scatter", mode: "markers", name: "out of memory (measured)",
@@ -253,13 +257,13 @@ export function efficiencyFigure(rec, spec) {
   const candidateBatches = [...new Set(rec.candidates.map((row) => row.global_batch))].sort((a, b) => a - b);
   const epochsAt = new Map(rec.candidates.map((row) => [row.global_batch, row.epochs]));
   const noise = efficiency.noise_scale;
-  const low = Math.min(candidateBatches[0], training.reference_batch, noise ? noise.value : Infinity) / 2;
-  const high = Math.max(candidateBatches.at(-1), training.reference_batch, noise ? noise.value : 0) * 2;
-  const grid = logGrid(low, high);
-  const curve = epochs(efficiency, training, grid);
-  const label = efficiency.source === "fitted" ? "fitted: E(B) = E_min (1 + B / B_noise)" : "assumed: E(B) = E_ref max(1, B / B_ref)";
+  const curve = rec.curves?.epochs;
+  const x = curve ? curve.global_batch : [...candidateBatches, training.reference_batch];
+  const y = curve ? curve.epochs : [...candidateBatches.map((B) => epochsAt.get(B).value), training.reference_epochs];
+  const [low, high] = [Math.min(...x), Math.max(...x)];
+  const label = curve?.source === "assumed" ? "assumed: E(B) = E_ref max(1, B / B_ref)" : "fitted: E(B) = E_min (1 + B / B_noise)";
   const data = [
-    line(label, grid, curve, { line: { color: COLORS.fitted, width: 2 } }),
+    ...(curve ? [line(label, curve.global_batch, curve.epochs, { line: { color: COLORS.fitted, width: 2 } })] : []),
     {
       type: "scatter", mode: "markers", name: `candidates' global batches (${epochsAt.get(candidateBatches[0]).source})`,
       x: candidateBatches, y: candidateBatches.map((B) => epochsAt.get(B).value),
@@ -274,8 +278,8 @@ export function efficiencyFigure(rec, spec) {
       hovertemplate: "chosen: batch %{x}, %{y:.4g} epochs<extra></extra>", marker: { color: COLORS.limit, size: 14, symbol: "star" },
     },
   ];
-  const top = Math.max(...curve) * 1.05;
-  const bottom = Math.min(...curve) * 0.95;
+  const top = Math.max(...y) * 1.05;
+  const bottom = Math.min(...y) * 0.95;
   const shapes = [];
   const others = training.other_runs || [];
   if (others.length) {
@@ -285,8 +289,7 @@ export function efficiencyFigure(rec, spec) {
     });
   }
   if (noise) {
-    // the interval of B_noise (efficiency_evidence.py); for the initial weights' estimate, 2 standard errors
-    const [bandLow, bandHigh] = noise.interval || (noise.stderr ? [noise.value - 2 * noise.stderr, noise.value + 2 * noise.stderr] : [noise.value, noise.value]);
+    const [bandLow, bandHigh] = noise.interval || [noise.value, noise.value]; // the interval efficiency_evidence.py gives
     const range = bandHigh > bandLow ? ` [${significant(bandLow)}, ${significant(bandHigh)}]` : "";
     const from = noise.evidence ? `, from the ${noise.evidence.replace("_", " ")}` : "";
     data.push({
