@@ -7,11 +7,14 @@ the newest revision at start-up, so a server never runs against a schema it does
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
+
+if TYPE_CHECKING:
+    from tula_service.spec import JobSpec
 
 # A job or point is active until it reaches a terminal state. A job takes its points while queued or
 # profiling, then fits them; a point whose worker died goes from running back to queued.
@@ -52,6 +55,17 @@ class Job(Base):
     points: Mapped[list[Point]] = relationship(
         back_populates="job", order_by="Point.id", cascade="all, delete-orphan", passive_deletes=True
     )
+
+    @property
+    def parsed_spec(self) -> JobSpec:
+        """The stored spec, parsed once per loaded job (JobSpec.stored: the submission's allowlist and
+        data-root decisions hold)."""
+        parsed = self.__dict__.get("_parsed_spec")
+        if parsed is None:
+            from tula_service.spec import JobSpec  # the spec's validators are a layer above storage
+
+            parsed = self.__dict__["_parsed_spec"] = JobSpec.stored(self.spec)
+        return parsed
 
 
 class Point(Base):

@@ -42,7 +42,6 @@ from typing import Any
 from tula_service import lifecycle
 from tula_service.db import Job, Point
 from tula_service.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request
-from tula_service.spec import JobSpec
 from tula_service.store import Store
 
 STDERR_TAIL_CHARS = 2000
@@ -75,13 +74,13 @@ def point_command(python: str, job: Job, point: Point) -> list[str]:
     """The child's command line, without `--out FILE` (the runner adds it)."""
     if point.kind == "comm":
         return [python, "-m", "profiler.comm", *comm_command_args(job)]
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.parsed_spec
     request = pilot_request(spec) if point.kind == "pilot" else point_request(spec, point.batch_size)
     return [python, "-m", "profiler.run_point", "--request", json.dumps(request)]
 
 
 def point_timeout_s(job: Job) -> float:
-    return JobSpec.model_validate(job.spec).profiling.timeout_s
+    return job.parsed_spec.profiling.timeout_s
 
 
 def kill_group(pid: int) -> None:
@@ -355,7 +354,7 @@ def record_outcome(store: Store, point_id: int, outcome: Outcome, on_finished: C
     if point is None or point.state != "running":
         return "dropped"
     job = store.get_job(point.job_id)
-    max_attempts = JobSpec.model_validate(job.spec).profiling.max_attempts
+    max_attempts = job.parsed_spec.profiling.max_attempts
     if outcome.worker_died and point.attempts < max_attempts:
         written = store.retry_point(point_id, f"attempt {point.attempts} on {outcome.worker}: {outcome.error}")
         if written:

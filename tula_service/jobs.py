@@ -97,7 +97,7 @@ def advance(store: Store, job_id: str) -> bool:
     job = store.get_job(job_id)
     if job is None or job.state not in ACTIVE_JOB_STATES:
         return False
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.parsed_spec
     if spec.profiling.search_max_batch:
         ok, oom = usable_measurements(plan_inputs(job)[0])
         probes_done = sum(p.kind == "search" for p in job.points)
@@ -144,7 +144,7 @@ def failed_points_text(failed: list[dict]) -> str:
 
 def finish_job(store: Store, job: Job) -> None:
     store.set_job_state(job.id, "fitting")
-    spec = JobSpec.model_validate(job.spec)
+    spec = job.parsed_spec
     measurements, failed = plan_inputs(job)
     try:
         recommendation = plan(spec, measurements, failed)

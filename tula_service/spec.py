@@ -65,10 +65,22 @@ def _field_error(field: str, message: str, error_type: str = "dataset_field") ->
     return field_errors([((field,), message)], error_type)
 
 
-def _known_or_allowed_dataset(name: str) -> str:
+# Validation context of a spec the server already accepted (JobSpec.stored): the decisions taken at its
+# submission (user code allowlisted and checked, file paths under a data root) hold; they are not taken
+# again against today's allowlist and data roots, so narrowing those fails no stored job's parse. A worker
+# still refuses a module that is no longer allowlisted, or a path outside today's roots: the point fails
+# with that reason, as data.
+STORED = "stored"
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get(STORED))
+
+
+def _known_or_allowed_dataset(name: str, info: ValidationInfo) -> str:
     if not is_user_ref(name):
         return in_catalog("dataset", name, DATASETS)
-    if not user_model_allowed(name, allowed_model_modules()):
+    if not _stored(info) and not user_model_allowed(name, allowed_model_modules()):
         raise ValueError(not_allowlisted_message("dataset", name))
     return name
 
@@ -99,9 +111,9 @@ class DatasetSpec(_Strict):
 
     @field_validator("path")
     @classmethod
-    def _path_under_a_data_root(cls, path: str | None) -> str | None:
+    def _path_under_a_data_root(cls, path: str | None, info: ValidationInfo) -> str | None:
         """The worker reads `path`: only under the operator's data roots (models.data_roots)."""
-        problem = None if path is None else check_submitted_path(path, environment().data_roots)
+        problem = None if path is None or _stored(info) else check_submitted_path(path, environment().data_roots)
         if problem:
             raise ValueError(problem)
         return path
@@ -451,11 +463,11 @@ class JobSpec(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _known_or_allowed_model(cls, name: str) -> str:
+    def _known_or_allowed_model(cls, name: str, info: ValidationInfo) -> str:
         if not is_user_model_ref(name):
             return in_catalog("model", name, MODELS)
         allowed = allowed_model_modules()
-        if not user_model_allowed(name, allowed):
+        if not _stored(info) and not user_model_allowed(name, allowed):
             module = name.split(":", 1)[0]
             raise ValueError(
                 f"user model module '{module}' is not allowlisted (importing it runs its code); the server "
@@ -523,8 +535,16 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _user_code_meets_the_contract(self) -> JobSpec:
+    def _user_code_meets_the_contract(self, info: ValidationInfo) -> JobSpec:
+        if _stored(info):  # checked at submission (user_code_check says how)
+            return self
         return check_user_code(self, allowed_model_modules())  # a child process; catalog-only specs skip it
+
+    @classmethod
+    def stored(cls, data: dict[str, object]) -> JobSpec:
+        """A spec the server accepted before, parsed again (see STORED): its shape and the rules between
+        its fields are checked, the allowlist and data-root decisions of its submission are kept."""
+        return cls.model_validate(data, context={STORED: True})
 
     def measures_communication(self) -> bool:
         if self.profiling.measure_comm is None:

@@ -145,14 +145,15 @@ def _merged_pricing(stored: dict[str, Any], overrides: dict[str, Any], gpu_chang
 
 
 def merged_spec(stored_spec: dict[str, Any], what_if: WhatIf) -> JobSpec:
-    """The stored spec with the what-if applied, validated like a new submission."""
+    """The stored spec with the what-if applied, validated like a new submission but for the allowlist and
+    data-root decisions of the stored spec's submission, which hold (JobSpec.stored)."""
     spec, given = copy.deepcopy(stored_spec), what_if.given()
     cluster_overrides, pricing_overrides = given.pop("cluster", None) or {}, given.pop("pricing", None) or {}
     gpu_changed = "gpu_type" in cluster_overrides and cluster_overrides["gpu_type"] != spec["cluster"].get("gpu_type")
     spec["cluster"] = _merged_cluster(spec["cluster"], cluster_overrides, gpu_changed)
     spec["pricing"] = _merged_pricing(spec["pricing"], pricing_overrides, gpu_changed)
     spec["training"] = {**spec["training"], **(given.pop("training", None) or {})}
-    return JobSpec.model_validate({**spec, **given})
+    return JobSpec.stored({**spec, **given})
 
 
 def replan(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], what_if: WhatIf, failed_points=None) -> dict[str, Any]:
