@@ -29,10 +29,17 @@ run; over its second half; the geometric mean or median of pooled bins; the prog
 other parts of the run, the whole run included; the finite-data factor D / (D - 1 - B) applied on top; the
 power-law trend read at other fractions of the run; pilot-like prefixes of the run) and, for Adam/AdamW,
 from the raw and the preconditioned statistics; and every batch is tried as the reference (the service's
-estimator against the geometric mean of bins).
+estimator against the geometric mean of bins). What the ground truth allows (truth_floor): the best single
+B_noise for this code path and its error, the reference run's epochs against the curve fitted to every batch,
+and that curve's own error.
+
+--momentum-ablation [TASK ...]: the CPU SGD tasks trained again with --momentum (default 0, plain SGD; the LR grid
+moved to the same effective LR lr / (1 - beta)), against their ground truth (momentum 0.9): does momentum, which
+the gradient statistics do not see, set the critical batch? (momentum_ablation; minutes per task, nothing else runs.)
 
 Run:  .venv/bin/python benchmarks/statistical_efficiency.py [--quick] [--out docs/validation/statistical_efficiency]
           [--regenerate-ground-truth [--workers 2]]
+      .venv/bin/python benchmarks/statistical_efficiency.py --momentum-ablation [TASK ...] [--momentum 0]
 (--quick: the same evaluation on the cached ground truth into a temporary folder; seconds.)
 Last line:  statistical_efficiency: tasks=N median_epochs_err_pct=X worst_task_epochs_err_pct=Y max_regret=Z cbs_ratio_max=W
 """
@@ -284,6 +291,23 @@ def cbs_ratio(predicted: float, fitted: float) -> float:
     return max(predicted / fitted, fitted / predicted)
 
 
+def truth_floor(task: Task, truth_fit: dict[str, Any]) -> dict[str, float]:
+    """What the ground truth lets any B_noise reach on this code path (E_min from the reference run's epochs):
+    the best single B_noise (least median |epochs error|, searched on a log grid from 1 to 10^3 x the largest
+    batch) and its error; how far the reference run's own epochs sit off the curve fitted to every batch; and
+    that fitted curve's own median |error| (the truth's scatter about E_min (1 + B / B_noise))."""
+    ref = task.reference_batch
+    grid = np.geomspace(1.0, 1e3 * max(task.epochs), 2000)
+    errors = [median_abs(epochs_errors_pct(task, lambda b: float(EpochModel(ref, task.epochs[ref], g).predict(b)), ref)) for g in grid]
+    best = int(np.argmin(errors))
+    fitted = lambda b: truth_fit["min_epochs"] * (1 + b / truth_fit["noise_scale"])  # noqa: E731
+    return {
+        "best_noise_scale": float(grid[best]), "best_median_abs_epochs_err_pct": float(errors[best]),
+        "reference_off_fitted_curve_pct": 100.0 * (task.epochs[ref] / fitted(ref) - 1.0),
+        "fitted_curve_median_abs_epochs_err_pct": median_abs(epochs_errors_pct(task, fitted, ref)),
+    }  # fmt: skip
+
+
 def evaluate(task: Task) -> dict[str, Any]:
     ref = task.reference_batch
     model, report = service_model(task, ref)
@@ -306,6 +330,7 @@ def evaluate(task: Task) -> dict[str, Any]:
         "cbs_fitted_to_truth": truth_fit["noise_scale"], "cbs_fit_rms_log_error": truth_fit["rms_log_error"],
         "cbs_fit_lower_bound": truth_fit["lower_bound"],
         "cbs_ratio": cbs_ratio(noise, truth_fit["noise_scale"]),
+        "truth_floor": truth_floor(task, truth_fit),
         "regret": regret(task, lambda b: float(model.predict(b))),
         "perfect_scaling": perfect_scaling(task, ref),
         "alternatives": {},
@@ -359,6 +384,84 @@ def summary_line(results: list[dict[str, Any]]) -> str:
         f"worst_task_epochs_err_pct={max(errors):.1f} max_regret={max(r['regret']['regret'] for r in results):.2f} "
         f"cbs_ratio_max={max(r['cbs_ratio'] for r in results):.2f}"
     )
+
+
+# -- momentum ablation ------------------------------------------------------------------------------------------
+
+
+def ablation_lr_scale(truth_momentum: float, momentum: float) -> float:
+    """The factor on the LR grid that keeps the effective LR lr / (1 - beta) of heavy-ball SGD where the ground
+    truth's grid had it: (1 - momentum) / (1 - truth_momentum) (10 for plain SGD against momentum 0.9)."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    return (1.0 - momentum) / (1.0 - truth_momentum)
+
+
+def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path | None = None) -> list[dict[str, Any]]:
+    """Does momentum set the critical batch? Each named SGD task of benchmarks/efficiency_tasks.py trained again at
+    every batch of its grid as its ground truth was (efficiency_tasks.measure_batch: LR tuned on seed 0, the grid
+    extended past a winning edge, the same seeds, target and warm-up), with momentum `momentum` instead of
+    efficiency_tasks.MOMENTUM and the LR grid moved by ablation_lr_scale. Reported per task: steps to the target
+    per batch against the ground truth's, the critical batch fitted to each, and the service's B_noise read from the
+    new reference run with its median |epochs error| on the new epochs. Runs in this process, one torch thread
+    (efficiency_tasks.MOMENTUM is set for the duration and restored); minutes per task."""
+    import dataclasses
+
+    import efficiency_tasks
+
+    specs = [efficiency_tasks.TASKS[name] for name in names]
+    not_sgd = [spec.optimizer for spec in specs if spec.optimizer != "sgd"]
+    if not_sgd:
+        raise ValueError(f"the momentum ablation takes SGD tasks; got optimizer(s) {not_sgd}")
+    truth = {t.name: t for t in cpu_tasks(truth_path or DEFAULT_OUT / "ground_truth.json")}
+    truth_momentum = efficiency_tasks.MOMENTUM
+    scale = ablation_lr_scale(truth_momentum, momentum)
+    results = []
+    try:
+        efficiency_tasks.MOMENTUM = momentum
+        for name, spec in zip(names, specs):
+            scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * scale)
+            rows = {b: efficiency_tasks.measure_batch({"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches}
+            results.append(_ablation_result(truth[name], rows, momentum, truth_momentum))
+    finally:
+        efficiency_tasks.MOMENTUM = truth_momentum
+    return results
+
+
+def _ablation_result(base: Task, rows: dict[int, dict[str, Any]], momentum: float, truth_momentum: float) -> dict[str, Any]:
+    reached = {b: row for b, row in rows.items() if row["epochs"] is not None and math.isfinite(row["epochs"])}
+    ablated = Task(
+        name=f"{base.name} (momentum {momentum:g})", source="cpu", dataset_size=base.dataset_size, optimizer="sgd",
+        reference_batch=base.reference_batch, target=base.target, epochs={b: float(row["epochs"]) for b, row in reached.items()},
+        epochs_range={b: (float(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
+        seconds_per_epoch={}, trajectories={b: row["trajectory"] for b, row in rows.items()},
+    )  # fmt: skip
+    ref = base.reference_batch
+    model, report = service_model(ablated, ref)
+    truth_model, truth_report = service_model(base, ref)
+    steps = lambda task, b: task.epochs[b] * task.dataset_size / b  # noqa: E731
+    return {
+        "task": base.name, "momentum": momentum, "truth_momentum": truth_momentum,
+        "steps": {str(b): steps(ablated, b) for b in sorted(ablated.epochs)},
+        "truth_steps": {str(b): steps(base, b) for b in sorted(base.epochs)},
+        "steps_ratio": {str(b): steps(ablated, b) / steps(base, b) for b in sorted(ablated.epochs) if b in base.epochs},
+        "did_not_reach": sorted(set(rows) - set(reached)),
+        "lr": {str(b): row["lr"] for b, row in sorted(rows.items())},
+        "fitted_cbs": fit_epochs_to_runs(list(ablated.epochs), list(ablated.epochs.values()))["noise_scale"],
+        "truth_fitted_cbs": fit_epochs_to_runs(list(base.epochs), list(base.epochs.values()))["noise_scale"],
+        "noise_scale": report["noise_scale"]["value"], "truth_noise_scale": truth_report["noise_scale"]["value"],
+        "median_abs_epochs_err_pct": median_abs(epochs_errors_pct(ablated, lambda b: float(model.predict(b)), ref)),
+        "truth_median_abs_epochs_err_pct": median_abs(epochs_errors_pct(base, lambda b: float(truth_model.predict(b)), ref)),
+    }  # fmt: skip
+
+
+def ablation_summary(results: list[dict[str, Any]]) -> str:
+    cells = " ".join(
+        f"{r['task']}:cbs={r['fitted_cbs']:.3g}/{r['truth_fitted_cbs']:.3g},B_noise={r['noise_scale']:.3g}/{r['truth_noise_scale']:.3g},"
+        f"err={r['median_abs_epochs_err_pct']:.1f}/{r['truth_median_abs_epochs_err_pct']:.1f}"
+        for r in results
+    )  # fmt: skip
+    return f"momentum_ablation: momentum={results[0]['momentum']:g}/{results[0]['truth_momentum']:g} {cells}" if results else "momentum_ablation: no tasks"
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -424,6 +527,17 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
               "Adam/AdamW, unless the name says raw); the service takes the progress-weighted mean over the second half of "
               "the run, and extrapolates a trend when the records stop early.", ""]  # fmt: skip
     lines += alternatives_table(results)
+    lines += ["", "### What the ground truth allows", "",
+              "The best single B_noise for this code path (E_min from the reference run's epochs; searched, so an upper "
+              "bound on what any estimator can reach), the reference run's epochs against the curve E_min (1 + B / B_noise) "
+              "fitted to every batch, and that fitted curve's own median abs error (the truth's scatter about the form).", "",
+              "| task | B_noise read | best B_noise (x read) | its median abs epochs err % | E_ref off the fitted curve % | "
+              "fitted curve: median abs err %, rms log |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        floor = r["truth_floor"]
+        lines.append(f"| {r['task']} | {r['noise_scale']:.4g} | {floor['best_noise_scale']:.4g} ({floor['best_noise_scale'] / r['noise_scale']:.2f}) | "
+                     f"{floor['best_median_abs_epochs_err_pct']:.1f} | {floor['reference_off_fitted_curve_pct']:+.1f} | "
+                     f"{floor['fitted_curve_median_abs_epochs_err_pct']:.1f}, {r['cbs_fit_rms_log_error']:.3f} |")  # fmt: skip
     lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam)", "",
               "max_lr = the largest LR that reached the target anywhere in the ground truth's LR sweeps (what a user's sweep finds).", "",
               "| task | reference LR | max_lr | g | median abs epochs err %: without, with | regret: without, with |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -462,10 +576,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--regenerate-ground-truth", action="store_true", help="train the CPU tasks again (about 30 minutes)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--traces", type=Path, default=None, help="the pollux-traces folder (default: ../shared/data/pollux-traces)")
+    parser.add_argument("--momentum-ablation", nargs="*", metavar="TASK", default=None,
+                        help="train the named SGD tasks again with --momentum (default: every SGD task; minutes each) and "
+                             "compare with the ground truth, into OUT/momentum_ablation.json; nothing else runs")  # fmt: skip
+    parser.add_argument("--momentum", type=float, default=0.0, help="the momentum of the ablation (default 0: plain SGD)")
     args = parser.parse_args(argv)
-    out = Path(tempfile.mkdtemp(prefix="statistical-efficiency-")) if args.quick else args.out
+    out = Path(tempfile.mkdtemp(prefix="statistical-efficiency-")) if args.quick or args.momentum_ablation is not None else args.out
     out.mkdir(parents=True, exist_ok=True)
     truth_path = args.ground_truth or (DEFAULT_OUT / "ground_truth.json")
+    if args.momentum_ablation is not None:
+        from efficiency_tasks import TASKS
+
+        names = args.momentum_ablation or [name for name, task in TASKS.items() if task.optimizer == "sgd"]
+        ablation = momentum_ablation(names, args.momentum, truth_path)
+        (out / "momentum_ablation.json").write_text(json.dumps(ablation, indent=1, default=float))
+        for r in ablation:
+            print(f"  {r['task']:18s} steps ratio (momentum {r['momentum']:g} / {r['truth_momentum']:g}) per batch: "
+                  + " ".join(f"{b}:{v:.2f}" for b, v in r["steps_ratio"].items())
+                  + (f"; did not reach at {r['did_not_reach']}" if r["did_not_reach"] else ""), file=sys.stderr)  # fmt: skip
+        print(f"report: {out / 'momentum_ablation.json'}", file=sys.stderr)
+        print(ablation_summary(ablation))
+        return 0
     if args.regenerate_ground_truth:
         from efficiency_tasks import TASKS, generate_ground_truth
 

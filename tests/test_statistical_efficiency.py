@@ -49,6 +49,28 @@ def test_a_noise_scale_off_by_4x_shows_in_every_score():
     assert result["median_abs_epochs_err_pct"] > 50
 
 
+def test_the_truth_floor_of_an_exact_truth_is_its_own_noise_scale_with_no_error():
+    floor = se.evaluate(synthetic_task(noise_scale=400.0))["truth_floor"]
+    assert floor["best_noise_scale"] == pytest.approx(400.0, rel=0.01)
+    assert floor["best_median_abs_epochs_err_pct"] < 0.1 and floor["fitted_curve_median_abs_epochs_err_pct"] < 0.1
+    assert floor["reference_off_fitted_curve_pct"] == pytest.approx(0.0, abs=0.01)
+
+
+def test_the_truth_floor_shows_a_reference_run_off_the_curve():
+    task = synthetic_task()
+    task.epochs[32] *= 1.2  # the reference run's epochs 20% above the curve every other batch lies on
+    floor = se.evaluate(task)["truth_floor"]
+    assert floor["reference_off_fitted_curve_pct"] > 10 and floor["best_median_abs_epochs_err_pct"] > 1
+
+
+def test_the_momentum_ablation_keeps_the_effective_lr_and_takes_sgd_tasks_only():
+    assert se.ablation_lr_scale(0.9, 0.0) == pytest.approx(10.0) and se.ablation_lr_scale(0.9, 0.9) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="momentum must be in"):
+        se.ablation_lr_scale(0.9, 1.0)
+    with pytest.raises(ValueError, match="SGD tasks"):
+        se.momentum_ablation(["mnist1d_cnn1d_adam"])
+
+
 def test_the_summary_line_takes_medians_and_worsts():
     results = [{"median_abs_epochs_err_pct": e, "regret": {"regret": r}, "cbs_ratio": c}
                for e, r, c in ((5.0, 1.0, 1.2), (15.0, 1.3, 2.0), (10.0, 1.05, 1.1))]  # fmt: skip

@@ -150,14 +150,32 @@ class Choice:
     constraint: dict | None = None  # deadline/budget: {"kind", "limit", "met", "message"}
 
 
-def _fastest(time_s: np.ndarray, cost_usd: np.ndarray, allowed: np.ndarray | None = None) -> int:
-    order = np.lexsort((cost_usd, time_s))
+# What each objective ranks candidates by, ties broken by the other: "time" (then cost), "cost" (then
+# time), or "knee" (the Pareto front's knee). deadline and budget rank as cost and time do, among the
+# candidates within their limit. choose() and ranking() both read it: an objective is defined here once.
+OBJECTIVE_RANKS_BY = {"min_time": "time", "budget": "time", "min_cost": "cost", "deadline": "cost", "knee": "knee"}
+OBJECTIVE_LIMITS = {"deadline": "deadline_h", "budget": "budget_usd"}  # the spec field each constraint is in
+
+
+def _order(time_s: np.ndarray, cost_usd: np.ndarray, ranks_by: str) -> np.ndarray:
+    """Candidate indices, best first, by "time" (then cost) or "cost" (then time)."""
+    return np.lexsort((cost_usd, time_s)) if ranks_by == "time" else np.lexsort((time_s, cost_usd))
+
+
+def _best(time_s: np.ndarray, cost_usd: np.ndarray, ranks_by: str, allowed: np.ndarray | None = None) -> int:
+    order = _order(time_s, cost_usd, ranks_by)
     return int(order[0] if allowed is None else order[allowed[order]][0])
 
 
-def _cheapest(time_s: np.ndarray, cost_usd: np.ndarray, allowed: np.ndarray | None = None) -> int:
-    order = np.lexsort((time_s, cost_usd))
-    return int(order[0] if allowed is None else order[allowed[order]][0])
+def ranking(candidates: dict[str, np.ndarray], objective: str, front: np.ndarray, chosen_global_batch: float) -> np.ndarray:
+    """Every candidate from best to worst for the objective (the runner-ups): by OBJECTIVE_RANKS_BY; for
+    the knee, the front's points nearest the chosen batch (in log2) first."""
+    time_s, cost = candidates["total_time_s"], candidates["cost_usd"]
+    ranks_by = OBJECTIVE_RANKS_BY[objective]
+    if ranks_by != "knee":
+        return _order(time_s, cost, ranks_by)
+    distance = np.abs(np.log2(candidates["global_batch"]) - np.log2(chosen_global_batch))
+    return np.lexsort((time_s, distance, ~front))
 
 
 def choose(
@@ -173,14 +191,13 @@ def choose(
     """
     time_s, cost = candidates["total_time_s"], candidates["cost_usd"]
     front = pareto_mask(time_s, cost)
-    if objective == "min_time":
-        return Choice(_fastest(time_s, cost), front)
-    if objective == "min_cost":
-        return Choice(_cheapest(time_s, cost), front)
+    ranks_by = OBJECTIVE_RANKS_BY[objective]
     if objective == "deadline":
         return _within(time_s / 3600.0, deadline_h, "deadline", time_s, cost, front)
     if objective == "budget":
         return _within(cost, budget_usd, "budget", time_s, cost, front)
+    if ranks_by != "knee":
+        return Choice(_best(time_s, cost, ranks_by), front)
     knee = find_knee(candidates["global_batch"][front], time_s[front])
     at_knee = np.flatnonzero(front & (candidates["global_batch"] == knee.global_batch))
     return Choice(int(at_knee[np.argmin(time_s[at_knee])]), front, knee)
@@ -189,11 +206,12 @@ def choose(
 def _within(value: np.ndarray, limit: float, kind: str, time_s, cost, front) -> Choice:
     allowed = value <= limit
     unit = "h" if kind == "deadline" else "USD"
+    ranks_by = OBJECTIVE_RANKS_BY[kind]
     if allowed.any():
-        index = _cheapest(time_s, cost, allowed) if kind == "deadline" else _fastest(time_s, cost, allowed)
+        index = _best(time_s, cost, ranks_by, allowed)
         message = f"meets the {kind} of {limit:g} {unit} ({value[index]:.3g} {unit})"
         return Choice(index, front, constraint={"kind": kind, "limit": limit, "met": True, "message": message})
-    index = _fastest(time_s, cost) if kind == "deadline" else _cheapest(time_s, cost)
+    index = _best(time_s, cost, "time" if ranks_by == "cost" else "cost")  # the closest to the limit
     closest = "fastest" if kind == "deadline" else "cheapest"
     verb = "finishes within" if kind == "deadline" else "costs at most"
     message = f"no configuration {verb} {limit:g} {unit}; the {closest} needs {value[index]:.3g} {unit}"

@@ -18,7 +18,7 @@ from tula_service.fitting import fit_models
 from tula_service.knee import KNEE_METHODS
 from tula_service.maxbatch import bracket
 from tula_service.planner import (
-    ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, sweep,
+    ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, ranking, sweep,
 )  # fmt: skip
 from tula_service.reliability import assess, quieter
 from tula_service.spec import JobSpec, powers_of_two_between
@@ -96,7 +96,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "batch_ramp": batch_ramp(rows[chosen], noise_scale, int(inputs.device_batches.min()), max_batch),
             "ags": ags_config(rows[chosen]["global_batch"], spec, noise_scale, variability),
         },
-        "runner_ups": runner_ups(rows, chosen, _objective_order(candidates, spec.objective, front, rows[chosen])),
+        "runner_ups": runner_ups(rows, chosen, ranking(candidates, spec.objective, front, rows[chosen]["global_batch"])),
         "batch_unit": {"unit": "sequences" if tokens_per_sample else "samples", "tokens_per_sample": tokens_per_sample},
         "chosen": rows[chosen],
         "knee": None
@@ -220,17 +220,6 @@ def measured_variability(spec: JobSpec, ok: list[dict[str, Any]], pilot: dict[st
             return {"values": values, "source": source}
     values = [(v, m["gradient"]["batch"]) for m in ok if m.get("gradient") for v in m["gradient"].get("variability_series", [])]
     return {"values": values, "source": "profiled points (initial weights)"}
-
-
-def _objective_order(candidates: dict[str, np.ndarray], objective: str, front: np.ndarray, chosen: dict[str, Any]) -> np.ndarray:
-    """Candidates from best to worst for the objective (for the runner-ups)."""
-    time_s, cost = candidates["total_time_s"], candidates["cost_usd"]
-    if objective in ("min_time", "budget"):
-        return np.lexsort((cost, time_s))
-    if objective in ("min_cost", "deadline"):
-        return np.lexsort((time_s, cost))
-    distance = np.abs(np.log2(candidates["global_batch"]) - np.log2(chosen["global_batch"]))
-    return np.lexsort((time_s, distance, ~front))  # front points nearest the knee first
 
 
 def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, Any] | None:

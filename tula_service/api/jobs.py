@@ -12,13 +12,13 @@ from pydantic import ValidationError
 from tula_service.api.deps import ExecutorDep, StoreDep
 from tula_service.api.errors import what_if_conflict
 from tula_service.jobs import plan_inputs
-from tula_service.recommend import NotEnoughMeasurements, plan
+from tula_service.recommend import NotEnoughMeasurements
 from tula_service.schemas import (JobDetail, JobList, JobState, JobSummary, JobView, MeasurementList, MeasurementView,
                                   PointList, PointView, next_offset)
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import IdempotencyConflict, Store
 from tula_service.user_code_check import checked_submission, client_submission
-from tula_service.whatif import WhatIf, merged_spec
+from tula_service.whatif import WhatIf, replan
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
 
@@ -155,12 +155,11 @@ def what_if(job_id: str, what_if: WhatIf, store: StoreDep) -> dict[str, Any]:
     job = _job_or_404(store, job_id)
     if job.state != "done":
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"job is {job.state}: what-if needs its measurements")
-    try:
-        spec = merged_spec(job.spec, what_if)
-    except ValidationError as error:
-        raise what_if_conflict(job.id, error) from None
     measurements, failed = plan_inputs(job)
     try:
-        return {"job_id": job.id, "what_if": what_if.given(), **plan(spec, measurements, failed)}
+        planned = replan(job.spec, measurements, what_if, failed)
+    except ValidationError as error:
+        raise what_if_conflict(job.id, error) from None
     except NotEnoughMeasurements as error:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
+    return {"job_id": job.id, "what_if": what_if.given(), **planned}
