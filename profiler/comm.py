@@ -10,15 +10,24 @@ model's gradient size. `tula_service.perfmodel.comm_fit` fits the points to the 
   2..device count, each call timed with CUDA events.
 - gloo otherwise: 2..4 CPU processes (default world sizes 2 and 4) over loopback TCP, each call
   timed with perf_counter. This measures one host's memory copies and TCP stack, not a GPU
-  interconnect; the record's `backend`, `device` and `measured` fields say so.
+  interconnect; the record's `backend`, `device` and `measured` fields say so, and
+  `informs_network_model` is false: the fit reports it next to the network model and does not use
+  it (`tula_service.fitting`). So gloo runs the shorter `GLOO_POLICY` (0.1 s per size, not 0.25 s).
 
 Every rank times every iteration; an iteration's time is the max over ranks (the collective is done
 when its slowest rank is done). Per (world size, size) the record keeps median, p10, p90 and count.
 
-Processes are spawned (torch.multiprocessing, "spawn") and meet at a TCPStore that this process
-hosts on 127.0.0.1 (the OS picks the free port, so no port race). A rank that raises, dies or runs
-past the timeout ends the launch: the survivors are terminated, then killed, and the failure is
-returned as data (`"status": "failed"`, `"error": ...`).
+gloo ranks are forked from this process (torch.multiprocessing, "fork"), so they start with torch
+already imported: a spawned rank spends seconds importing it again, on the very cores being
+measured (world sizes 2 and 4 on a 2-core host: 15 s spawned, under 3 s forked). Forking is safe:
+the CLI (and the warm worker's child that runs it) runs no torch operation before it forks, so no
+OpenMP pool or CUDA context exists to be copied half-made, and each rank sets one intra-op thread
+before its first operation, as a DataLoader worker does. NCCL ranks are spawned ("spawn"): a CUDA
+runtime does not survive a fork. The record's `launcher` says which. The ranks meet at a TCPStore that this process hosts on 127.0.0.1 (the OS
+picks the free port, so no port race) and die with this process (PR_SET_PDEATHSIG), so a killed
+benchmark leaves no rank waiting on a collective. A rank that raises, dies or runs past the timeout
+ends the launch: the survivors are terminated, then killed, and the failure is returned as data
+(`"status": "failed"`, `"error": ...`).
 
 CLI: `python -m profiler.comm --max-bytes N [--world-sizes 2,4] [--backend auto|gloo|nccl] --out FILE`
 writes one JSON record. Exit code 0 means FILE holds a record, "ok" or "failed" (as in
@@ -29,10 +38,12 @@ the same per-rank sweep (`all_reduce_sweep`) across Ray actors, for the Ray exec
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -60,6 +71,8 @@ LOOPBACK_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 120.0
 POLL_S = 0.1
 JOIN_GRACE_S = 5.0
+RANK_TIMEOUT_MARGIN_S = 5.0  # the ranks' own timeouts run this far past the launch's, which ends first
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,14 @@ class CommPolicy:
     def __post_init__(self):
         if self.warmup_iters < 1 or not 1 <= self.min_iters <= self.max_iters:
             raise ValueError(f"need warmup_iters >= 1 and 1 <= min_iters <= max_iters, got {self}")
+
+
+GLOO_POLICY = CommPolicy(seconds_per_size=0.1)  # not used by the network model: ~2 s on 2 cores, not ~3 s
+
+
+def default_policy(backend: str) -> CommPolicy:
+    """CommPolicy() on NCCL (the fitted intra-node link), GLOO_POLICY on gloo (reported only)."""
+    return CommPolicy() if backend == "nccl" else GLOO_POLICY
 
 
 class RankFailure(RuntimeError):
@@ -137,6 +158,12 @@ def plan_world_sizes(
     return planned
 
 
+def start_method(backend: str) -> str:
+    """How ranks start: "fork" for gloo (torch already imported), "spawn" for NCCL (a CUDA runtime
+    does not survive a fork) and where this platform cannot fork."""
+    return "fork" if backend == "gloo" and "fork" in mp.get_all_start_methods() else "spawn"
+
+
 def run_on_ranks(
     target: Callable[..., Any],
     world_size: int,
@@ -144,19 +171,31 @@ def run_on_ranks(
     args: tuple = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """Run `target(rank, world_size, device, *args)` in `world_size` spawned processes that share one
-    process group; return the per-rank results in rank order, or raise RankFailure.
+    """Run `target(rank, world_size, device, *args)` in `world_size` processes (forked on gloo,
+    spawned on NCCL: `start_method`) that share one process group; return the per-rank results in
+    rank order, or raise RankFailure.
 
     Whatever happens, no process is left behind: on success each one gets JOIN_GRACE_S to exit;
     on failure the survivors are terminated at once (they may be blocked in a collective), then killed.
+    The launch's `timeout_s` is enforced here; the ranks' store and process-group timeouts are set
+    RANK_TIMEOUT_MARGIN_S later, so a launch that runs out of time is reported as such, not as a
+    rank's own store timeout (a forked rank is at the store within milliseconds).
+
+    Every rank is started before the TCPStore is, and gets its port through a pipe: the store serves
+    connections on a thread of its own, and a process forked while another thread holds a lock
+    inherits that lock, held forever. Forked after the store, 11 of 40 launches of world size 4 hung
+    on a busy 2-core host (the last rank alone on a futex, before its process group); forked before
+    it, none of 600. So a caller that runs threads of its own should not launch gloo ranks; the
+    CLI has none but OpenBLAS's idle pool (which OpenBLAS shuts down around a fork itself), and the
+    warm worker's child that runs it has none at all.
     """
-    context = mp.get_context("spawn")
+    context = mp.get_context(start_method(backend))
     results = context.Queue()
-    store = dist.TCPStore(LOOPBACK_HOST, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    port_pipes = [context.Pipe(duplex=False) for _ in range(world_size)]
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, backend, store.port, timeout_s, target, args, results),
+            args=(rank, world_size, backend, port_pipes[rank][0], timeout_s, target, args, results),
             name=f"tula-comm-rank{rank}",
             daemon=True,
         )
@@ -166,23 +205,31 @@ def run_on_ranks(
     try:
         for process in processes:
             process.start()
+        store = dist.TCPStore(LOOPBACK_HOST, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        for _, port_writer in port_pipes:
+            port_writer.send(store.port)
         by_rank = _collect(processes, results, timeout_s)
         grace_s = JOIN_GRACE_S
         return by_rank
     finally:
         _stop(processes, grace_s)
         results.close()
+        for connection in (end for pipe in port_pipes for end in pipe):
+            connection.close()
 
 
-def _rank_main(rank, world_size, backend, store_port, timeout_s, target, args, results) -> None:
+def _rank_main(rank, world_size, backend, port_reader, timeout_s, target, args, results) -> None:
     try:
+        _die_with_parent()
         _use_loopback()
         torch.set_num_threads(1)  # the ranks share the host's cores; no intra-op threads on top
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(LOOPBACK_HOST, store_port, world_size, False, timeout)
+        if not port_reader.poll(timeout_s + RANK_TIMEOUT_MARGIN_S):
+            raise TimeoutError(f"the launcher sent no store port within {timeout_s + RANK_TIMEOUT_MARGIN_S:g} s")
+        timeout = timedelta(seconds=timeout_s + RANK_TIMEOUT_MARGIN_S)
+        store = dist.TCPStore(LOOPBACK_HOST, port_reader.recv(), world_size, False, timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
             device_id=device if device.type == "cuda" else None,
@@ -193,6 +240,19 @@ def _rank_main(rank, world_size, backend, store_port, timeout_s, target, args, r
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when the process that started it dies (Linux; elsewhere the launch's timeout
+    and `_stop` are the only bounds). A rank blocked in a collective would otherwise wait out the
+    store's timeout after its launcher was killed."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    launcher = mp.parent_process()
+    if launcher is not None and not launcher.is_alive():
+        os._exit(1)  # the launcher died before the death signal was armed
 
 
 def _use_loopback() -> None:
@@ -305,18 +365,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _describe(backend: str) -> dict[str, str]:
+def _describe(backend: str) -> dict[str, Any]:
     if backend == "nccl":
         return {
             "device": torch.cuda.get_device_name(0),
             "timing": "cuda_events",
             "measured": "NCCL all-reduce (SUM, float32) between the CUDA devices of one host, one process each",
+            "informs_network_model": True,
         }
     return {
         "device": "cpu",
         "timing": "perf_counter",
         "measured": "gloo all-reduce (SUM, float32) between CPU processes of one host over loopback TCP; "
         "memory copies and the TCP stack, not a GPU interconnect",
+        "informs_network_model": False,
     }
 
 
@@ -351,20 +413,22 @@ def measure_all_reduce(
     backend: str = "auto",
     max_world_size: int | None = None,
     message_bytes_cap: int | None = None,
-    policy: CommPolicy = CommPolicy(),
+    policy: CommPolicy | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Benchmark all-reduce up to min(max_bytes, message_bytes_cap) bytes; never raises.
 
     `message_bytes_cap` defaults to CPU_MESSAGE_BYTES_CAP (4 MiB) on gloo and CUDA_MESSAGE_BYTES_CAP
-    (1 GiB) on NCCL. `timeout_s` bounds each world size's launch (spawn, rendezvous and all sizes).
-    On failure the record keeps the points of the world sizes that finished.
+    (1 GiB) on NCCL; `policy` to `default_policy(backend)`. `timeout_s` bounds each world size's
+    launch (start, rendezvous and all sizes). On failure the record keeps the points of the world
+    sizes that finished.
     """
     started = time.perf_counter()
-    record = new_record(max_bytes, world_sizes, backend, message_bytes_cap, policy)
+    record = new_record(max_bytes, world_sizes, backend, message_bytes_cap, policy or CommPolicy())
     try:
         record["backend"] = backend = resolve_backend(backend)
-        record.update(_describe(backend))
+        policy = policy or default_policy(backend)
+        record.update(_describe(backend), policy=asdict(policy), launcher=f"{start_method(backend)}ed_processes")
         cap = message_bytes_cap or (CUDA_MESSAGE_BYTES_CAP if backend == "nccl" else CPU_MESSAGE_BYTES_CAP)
         record["message_bytes_cap"] = cap
         sizes = message_sizes(min(int(max_bytes), cap))

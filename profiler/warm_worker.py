@@ -15,7 +15,9 @@ to the same `--out FILE`. So every guarantee of the cold path holds:
 
 Fork safety: this process never runs a torch operation and never touches CUDA, so no OpenMP pool,
 CUDA context or other thread of torch's exists to be copied half-made into a child (the child
-initializes CUDA itself, on the device CUDA_VISIBLE_DEVICES gives this process).
+initializes CUDA itself, on the device CUDA_VISIBLE_DEVICES gives this process). An all-reduce
+child forks its gloo ranks in turn, under the same rule (`profiler.comm`), so they too start with
+torch imported; they die with it, and are in its process group, so killing the point kills them.
 
 Protocol, one JSON object per line. Parent -> worker on stdin:
     {"module": "profiler.run_point", "argv": [...], "stderr": "/path/to/stderr.txt"}

@@ -5,7 +5,10 @@ not the warm worker; without a warm worker the points run cold. Real processes, 
 import logging
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -42,6 +45,28 @@ def _running_child(store: Store, job_id: str) -> tuple[int, int]:
     return wait_for(running, 120, "a point's child to start")
 
 
+class RunningPoint(NamedTuple):
+    job_id: str
+    executor: LocalExecutor
+    point_id: int
+    child_pid: int
+    warm_pid: int  # the child's parent
+
+
+@contextmanager
+def _a_point_running_warm(store: Store, profiling: dict) -> Iterator[RunningPoint]:
+    """A job of two points on a started executor, once its first point's child runs; the executor is
+    stopped afterwards."""
+    job = submit(store, batch_sizes=[8, 16], profiling=profiling)
+    executor = LocalExecutor(store, poll_s=0.05)
+    executor.start()
+    try:
+        point_id, child_pid = _running_child(store, job.id)
+        yield RunningPoint(job.id, executor, point_id, child_pid, _parent_pid(child_pid))
+    finally:
+        executor.stop()
+
+
 def test_points_run_in_children_of_one_warm_worker(store, lifecycle_lines):
     job = submit(store, batch_sizes=[8, 16], profiling=FAST_PROFILING)
     executor = LocalExecutor(store, poll_s=0.05)
@@ -61,64 +86,78 @@ def test_points_run_in_children_of_one_warm_worker(store, lifecycle_lines):
 
 
 def test_a_killed_point_child_is_retried_and_the_warm_worker_keeps_serving(store, lifecycle_lines):
-    job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "time_cap_s": 3.0})
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        point_id, child_pid = _running_child(store, job.id)
-        warm_pid = _parent_pid(child_pid)
-        os.kill(child_pid, signal.SIGKILL)
-        finished = wait_for_job(store, job.id)
-        assert executor.warm_worker_pids() == {0: warm_pid}
-    finally:
-        executor.stop()
+    with _a_point_running_warm(store, {**FAST_PROFILING, "time_cap_s": 3.0}) as running:
+        os.kill(running.child_pid, signal.SIGKILL)
+        finished = wait_for_job(store, running.job_id)
+        assert running.executor.warm_worker_pids() == {0: running.warm_pid}
     assert finished.state == "done", finished.error
-    killed = next(p for p in finished.points if p.id == point_id)
+    killed = next(p for p in finished.points if p.id == running.point_id)
     assert killed.state == "done" and killed.attempts == 2
     assert "profiling process died (killed by signal 9)" in killed.attempt_errors[0]
     [retried] = lifecycle_lines("point_retried")
-    assert f"point={point_id} " in retried and "killed by signal 9" in retried
+    assert f"point={running.point_id} " in retried and "killed by signal 9" in retried
     assert len(lifecycle_lines("warm_worker_started")) == 1
 
 
 def test_a_killed_warm_worker_is_restarted_and_its_point_retried(store, lifecycle_lines):
-    job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "time_cap_s": 3.0})
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        point_id, child_pid = _running_child(store, job.id)
-        warm_pid = _parent_pid(child_pid)
-        os.kill(warm_pid, signal.SIGKILL)
-        wait_for(lambda: gone(child_pid), 10, "the point's child to die with its warm worker")
-        finished = wait_for_job(store, job.id)
-        [new_warm_pid] = executor.warm_worker_pids().values()
-    finally:
-        executor.stop()
+    with _a_point_running_warm(store, {**FAST_PROFILING, "time_cap_s": 3.0}) as running:
+        os.kill(running.warm_pid, signal.SIGKILL)
+        wait_for(lambda: gone(running.child_pid), 10, "the point's child to die with its warm worker")
+        finished = wait_for_job(store, running.job_id)
+        [new_warm_pid] = running.executor.warm_worker_pids().values()
     assert finished.state == "done", finished.error
-    killed = next(p for p in finished.points if p.id == point_id)
+    killed = next(p for p in finished.points if p.id == running.point_id)
     assert killed.state == "done" and killed.attempts == 2
     assert "warm worker died (killed by signal 9)" in killed.attempt_errors[0]
-    assert new_warm_pid != warm_pid and len(lifecycle_lines("warm_worker_started")) == 2
+    assert new_warm_pid != running.warm_pid and len(lifecycle_lines("warm_worker_started")) == 2
     assert finished.recommendation["profiled"]["failed"] == []
 
 
 def test_cancelling_a_job_kills_its_running_point_but_not_the_warm_worker(store, lifecycle_lines):
-    job = submit(store, batch_sizes=[8, 16], profiling=LONG_PROFILING)
+    with _a_point_running_warm(store, LONG_PROFILING) as running:
+        running.executor.cancel(store.cancel_job(running.job_id))
+        wait_for(lambda: gone(running.child_pid), 10, "the cancelled point's child to die")
+        cancelled = wait_for_job(store, running.job_id)
+        assert {p.state for p in cancelled.points} == {"cancelled"}
+        assert store.claim_next_point() is None
+        assert running.executor.warm_worker_pids() == {0: running.warm_pid}
+    [finished] = lifecycle_lines("job_finished")
+    assert f"job={running.job_id} " in finished and "state=cancelled" in finished
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # it exited meanwhile
+            continue
+    return children
+
+
+def test_a_killed_all_reduce_point_leaves_no_rank_behind_and_is_retried(store):
+    job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "measure_comm": True})
     executor = LocalExecutor(store, poll_s=0.05)
     executor.start()
     try:
-        _, child_pid = _running_child(store, job.id)
-        warm_pid = _parent_pid(child_pid)
-        executor.cancel(store.cancel_job(job.id))
-        wait_for(lambda: gone(child_pid), 10, "the cancelled point's child to die")
-        cancelled = wait_for_job(store, job.id)
-        assert {p.state for p in cancelled.points} == {"cancelled"}
-        assert store.claim_next_point() is None
-        assert executor.warm_worker_pids() == {0: warm_pid}
+
+        def comm_child():
+            [comm] = [p for p in store.get_job(job.id).points if p.kind == "comm"]
+            return comm.state == "running" and comm.worker_pid
+
+        child_pid = wait_for(comm_child, 120, "the all-reduce point's child to start", poll_s=0.01)
+        rank_pids = wait_for(lambda: len(ranks := _children_of(child_pid)) >= 2 and ranks, 30, "its ranks", poll_s=0.01)
+        os.kill(child_pid, signal.SIGKILL)
+        wait_for(lambda: all(gone(pid) for pid in rank_pids), 10, "the ranks to end with the point's child")
+        finished = wait_for_job(store, job.id)
     finally:
         executor.stop()
-    [finished] = lifecycle_lines("job_finished")
-    assert f"job={job.id} " in finished and "state=cancelled" in finished
+    assert finished.state == "done", finished.error
+    [comm] = [p for p in finished.points if p.kind == "comm"]
+    assert comm.state == "done" and comm.attempts == 2
+    assert "profiling process died (killed by signal 9)" in comm.attempt_errors[0]
+    assert (comm.measurement["backend"], comm.measurement["launcher"]) == ("gloo", "forked_processes")
 
 
 def test_a_warm_child_that_overruns_its_timeout_is_killed(store, lifecycle_lines):
