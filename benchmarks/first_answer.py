@@ -7,9 +7,10 @@ profiling workers' start (importing torch) count. It polls GET /v1/jobs until th
 then GET /v1/jobs/{id}/recommendation once a second until it answers 200 (the job itself every
 STATE_EVERY polls, to stop on a failed job), and stops the server. Once a second is the load of
 `tula`'s own client waiting on a job (`TulaClient.wait`). Every request the server answers takes a
-core from the point being timed on a 2-core host, and a noisy point is timed again: in back-to-back
-runs on a quiet host, with one or two requests a second most runs re-timed 4 or 5 of the 5 points
-(32 to 37 s), with no request during the points 1 or 2 (25 to 29 s).
+core from the point being timed on a 2-core host: the iterations it interrupts wait 3-10x longer.
+Those few slow iterations once re-timed 4 or 5 of the 5 points (32 to 37 s), when a point was judged
+by std / mean; judged by its robust CV and stopped once its median is known to 1%, a run re-times 0
+to 2 points.
 
 Each run prints its time, where it went (read from the server's lifecycle log lines: when the example
 job was seeded, when the warm worker had imported torch and how long that took, when the first point

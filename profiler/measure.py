@@ -209,6 +209,7 @@ def _timing_policy(request: dict[str, Any], time_cap_s: float) -> TimingPolicy:
     policy.min_warmup_iters = int(request.get("warmup_iters", policy.min_warmup_iters))
     policy.min_iters = int(request.get("timed_iters", policy.min_iters))
     policy.target_cv = float(request.get("target_cv", policy.target_cv))
+    policy.target_median_rse = float(request.get("target_median_rse", policy.target_median_rse))
     policy.time_cap_s = time_cap_s
     return policy
 

@@ -5,9 +5,14 @@
 - Warm-up runs until iteration time settles: the medians of the last two windows of
   `SETTLE_WINDOW` iterations differ by less than `SETTLE_REL_CHANGE`, bounded in count and by
   `warmup_share` of the seconds timing was given.
-- Sampling continues until the coefficient of variation (std / mean) is under a target or the
-  seconds given are spent (never before `min_iters`); the median is what the model fits,
-  p10/p90/CV/count say how far to trust it. Both say how many iterations they ran and why they stopped.
+- Sampling continues until the median, which is what the model fits, is known well enough or the
+  seconds given are spent (never before `min_iters`). "Well enough" is either rule:
+  - the coefficient of variation (std / mean) is under `target_cv`: every iteration took about as long;
+  - the median's relative standard error is under `target_median_rse` (`median_rel_se`). That rule
+    lets a point with a few outliers stop: on a shared host a few iterations in a hundred wait 10x
+    longer on another process, which moves the std but not the median.
+  p10/p90/CV/robust CV/count say how far to trust it. Both passes say how many iterations they ran and
+  why they stopped.
 - Phases (data to device, forward, backward, optimizer step) are timed separately: with CUDA events
   on a GPU (one synchronize per iteration, so the phases do not serialize the stream), with
   perf_counter on a CPU.
@@ -96,6 +101,7 @@ class TimingPolicy:
     min_iters: int = 10
     max_iters: int = 1000
     target_cv: float = 0.03
+    target_median_rse: float = 0.01
     time_cap_s: float = 5.0  # warm-up and sampling together
 
 
@@ -105,7 +111,7 @@ class TimingResult:
     warmup_iters: int = 0
     warmup_s: float = 0.0
     warmup_stopped_by: str = ""  # "settled" | "time_cap" | "max_iters"
-    stopped_by: str = ""  # "cv_target" | "time_cap" | "max_iters"
+    stopped_by: str = ""  # "cv_target" | "median_rse_target" | "time_cap" | "max_iters"
     sampling_s: float = 0.0
 
     def summary(self) -> dict:
@@ -125,16 +131,35 @@ class TimingResult:
 def summarize(values_s: np.ndarray) -> dict[str, float]:
     mean = float(values_s.mean())
     median = float(np.median(values_s))
-    mad = float(np.median(np.abs(values_s - median)))
     return {
         "median_s": median,
         "p10_s": float(np.percentile(values_s, 10)),
         "p90_s": float(np.percentile(values_s, 90)),
         "mean_s": mean,
         "cv": coefficient_of_variation(values_s),
-        "robust_cv": 1.4826 * mad / median if median > 0 else 0.0,
+        "robust_cv": robust_cv(values_s),
+        "median_rel_se": median_rel_se(values_s),
         "count": int(values_s.size),
     }
+
+
+def robust_cv(values: np.ndarray) -> float:
+    """1.4826 * MAD / median: the CV of a normal sample (1.4826 = 1 / Phi^-1(3/4) makes the MAD a
+    consistent estimate of sigma), which a few outliers do not move."""
+    median = float(np.median(values))
+    if values.size < 2 or median <= 0:
+        return 0.0
+    return 1.4826 * float(np.median(np.abs(values - median))) / median
+
+
+def median_rel_se(values: np.ndarray) -> float:
+    """The relative standard error of the sample median: sqrt(pi / 2) * sigma / (sqrt(n) * median),
+    the median's asymptotic variance pi sigma^2 / (2n) for normal data, with sigma the robust
+    1.4826 * MAD. Iterations that drift together (autocorrelation) make it optimistic, which is why a
+    point still times at least `min_iters` iterations."""
+    if values.size < 2:
+        return float("inf")
+    return float(np.sqrt(np.pi / 2.0) * robust_cv(values) / np.sqrt(values.size))
 
 
 def coefficient_of_variation(values: np.ndarray) -> float:
@@ -152,8 +177,9 @@ def _settled(times_s: list[float]) -> bool:
 
 
 def time_iterations(step: Callable[[PhaseClock], None], device: torch.device, policy: TimingPolicy) -> TimingResult:
-    """Warm up until settled (within `warmup_share` of the time cap), then sample until CV < target
-    or the time cap (warm-up included) is spent; `step` marks its phases."""
+    """Warm up until settled (within `warmup_share` of the time cap), then sample until CV < target_cv,
+    the median's relative standard error < target_median_rse, or the time cap (warm-up included) is
+    spent; `step` marks its phases."""
     clock = PhaseClock(device)
     result = TimingResult()
     warmup_times_s: list[float] = []
@@ -181,8 +207,11 @@ def time_iterations(step: Callable[[PhaseClock], None], device: torch.device, po
         count = len(result.samples)
         if count < policy.min_iters:
             continue
-        if coefficient_of_variation(np.array([s["iter_s"] for s in result.samples])) <= policy.target_cv:
+        iter_s = np.array([s["iter_s"] for s in result.samples])
+        if coefficient_of_variation(iter_s) <= policy.target_cv:
             result.stopped_by = "cv_target"
+        elif median_rel_se(iter_s) <= policy.target_median_rse:
+            result.stopped_by = "median_rse_target"
         elif time.perf_counter() - started >= policy.time_cap_s:
             result.stopped_by = "time_cap"
         elif count >= policy.max_iters:

@@ -42,15 +42,16 @@ def test_point_reports_timing_with_spread_and_phases(small_cnn_points):
     json.dumps(small_cnn_points[8])  # plain data only
 
 
-def test_sampling_stops_at_the_time_cap_when_the_cv_target_is_unreachable():
-    timing = profile_point(_request(8, target_cv=1e-9, time_cap_s=3.0, timed_iters=2, grad_iters=0))["iter_time"]
+def test_sampling_stops_at_the_time_cap_when_its_targets_are_unreachable():
+    timing = profile_point(_request(8, target_cv=1e-9, target_median_rse=1e-9, time_cap_s=3.0, timed_iters=2, grad_iters=0))["iter_time"]
     assert timing["stopped_by"] == "time_cap" and timing["count"] > 2
 
 
 def test_the_time_cap_covers_the_whole_point_not_only_sampling():
     """With a thousand gradient iterations allowed and an unreachable CV target, the gradient
     statistics and the sampling both stop at their share of the point's one second."""
-    point = profile_point(_request(8, target_cv=1e-9, time_cap_s=1.0, timed_iters=2, grad_iters=1000, grad_target_rse=0.0))
+    point = profile_point(_request(8, target_cv=1e-9, target_median_rse=1e-9, time_cap_s=1.0, timed_iters=2, grad_iters=1000,
+                                   grad_target_rse=0.0))
     budget = point["budget"]
     assert budget["time_cap_s"] == 1.0 and set(budget["spent_s"]) == {"setup", "gradient", "timing", "memory"}
     assert point["gradient"]["stopped_by"] == "time_cap" and 3 <= point["gradient"]["iterations"] < 1000

@@ -22,6 +22,17 @@ def test_a_point_with_a_high_cv_is_timed_again_once():
     assert points_to_retime(ok, retimed_batches=[16]) == []
 
 
+def test_a_point_whose_few_slow_iterations_leave_its_median_alone_is_not_timed_again():
+    """std / mean 90% from a few 10x-slow iterations, robust CV 5%: the median the model fits is sound."""
+    outliers = measurement(16)
+    outliers["iter_time"] = {**outliers["iter_time"], "cv": 0.9, "robust_cv": 0.05}
+    ok = [measurement(8), outliers, measurement(32), measurement(64)]
+    assert points_to_retime(ok, retimed_batches=[]) == []
+    scattered = measurement(16)
+    scattered["iter_time"] = {**scattered["iter_time"], "cv": 0.3, "robust_cv": 0.4}
+    assert points_to_retime([measurement(8), scattered, measurement(32), measurement(64)], retimed_batches=[]) == [16]
+
+
 def test_a_point_off_the_step_time_line_is_timed_again():
     ok = [measurement(8), measurement(16), _noisy(32, cv=0.01, slowdown=3.0), measurement(64), measurement(128)]
     assert 32 in points_to_retime(ok, retimed_batches=[])

@@ -36,6 +36,7 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
         "warmup_iters": profiling.warmup_iters,
         "timed_iters": profiling.timed_iters,
         "target_cv": profiling.target_cv,
+        "target_median_rse": profiling.target_median_rse,
         "time_cap_s": profiling.time_cap_s,
         "grad_microbatches": profiling.grad_microbatches,
         "grad_iters": profiling.grad_iters,

@@ -39,7 +39,15 @@ class IterTime(_Record):
     p10_s: float | None = None
     p90_s: float | None = None
     cv: float | None = Field(None, ge=0, description="std / mean of the timed iterations")
+    robust_cv: float | None = Field(None, ge=0, description="1.4826 MAD / median: the spread a few outliers do not move")
+    median_rel_se: float | None = Field(None, ge=0, description="the median's relative standard error")
     count: int | None = Field(None, ge=1, description="timed iterations")
+
+    @property
+    def spread(self) -> float | None:
+        """How widely the iterations scatter around the median the models fit: the robust CV, or the
+        CV for a record from before the profiler wrote one."""
+        return self.robust_cv if self.robust_cv is not None else self.cv
 
 
 class MemoryRecord(_Record):

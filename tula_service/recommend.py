@@ -238,6 +238,7 @@ def _point_summary(m: dict[str, Any]) -> dict[str, Any]:
         "iter_time_p10_s": m["iter_time"].get("p10_s"),
         "iter_time_p90_s": m["iter_time"].get("p90_s"),
         "iter_time_cv": m["iter_time"].get("cv"),
+        "iter_time_robust_cv": m["iter_time"].get("robust_cv"),
         "samples": m["iter_time"].get("count"),
         "peak_bytes": m["memory"]["peak_bytes"],
         "activation_bytes": m["memory"].get("activation_bytes"),

@@ -4,18 +4,23 @@ On a busy host the iteration times of a point scatter (std/mean of 24-158% has b
 compute model fitted to them mispredicts held-out points by 75%; a recommendation built on that is a
 guess. Two measured signals decide, both already in the record:
 
-- a point's coefficient of variation, CV = std / mean of its timed iterations (`iter_time.cv`);
+- a point's spread: the robust coefficient of variation of its timed iterations, 1.4826 MAD / median
+  (`iter_time.robust_cv`; the plain std / mean for an older record without one). The models fit the
+  median, and on a shared host a few iterations in a hundred wait 10x longer on another process: that
+  moves the std / mean to 60-120% while the median and the MAD stay put, and judging by it re-timed
+  nearly every point of a clean profile;
 - the compute model's leave-one-out error: |T_fit-without-i(b_i) - T(b_i)| / T(b_i), per point.
 
 Policy:
-1. `points_to_retime`: before fitting, a grid or search point whose CV passes `POINT_CV_LIMIT`, or
+1. `points_to_retime`: before fitting, a grid or search point whose spread passes `POINT_CV_LIMIT`, or
    whose leave-one-out error passes `LOO_LIMIT` (with at least `MIN_POINTS_FOR_LOO` points: left out
    of three, a point is judged by a line through two, which says little), is timed again, once per
    batch size (a "retime" point). Of two measurements of a batch the planner uses the quieter one.
 2. `assess`: after fitting, the recommendation is "unreliable: re-profile on a quiet host" when the
    compute model's median leave-one-out error still passes `LOO_LIMIT` (again with at least
-   `MIN_POINTS_FOR_LOO` points), or when more than half of the points it used still pass `POINT_CV_LIMIT`. Host contention (load average above the core
-   count, `host_load.contended`) is named as the likely cause when the points report it.
+   `MIN_POINTS_FOR_LOO` points), or when more than half of the points it used still pass
+   `POINT_CV_LIMIT`. Host contention (load average above the core count, `host_load.contended`) is
+   named as the likely cause when the points report it.
 
 The limits are where a step-time error starts to move the pick: the knee moves by a power of two
 when two neighbouring candidates' times are misjudged by about their ratio's distance, ~25%.
@@ -27,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from tula_service.measurement import IterTime
 from tula_service.perfmodel.compute import select_compute_model
 from tula_service.perfmodel.validation import leave_one_out_relative_errors
 
@@ -37,13 +43,15 @@ MIN_POINTS_FOR_LOO = 5
 UNRELIABLE = "unreliable: re-profile on a quiet host"
 
 
-def iter_time_cv(measurement: dict[str, Any]) -> float | None:
-    return (measurement.get("iter_time") or {}).get("cv")
+def iter_time_spread(measurement: dict[str, Any]) -> float | None:
+    """The point's robust CV (the CV for an older record), or None without a timing."""
+    iter_time = measurement.get("iter_time")
+    return IterTime.model_validate(iter_time).spread if iter_time else None
 
 
 def quieter(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Of two measurements of one batch, the one with the lower CV (the later one on a tie or without CVs)."""
-    cv_first, cv_second = iter_time_cv(first), iter_time_cv(second)
+    """Of two measurements of one batch, the one with the lower spread (the later one on a tie or without one)."""
+    cv_first, cv_second = iter_time_spread(first), iter_time_spread(second)
     if cv_first is not None and cv_second is not None and cv_first < cv_second:
         return first
     return second
@@ -66,7 +74,7 @@ def points_to_retime(ok: list[dict[str, Any]], retimed_batches: list[int]) -> li
         batch = measurement["batch_size"]
         if retimed_batches.count(batch) >= RETIMES_PER_BATCH:
             continue
-        cv = iter_time_cv(measurement)
+        cv = iter_time_spread(measurement)
         if (cv is not None and cv > POINT_CV_LIMIT) or (loo and loo[index] > LOO_LIMIT):
             due.append(batch)
     return due
@@ -81,10 +89,11 @@ def assess(ok: list[dict[str, Any]], compute_loo: dict[str, Any], retimed_batche
             f"the step-time model mispredicts held-out points by {median_loo:.0%} (median; max "
             f"{compute_loo.get('max_rel_err', median_loo):.0%}), above {LOO_LIMIT:.0%}"
         )
-    noisy = [m for m in ok if (iter_time_cv(m) or 0.0) > POINT_CV_LIMIT]
+    noisy = [m for m in ok if (iter_time_spread(m) or 0.0) > POINT_CV_LIMIT]
     if len(noisy) * 2 > len(ok):
-        spread = ", ".join(f"batch {m['batch_size']}: {iter_time_cv(m):.0%}" for m in noisy)
-        reasons.append(f"{len(noisy)} of {len(ok)} points have iteration-time CVs above {POINT_CV_LIMIT:.0%} ({spread})")
+        spread = ", ".join(f"batch {m['batch_size']}: {iter_time_spread(m):.0%}" for m in noisy)
+        reasons.append(f"{len(noisy)} of {len(ok)} points have iteration-time CVs above {POINT_CV_LIMIT:.0%} "
+                       f"(robust, 1.4826 MAD / median: {spread})")
     contended = sum(bool((m.get("host_load") or {}).get("contended")) for m in ok)
     if reasons and contended:
         reasons.append(f"{contended} of {len(ok)} points ran on a contended host (load average above its cores)")

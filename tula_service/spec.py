@@ -378,6 +378,8 @@ class ProfilingSpec(_Strict):
     warmup_iters: int = Field(3, ge=0, le=1000, description="least warm-up iterations (more until time settles)")
     timed_iters: int = Field(10, ge=2, le=100_000, description="least timed iterations")
     target_cv: float = Field(0.03, gt=0, le=1, description="stop sampling once std/mean of iteration time is below")
+    target_median_rse: float = Field(0.01, gt=0, le=1, description="or once the median iteration time's relative "
+                                     "standard error (sqrt(pi/2) * 1.4826 MAD / (median sqrt(n))) is below")
     time_cap_s: float = Field(5.0, gt=0, le=3600, description="the point's time budget: warm-up, timing, gradient "
                               "statistics and memory passes share it (the least iteration counts may overrun it)")
     grad_microbatches: int = Field(4, ge=2, le=64, description="k: the batch is split in k for the noise scale")

@@ -162,8 +162,10 @@ export function iterTimeFigure(rec) {
       arrayminus: points.map((p) => p.iter_time_median_s - (p.iter_time_p10_s ?? p.iter_time_median_s)),
     },
     customdata: points.map((p) => [formatDuration(p.iter_time_median_s), p.samples, significant(100 * (p.iter_time_cv || 0), 2),
+      significant(100 * (p.iter_time_robust_cv ?? p.iter_time_cv ?? 0), 2),
       p.host_contended ? "<br>the host was busy while it was measured" : ""]),
-    hovertemplate: "batch %{x}: %{customdata[0]} median (measured)<br>%{customdata[1]} samples, CV %{customdata[2]}%%{customdata[3]}<extra></extra>",
+    hovertemplate: "batch %{x}: %{customdata[0]} median (measured)<br>%{customdata[1]} samples, CV %{customdata[2]}% "
+      + "(robust %{customdata[3]}%)%{customdata[4]}<extra></extra>",
     marker: { color: COLORS.measured, size: 9 },
   }];
   if (curve) {
