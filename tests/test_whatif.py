@@ -79,6 +79,13 @@ def test_what_if_values_win_over_the_new_gpus_catalog_values():
     assert switched.cluster.intra_node_link == "nvlink4"
 
 
+def test_what_if_memory_on_the_same_gpu_is_the_specs_not_the_catalogs():
+    stored = stored_on({"gpu_type": "h100_sxm"})
+    assert JobSpec.model_validate(stored).cluster.device_memory_source == "catalog-assumed"
+    changed = merged_spec(stored, WhatIf(cluster={"device_memory_gib": 8}))
+    assert (changed.cluster.device_memory_gib, changed.cluster.device_memory_source) == (8, "spec")
+
+
 def test_what_if_from_explicit_memory_to_a_gpu_type():
     stored = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)).model_dump(mode="json")  # 16 GiB, 100 Gbit/s
     switched = merged_spec(stored, WhatIf(cluster={"gpu_type": "a100_80gb_sxm"}))

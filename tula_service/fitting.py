@@ -10,37 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.catalogs import interconnect
 from tula_service.efficiency_evidence import epoch_model
+from tula_service.links import cluster_links, link_report
 from tula_service.perfmodel import MemoryModel
 from tula_service.perfmodel.comm_fit import fit_comm_record
 from tula_service.perfmodel.compute import select_compute_model
-from tula_service.perfmodel.network import ASSUMED_LATENCY_S, HierarchicalAllReduce, Link
+from tula_service.perfmodel.network import HierarchicalAllReduce, Link
 from tula_service.perfmodel.overlap import OverlapModel
 from tula_service.perfmodel.validation import error_summary, leave_one_out_relative_errors
 from tula_service.planner import FittedModels
 from tula_service.spec import JobSpec
-
-
-DEFAULT_INTRA_NODE_LINK = "pcie4_x16"  # conservative when the spec names no link
-DEFAULT_INTER_NODE_LINK = "ethernet_100g"
-
-
-def _link_report(link: Link) -> dict[str, Any]:
-    return {
-        "name": link.name or None,
-        "bandwidth_gbps": {"value": link.bandwidth_gbps, "source": link.source},
-        "latency_s": {"value": link.latency_s, "source": link.source if link.source != "spec" else "assumed"},
-    }
-
-
-def _spec_link(cluster, catalog_name: str | None, default_name: str) -> Link:
-    """A link named in the spec (catalog), else the spec's interconnect_gbps, else a stated default."""
-    if catalog_name:
-        return interconnect(catalog_name)
-    if cluster.interconnect_gbps:
-        return Link(latency_s=ASSUMED_LATENCY_S, bandwidth_gbps=cluster.interconnect_gbps, source="spec", name="interconnect_gbps")
-    return interconnect(default_name)
 
 
 def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link | None:
@@ -67,9 +46,9 @@ def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link 
 
 
 def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
-    """Hierarchical ring all-reduce: the intra-node link is measured (NCCL benchmark) when possible,
-    else named in the spec or its interconnect_gbps, else an assumed catalog default; the inter-node
-    link likewise from the spec or the catalog."""
+    """Hierarchical ring all-reduce over the links tula_service.links picks: the intra-node link measured
+    (NCCL benchmark) when possible, else the spec's or the catalog's; the inter-node link the spec's or
+    the catalog's."""
     cluster = spec.cluster
     report: dict[str, Any] = {
         "formula": "ring over g = min(n, gpus_per_node) devices on the intra-node link, then over the m nodes "
@@ -77,10 +56,9 @@ def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) ->
         "ring(n, S, link) = 2(n-1) latency_s + 2(n-1)/n S / bandwidth",
         "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
     }
-    intra = _measured_link(comm, report) or _spec_link(cluster, cluster.intra_node_link, DEFAULT_INTRA_NODE_LINK)
-    inter = _spec_link(cluster, cluster.inter_node_link, DEFAULT_INTER_NODE_LINK)
-    report["intra_node"] = _link_report(intra)
-    report["inter_node"] = _link_report(inter) if cluster.nodes > 1 else None
+    intra, inter = cluster_links(cluster, _measured_link(comm, report))
+    report["intra_node"] = link_report(intra)
+    report["inter_node"] = link_report(inter) if cluster.nodes > 1 else None
     return HierarchicalAllReduce(gradient_bytes, cluster.gpus_per_node, intra, inter), report
 
 

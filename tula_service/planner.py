@@ -8,9 +8,7 @@ Per candidate (per-device batch b, devices n, accumulation steps a; global batch
     T_last  = (k - 1) T_comp(b) + (T_comp(l)^g + T_net(n)^g)^(1/g)  when r > 0 (else 0), where each device
               gets ceil(r / n) samples in k = ceil(ceil(r / n) / b) micro-batches, the last of l samples
     time    = E(B) * epoch
-    cost    = overhead + time_h * price * { n                (gpu_hour)
-                                          { ceil(n / gpus_per_node)   (node_hour: whole nodes are rented)
-                                          { n * M(b) / GiB   (memory_gb_hour: memory actually used)
+    cost    = overhead + time_h * billed_units * price   (billed_units per pricing kind: tula_service.pricing)
 
 Vectorized over all candidates with numpy broadcasting; memory-infeasible candidates are dropped.
 """
@@ -24,7 +22,8 @@ import numpy as np
 from tula_service.knee import Knee, find_knee
 from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel
 from tula_service.perfmodel.overlap import OverlapModel
-from tula_service.units import GIB
+from tula_service.pricing import pricing_rule
+from tula_service.units import GIB  # not used here: tula_service.jobs and tula_service.recommend import it from here
 ACCUMULATION_STEPS = (1, 2, 4, 8)
 MEMORY_MARGIN = 0.05
 
@@ -68,15 +67,10 @@ def device_counts(total_devices: int) -> np.ndarray:
 
 
 def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
-    if inputs.pricing_kind == "gpu_hour":
-        billed = devices
-    elif inputs.pricing_kind == "node_hour":
-        billed = np.ceil(devices / inputs.gpus_per_node)
-    elif inputs.pricing_kind == "memory_gb_hour":
-        billed = devices * memory_bytes / GIB
-    else:
-        raise ValueError(f"pricing kind '{inputs.pricing_kind}' is unknown; known: gpu_hour, memory_gb_hour, node_hour")
-    return inputs.fixed_overhead_usd + hours * billed * inputs.price
+    """USD per candidate: fixed_overhead_usd + hours * billed_units * price, billed by the rule of
+    inputs.pricing_kind (tula_service.pricing); ValueError naming the known kinds for another."""
+    billed_units = pricing_rule(inputs.pricing_kind).billed_units(devices, inputs.gpus_per_node, memory_bytes)
+    return inputs.fixed_overhead_usd + hours * billed_units * inputs.price
 
 
 def epoch_seconds(

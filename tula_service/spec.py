@@ -8,6 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from models.data_roots import check_submitted_path
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
+from tula_service.links import catalog_link_defaults
 from models.registry import (
     ALLOWED_MODULES_ENV,
     DATASET_SPEC_FIELDS,
@@ -222,8 +223,7 @@ class ClusterSpec(_Strict):
         data = dict(data)
         if data.get("device_memory_gib") is None:
             data.update(device_memory_gib=entry.memory_gib, device_memory_source=CATALOG_SOURCE)
-        if entry.intra_node_link and data.get("intra_node_link") is None and data.get("interconnect_gbps") is None:
-            data.update(intra_node_link=entry.intra_node_link, intra_node_link_source=CATALOG_SOURCE)
+        data.update(catalog_link_defaults(data))  # tula_service.links decides when the GPU's link applies
         return data
 
     @field_validator("gpu_type")

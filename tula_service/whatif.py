@@ -14,12 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model,
 from pydantic.fields import FieldInfo
 
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
+from tula_service.links import stale_link_fields
 from tula_service.recommend import plan
 from tula_service.spec import ClusterSpec, JobSpec, PricingSpec, TrainingSpec, in_catalog
 
-# What a GPU type decides about a cluster: a what-if that switches GPU type drops these from the stored
-# spec (unless it gives them itself) so that the new GPU's catalog values take their place.
-GPU_CLUSTER_FIELDS = ("device_memory_gib", "device_memory_source", "intra_node_link", "intra_node_link_source")
+# What a GPU type decides about a cluster's memory: a what-if that switches GPU type drops these from the
+# stored spec (unless it gives them itself) so that the new GPU's catalog values take their place; its
+# link fields are tula_service.links's (stale_link_fields).
+GPU_MEMORY_FIELDS = ("device_memory_gib", "device_memory_source")
 # The spec fields a what-if may give; the `*_source` fields are the server's and are re-derived.
 CLUSTER_OVERRIDES = ("nodes", "gpus_per_node", "gpu_type", "device_memory_gib", "interconnect_gbps",
                      "intra_node_link", "inter_node_link")  # fmt: skip
@@ -122,13 +124,13 @@ def _without(section: dict[str, Any], keys: set[str]) -> dict[str, Any]:
 
 def _merged_cluster(stored: dict[str, Any], overrides: dict[str, Any], gpu_changed: bool) -> dict[str, Any]:
     """Stored cluster + overrides, minus the stored values the overrides make stale: the device's
-    memory and link when the GPU type changes, a catalog-assumed link when a link is given, and the
-    source of any value the overrides give."""
-    stale: set[str] = set(GPU_CLUSTER_FIELDS) if gpu_changed else set()
-    link_given = overrides.keys() & {"intra_node_link", "interconnect_gbps"}
-    if link_given and stored.get("intra_node_link_source") == CATALOG_SOURCE:
-        stale.update(("intra_node_link", "intra_node_link_source"))
-    stale.update(f"{key}_source" for key in ("device_memory_gib", "intra_node_link") if key in overrides)
+    memory when the GPU type changes, the memory's source when a memory is given, and the link fields
+    tula_service.links.stale_link_fields names."""
+    stale = stale_link_fields(stored, overrides, gpu_changed)
+    if gpu_changed:
+        stale.update(GPU_MEMORY_FIELDS)
+    if "device_memory_gib" in overrides:  # a memory the what-if gives is the spec's, not the catalog's
+        stale.add("device_memory_source")
     return {**_without(stored, stale), **overrides}
 
 
