@@ -103,3 +103,14 @@ def seconds_per_sample(step_times: dict[str, tuple[np.ndarray, np.ndarray]], glo
             if best is None or candidate["s_per_sample"] < best["s_per_sample"]:
                 best = candidate
     return best
+
+
+def load_placement_rows(app: Application, root: Path | None = None) -> list[dict]:
+    """placements.csv as rows {placement: "22", local_bsz, step_time_s, sync_time_s}, in file order
+    (sync_time_s: the seconds of gradient synchronization not hidden behind the backward pass)."""
+    with (traces_folder(root) / app.name / "placements.csv").open() as handle:
+        return [
+            {"placement": row["placement"], "local_bsz": float(row["local_bsz"]),
+             "step_time_s": float(row["step_time"]), "sync_time_s": float(row["sync_time"])}
+            for row in csv.DictReader(handle)
+        ]  # fmt: skip
