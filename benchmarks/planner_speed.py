@@ -3,11 +3,11 @@
 Times `tula_service.planner.sweep` followed by `choose` (objective "knee") over 64 per-device batch
 sizes x 64 device counts (1..64, every count, not only powers of two) x 8 accumulation options
 (1..8): 32,768 configurations, from performance models fitted the way `recommend.plan` fits them
-(`tula_service.fitting.fit_models`) on hand-made measurements with known lines (`tests/handmade.py`,
-noise scale 2048). Also timed, for reference: `sweep` and `choose` alone, `fit_models`, and the
-whole `recommend.plan` (fitting, sweep, choice, one provenance-labelled row per candidate), once over
-its own search space (powers-of-two device counts, accumulation 1/2/4/8) and once over the same
-64 x 64 x 8 space; `plan` takes no search-space argument, so for that run its `PlanInputs` gets the
+(`tula_service.fitting.fit_models`) on hand-made measurements with known lines
+(`benchmarks/handmade_measurements.py`, noise scale 2048). Also timed, for reference: `sweep` and
+`choose` alone, `fit_models`, and the whole `recommend.plan` (fitting, sweep, choice, one
+provenance-labelled row per candidate), once over its own search space (powers-of-two device counts,
+accumulation 1/2/4/8) and once over the same 64 x 64 x 8 space; `plan` takes no search-space argument, so for that run its `PlanInputs` gets the
 explicit device counts and accumulation options inside this process (nothing is edited on disk).
 
 Each is run 30 times (--repeats) after WARMUP untimed runs; median and p90 in milliseconds. The last line:
@@ -29,9 +29,9 @@ from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.handmade
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tests.handmade import measurement, spec_dict  # noqa: E402
+from handmade_measurements import measurement, spec_dict  # noqa: E402
 from tula_service import recommend  # noqa: E402
 from tula_service.fitting import fit_models  # noqa: E402
 from tula_service.planner import PlanInputs, choose, sweep  # noqa: E402
@@ -48,7 +48,7 @@ WARMUP = 2  # untimed runs before the timed ones
 
 
 def handmade_job() -> tuple[JobSpec, list[dict]]:
-    """A 64-device job profiled at every candidate batch, with exact lines (tests/handmade.py's defaults)."""
+    """A 64-device job profiled at every candidate batch, with exact lines (handmade_measurements' defaults)."""
     spec = JobSpec.model_validate(
         spec_dict(
             batch_sizes=DEVICE_BATCHES.tolist(),

@@ -315,10 +315,12 @@ def _describe(backend: str) -> dict[str, str]:
             "timing": "cuda_events",
             "measured": "NCCL all-reduce (SUM, float32) between Ray actors, one per GPU, packed onto as few nodes "
             "as the cluster allows",
+            "informs_network_model": True,
         }
     return {
         "device": "cpu",
         "timing": "perf_counter",
         "measured": "gloo all-reduce (SUM, float32) between CPU Ray actors over TCP (loopback when they share a "
         "node); memory copies and the TCP stack, not a GPU interconnect",
+        "informs_network_model": False,
     }

@@ -68,3 +68,17 @@ def database_url(request, tmp_path):
     name = server.create_database()
     yield server.url(name)
     server.drop_database(name)
+
+
+@pytest.fixture
+def jobs_database_url(tmp_path) -> str:
+    """A fresh SQLite file in tmp_path (jobs.db), as a database URL."""
+    return f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
+@pytest.fixture
+def store(jobs_database_url):
+    """The real store on `jobs_database_url`: what the executor tests submit to and wait on."""
+    from tests.api_fixtures import store_for  # here, not at the top: the store's imports take seconds
+
+    return store_for(jobs_database_url)

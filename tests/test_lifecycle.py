@@ -2,16 +2,10 @@
 
 import logging
 
-from tula_service.db import make_engine, make_session_factory
 from tula_service.dispatch import Outcome, record_outcome
 from tula_service.lifecycle import format_line
-from tula_service.store import Store
 from tests.handmade import measurement
 from tests.processes import submit
-
-
-def _store(tmp_path) -> Store:
-    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
 
 
 def _lines(caplog, event: str) -> list[str]:
@@ -24,18 +18,17 @@ def test_a_line_is_key_value_pairs_and_quotes_what_would_break_it():
     assert "\n" not in line
 
 
-def test_submitting_a_job_logs_it_with_its_points(tmp_path, caplog):
+def test_submitting_a_job_logs_it_with_its_points(store, caplog):
     caplog.set_level(logging.INFO, logger="tula.lifecycle")
-    job = submit(_store(tmp_path), batch_sizes=[8, 16, 32])
+    job = submit(store, batch_sizes=[8, 16, 32])
     [line] = _lines(caplog, "job_submitted")
     assert line == f"event=job_submitted job={job.id} name=handmade points=3"
 
 
-def test_each_outcome_of_a_point_is_one_line_and_the_end_of_the_job_another(tmp_path, caplog):
+def test_each_outcome_of_a_point_is_one_line_and_the_end_of_the_job_another(store, caplog):
     """A died attempt is retried, a record finishes the point, a point that fails its last attempt is
     failed; once every point is finished the job is fitted and its end logged."""
     caplog.set_level(logging.INFO, logger="tula.lifecycle")
-    store = _store(tmp_path)
     job = submit(store, batch_sizes=[8, 16, 32], profiling={"max_attempts": 2, "search_max_batch": False})
     died = Outcome("failed", None, "profiling process died (killed by signal 9)", True, 0.5, "local:test:1")
     for batch in (8, 16):

@@ -19,10 +19,22 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # before Ray starts: its processes 
 ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from tests.api_fixtures import store_for  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.handmade import spec_dict  # noqa: E402
-from tests.processes import fake_python, gone, submit, wait_for_job  # noqa: E402
-from tula_service.db import make_engine, make_session_factory  # noqa: E402
+from tests.processes import (  # noqa: E402
+    CRASHING_CHILD,
+    assert_every_point_failed_crashing,
+    fake_python,
+    gone,
+    process_table,
+    run_until_finished,
+    started,
+    submit,
+    submit_over_http,
+    wait_for,
+    wait_for_job_over_http,
+)
 from tula_service.perfmodel.comm_fit import fit_comm_record  # noqa: E402
 from tula_service.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
 from tula_service.store import Store  # noqa: E402
@@ -42,24 +54,12 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _store(tmp_path) -> Store:
-    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
-
-
-def _run_until_finished(store: Store, executor: RayExecutor, job_id: str):
-    executor.start()
-    try:
-        return wait_for_job(store, job_id)
-    finally:
-        executor.stop()
-
-
 @pytest.fixture(scope="module")
 def two_device_job(ray_cluster, tmp_path_factory):
     """A job for a 2-device cluster (so it measures communication), run to the end on Ray."""
-    store = _store(tmp_path_factory.mktemp("two-device"))
+    store = store_for(f"sqlite:///{tmp_path_factory.mktemp('two-device') / 'jobs.db'}")
     job = submit(store, batch_sizes=[4, 8], cluster={"gpus_per_node": 2}, profiling=FAST_PROFILING)
-    return _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.1), job.id)
+    return run_until_finished(store, RayExecutor(store, address=None, poll_s=0.1), job.id)
 
 
 def test_compute_points_run_as_ray_tasks_and_the_job_ends_done(two_device_job, ray_cluster):
@@ -78,6 +78,7 @@ def test_the_all_reduce_is_measured_across_ray_actors_and_fits(two_device_job, r
     assert comm.state == "done" and comm.worker.startswith("ray:"), comm.error
     record = comm.measurement
     assert (record["kind"], record["status"], record["backend"], record["launcher"]) == ("comm", "ok", "gloo", "ray_actors")
+    assert record["informs_network_model"] is False and "not a GPU interconnect" in record["measured"]
     assert record["world_sizes"] == [2, 4] and record["node_ids"] == [ray_cluster]
     assert [group["world_size"] for group in record["groups"]] == [2, 4]
     assert all(len(group["ranks"]) == group["world_size"] for group in record["groups"])
@@ -98,81 +99,59 @@ def test_a_group_that_cannot_form_is_a_failed_record_not_a_lost_attempt(ray_clus
     assert "nccl" in record["error"] and record["points"] == []
 
 
-def test_a_child_that_keeps_crashing_is_retried_then_failed_with_every_reason(ray_cluster, tmp_path):
-    store = _store(tmp_path)
+def _ray_executor(store: Store, tmp_path: Path, python_body: str) -> RayExecutor:
+    """A Ray executor on the module's cluster running each point as `fake_python(tmp_path, python_body)`."""
+    return RayExecutor(store, address=None, poll_s=0.05, python=fake_python(tmp_path, python_body))
+
+
+def test_a_child_that_keeps_crashing_is_retried_then_failed_with_every_reason(ray_cluster, store, tmp_path):
     job = submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 2})
-    python = fake_python(tmp_path, "echo 'worker exploded' >&2; kill -SEGV $$")
-    finished = _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.05, python=python), job.id)
-    assert finished.state == "failed"
-    for point in finished.points:
-        assert point.state == "failed" and point.attempts == 2
-        assert point.error.startswith("failed after 2 attempts; last: profiling process died (killed by signal 11)")
-        assert "worker exploded" in point.error
-        assert len(point.attempt_errors) == 1 and point.attempt_errors[0].startswith(f"attempt 1 on ray:{ray_cluster}")
+    finished = run_until_finished(store, _ray_executor(store, tmp_path, CRASHING_CHILD), job.id)
+    assert_every_point_failed_crashing(finished, attempts=2, worker=f"ray:{ray_cluster}")
 
 
-def test_a_ray_worker_that_dies_costs_the_attempt(ray_cluster, tmp_path):
+def test_a_ray_worker_that_dies_costs_the_attempt(ray_cluster, store, tmp_path):
     """The child kills the Ray worker running its task: Ray reports the task lost (a RayError),
     which counts as a dead worker, retried up to max_attempts."""
-    store = _store(tmp_path)
     job = submit(store, batch_sizes=[8, 16], profiling={"max_attempts": 1})
-    python = fake_python(tmp_path, "kill -KILL $PPID; exec sleep 30")
-    finished = _run_until_finished(store, RayExecutor(store, address=None, poll_s=0.05, python=python), job.id)
+    finished = run_until_finished(store, _ray_executor(store, tmp_path, "kill -KILL $PPID; exec sleep 30"), job.id)
     assert finished.state == "failed"
     for point in finished.points:
         assert point.state == "failed" and point.attempts == 1
         assert point.error.startswith("Ray task died (")
 
 
-def test_cancelling_a_job_stops_its_running_ray_task(ray_cluster, tmp_path):
-    store = _store(tmp_path)
+def test_cancelling_a_job_stops_its_running_ray_task(ray_cluster, store, tmp_path):
     pid_file = tmp_path / "child.pid"
     job = submit(store, batch_sizes=[8, 16])
-    python = fake_python(tmp_path, f"echo $$ $PPID > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec sleep 60")
-    executor = RayExecutor(store, address=None, poll_s=0.05, python=python)
-    executor.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    python_body = f"echo $$ $PPID > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}; exec sleep 60"
+    with started(_ray_executor(store, tmp_path, python_body)) as executor:
+        wait_for(pid_file.exists, 60, "the child to start")
         child_pid, ray_worker_pid = (int(pid) for pid in pid_file.read_text().split())
         executor.cancel(store.cancel_job(job.id))
-        deadline = time.monotonic() + 20
-        while not (gone(child_pid) and gone(ray_worker_pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(child_pid) and gone(ray_worker_pid)
+        wait_for(lambda: gone(child_pid) and gone(ray_worker_pid), 20, "the child and its Ray worker to die")
         time.sleep(0.5)  # the dispatcher has seen the task end by now; it must not overwrite
         cancelled = store.get_job(job.id)
         assert cancelled.state == "cancelled" and {p.state for p in cancelled.points} == {"cancelled"}
         assert store.claim_next_point() is None
-    finally:
-        executor.stop()
 
 
-def test_cancelling_a_communication_point_frees_its_actors_placement(ray_cluster, tmp_path):
+def test_cancelling_a_communication_point_frees_its_actors_placement(ray_cluster, store, tmp_path):
     """A killed coordinator takes its actors with it, but not its placement group: the executor
     removes that by name, so the cluster's CPUs are free again."""
-    store = _store(tmp_path)
     job = submit(store, batch_sizes=[8, 16], profiling={"measure_comm": True, "max_attempts": 1})
-    python = fake_python(tmp_path, "exit 3")  # the compute points fail at once; the comm point is real
-    executor = RayExecutor(store, address=None, poll_s=0.05, python=python)
-    executor.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not (placements := _comm_placements("CREATED")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert placements, "the communication point never reserved its ranks"
+    # the compute points fail at once; the comm point is real
+    with started(_ray_executor(store, tmp_path, "exit 3")) as executor:
+        placements = wait_for(lambda: _comm_placements("CREATED"), 60, "the communication point to reserve its ranks")
         executor.cancel(store.cancel_job(job.id))
-        deadline = time.monotonic() + 30
-        while _comm_placements("CREATED") or ray.available_resources().get("CPU", 0) < CLUSTER_CPUS:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert not _comm_placements("CREATED") and placements <= _comm_placements("REMOVED")
+
+        def freed():
+            return not _comm_placements("CREATED") and ray.available_resources().get("CPU", 0) >= CLUSTER_CPUS
+
+        wait_for(freed, 30, "its placement group to be removed and the CPUs freed", poll_s=0.1)
+        assert placements <= _comm_placements("REMOVED")
         assert ray.available_resources().get("CPU", 0) == CLUSTER_CPUS
         assert store.get_job(job.id).state == "cancelled"
-    finally:
-        executor.stop()
 
 
 def _comm_placements(state: str) -> set[str]:
@@ -187,15 +166,7 @@ def _comm_placements(state: str) -> set[str]:
 
 def _session_processes(session_id: int) -> list[int]:
     """Pids whose session is `session_id` (the head was started in its own session)."""
-    pids = []
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id:
-            pids.append(int(stat_path.parent.name))
-    return pids
+    return [pid for pid, fields in process_table().items() if int(fields[3]) == session_id]
 
 
 @pytest.fixture
@@ -235,14 +206,8 @@ def ray_head(tmp_path):
 @pytest.mark.e2e
 def test_the_server_dispatches_a_job_to_a_ray_cluster(ray_head, make_server):
     server = make_server("--executor", "ray", "--ray-address", ray_head, env=RAY_ENV)
-    spec = spec_dict(batch_sizes=[4, 8], profiling=FAST_PROFILING)
-    response = httpx.post(f"{server.url}/v1/jobs", json=spec, timeout=30)
-    assert response.status_code == 202, response.text
-    job_id = response.json()["id"]
-    deadline = time.monotonic() + 180
-    while (job := httpx.get(f"{server.url}/v1/jobs/{job_id}", timeout=30).json())["state"] not in ("done", "failed"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.3)
+    job_id = submit_over_http(server.url, spec_dict(batch_sizes=[4, 8], profiling=FAST_PROFILING))
+    job = wait_for_job_over_http(server.url, job_id, timeout_s=180)
     assert job["state"] == "done", job
     assert all(p["state"] == "done" and p["worker"].startswith("ray:") for p in job["points"])
     ready = httpx.get(f"{server.url}/readyz", timeout=30).json()

@@ -7,42 +7,33 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from tula_service.db import make_engine, make_session_factory
 from tula_service.executor import LocalExecutor
 from tula_service.store import Store
-from tests.processes import fake_python, gone, submit, wait_for, wait_for_job
+from tests.processes import (
+    children_of,
+    fake_python,
+    gone,
+    parent_of,
+    run_until_finished,
+    running_child,
+    started,
+    submit,
+    wait_for,
+    wait_for_job,
+)
 
 FAST_PROFILING = {"time_cap_s": 1.0, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
 LONG_PROFILING = {"time_cap_s": 120.0, "timed_iters": 100_000, "target_cv": 1e-9}  # runs until killed
 
 
 @pytest.fixture
-def store(tmp_path) -> Store:
-    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
-
-
-@pytest.fixture
 def lifecycle_lines(caplog):
     caplog.set_level(logging.INFO, logger="tula.lifecycle")
     return lambda event: [r.getMessage() for r in caplog.records if r.name == "tula.lifecycle" and f"event={event} " in r.getMessage()]
-
-
-def _parent_pid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _running_child(store: Store, job_id: str) -> tuple[int, int]:
-    """(point id, child pid) of the job's running point once its child has started."""
-
-    def running():
-        return next(((p.id, p.worker_pid) for p in store.get_job(job_id).points if p.state == "running" and p.worker_pid), None)
-
-    return wait_for(running, 120, "a point's child to start")
 
 
 class RunningPoint(NamedTuple):
@@ -58,30 +49,22 @@ def _a_point_running_warm(store: Store, profiling: dict) -> Iterator[RunningPoin
     """A job of two points on a started executor, once its first point's child runs; the executor is
     stopped afterwards."""
     job = submit(store, batch_sizes=[8, 16], profiling=profiling)
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        point_id, child_pid = _running_child(store, job.id)
-        yield RunningPoint(job.id, executor, point_id, child_pid, _parent_pid(child_pid))
-    finally:
-        executor.stop()
+    with started(LocalExecutor(store, poll_s=0.05)) as executor:
+        point_id, child_pid = running_child(store, job.id)
+        yield RunningPoint(job.id, executor, point_id, child_pid, parent_of(child_pid))
 
 
 def test_points_run_in_children_of_one_warm_worker(store, lifecycle_lines):
     job = submit(store, batch_sizes=[8, 16], profiling=FAST_PROFILING)
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
+    with started(LocalExecutor(store, poll_s=0.05)) as executor:
         [warm_pid] = wait_for(executor.warm_worker_pids, 120, "the warm worker").values()
         finished = wait_for_job(store, job.id)
-    finally:
-        executor.stop()
     assert finished.state == "done", finished.error
     assert all(p.state == "done" and p.attempts == 1 for p in finished.points)
-    started = lifecycle_lines("point_started")
-    assert len(started) == len(finished.points) and all("path=warm" in line for line in started)
+    point_lines = lifecycle_lines("point_started")
+    assert len(point_lines) == len(finished.points) and all("path=warm" in line for line in point_lines)
     assert len(lifecycle_lines("warm_worker_started")) == 1
-    assert f"pid={warm_pid} " not in " ".join(started)  # each point is a child of its own
+    assert f"pid={warm_pid} " not in " ".join(point_lines)  # each point is a child of its own
     assert gone(warm_pid)  # stopping the executor stops its warm worker
 
 
@@ -125,34 +108,19 @@ def test_cancelling_a_job_kills_its_running_point_but_not_the_warm_worker(store,
     assert f"job={running.job_id} " in finished and "state=cancelled" in finished
 
 
-def _children_of(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):  # it exited meanwhile
-            continue
-    return children
-
-
 def test_a_killed_all_reduce_point_leaves_no_rank_behind_and_is_retried(store):
     job = submit(store, batch_sizes=[8, 16], profiling={**FAST_PROFILING, "measure_comm": True})
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
 
-        def comm_child():
-            [comm] = [p for p in store.get_job(job.id).points if p.kind == "comm"]
-            return comm.state == "running" and comm.worker_pid
+    def comm_child():
+        [comm] = [p for p in store.get_job(job.id).points if p.kind == "comm"]
+        return comm.state == "running" and comm.worker_pid
 
+    with started(LocalExecutor(store, poll_s=0.05)):
         child_pid = wait_for(comm_child, 120, "the all-reduce point's child to start", poll_s=0.01)
-        rank_pids = wait_for(lambda: len(ranks := _children_of(child_pid)) >= 2 and ranks, 30, "its ranks", poll_s=0.01)
+        rank_pids = wait_for(lambda: len(ranks := children_of(child_pid)) >= 2 and ranks, 30, "its ranks", poll_s=0.01)
         os.kill(child_pid, signal.SIGKILL)
         wait_for(lambda: all(gone(pid) for pid in rank_pids), 10, "the ranks to end with the point's child")
         finished = wait_for_job(store, job.id)
-    finally:
-        executor.stop()
     assert finished.state == "done", finished.error
     [comm] = [p for p in finished.points if p.kind == "comm"]
     assert comm.state == "done" and comm.attempts == 2
@@ -162,12 +130,7 @@ def test_a_killed_all_reduce_point_leaves_no_rank_behind_and_is_retried(store):
 
 def test_a_warm_child_that_overruns_its_timeout_is_killed(store, lifecycle_lines):
     job = submit(store, batch_sizes=[8, 16], profiling={**LONG_PROFILING, "timeout_s": 1.0, "max_attempts": 1})
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        finished = wait_for_job(store, job.id)
-    finally:
-        executor.stop()
+    finished = run_until_finished(store, LocalExecutor(store, poll_s=0.05), job.id)
     assert finished.state == "failed"
     assert all(p.state == "failed" and p.error == "timed out after 1 s" for p in finished.points)
     assert len(lifecycle_lines("point_failed")) == 2
@@ -178,13 +141,8 @@ def test_a_warm_child_that_overruns_its_timeout_is_killed(store, lifecycle_lines
 def test_without_a_warm_worker_the_points_run_as_fresh_processes(store, tmp_path, lifecycle_lines, caplog):
     no_warm_worker = 'case "$*" in *profiler.warm_worker*) echo "no fork here" >&2; exit 3;; esac\nexec "$REAL" "$@"'
     job = submit(store, batch_sizes=[8, 16], profiling=FAST_PROFILING)
-    executor = LocalExecutor(store, python=fake_python(tmp_path, no_warm_worker), poll_s=0.05)
-    executor.start()
-    try:
-        finished = wait_for_job(store, job.id)
-    finally:
-        executor.stop()
+    finished = run_until_finished(store, LocalExecutor(store, python=fake_python(tmp_path, no_warm_worker), poll_s=0.05), job.id)
     assert finished.state == "done", finished.error
-    started = lifecycle_lines("point_started")
-    assert started and all("path=cold" in line for line in started)
+    point_lines = lifecycle_lines("point_started")
+    assert point_lines and all("path=cold" in line for line in point_lines)
     assert any("the warm worker did not start (exit code 3: no fork here)" in r.getMessage() for r in caplog.records)

@@ -10,9 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tula_service.db import JOB_STATES, Job, Point
+from tula_service.db import JOB_STATES, TERMINAL_POINT_STATES, Job, Point
 
-FINISHED_POINT_STATES = ("done", "oom", "failed", "cancelled")
 # tula_service.db's job states as a type: a query parameter of this type is documented as an enum in
 # OpenAPI and refused with FastAPI's own 422 for any other value.
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
@@ -82,7 +81,7 @@ def _step(job: Job) -> str:
 
 def _progress(job: Job) -> Progress:
     return Progress(
-        points_done=sum(p.state in FINISHED_POINT_STATES for p in job.points),
+        points_done=sum(p.state in TERMINAL_POINT_STATES for p in job.points),
         points_measured=sum(p.state in ("done", "oom") for p in job.points),
         points_total=len(job.points),
         points_failed=sum(p.state == "failed" for p in job.points),
