@@ -9,7 +9,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from tests.handmade import comm_record, measurement, oom
+from tests.handmade import comm_record, measurement, oom, spec_dict
+from tula_service.dispatch import run_child
+from tula_service.jobs import _predicted_max_batch
 from tula_service.measurement import (
     CommMeasurement,
     ComputeMeasurement,
@@ -17,6 +19,8 @@ from tula_service.measurement import (
     SourcedValue,
     parse_measurement,
 )
+from tula_service.recommend import plan, usable_measurements
+from tula_service.spec import JobSpec
 
 IMAGES = {"name": "synthetic_images", "channels": 3, "image_size": 16, "num_classes": 10, "num_samples": 2000}
 FAST = {"warmup_iters": 1, "timed_iters": 3, "time_cap_s": 0.5, "grad_iters": 3, "device": "cpu", "threads": 1}
@@ -112,3 +116,54 @@ def test_a_point_whose_model_fails_is_a_failed_record_of_the_contract(tmp_path):
     pytest.importorskip("torch")
     failed = parse_measurement(run_point(tmp_path, {"model": "no_such_model", "dataset": IMAGES, "batch_size": 8, **FAST}))
     assert failed.status == "failed" and "no_such_model" in failed.error
+
+
+# The service reads the contract's attributes (tula_service.recommend, reliability, jobs, dispatch).
+
+
+def test_the_gradient_summary_and_the_host_load_a_point_shows_are_typed_fields():
+    record = measurement(16)
+    record["gradient"].update(noise_scale=120.0, variability_median=0.2)
+    record["host_load"] = {"contended": True, "load_1m": 9.5}
+    point = parse_measurement(record)
+    assert (point.gradient.noise_scale, point.gradient.variability_median, point.host_contended) == (120.0, 0.2, True)
+    assert parse_measurement(measurement(16)).host_contended is None  # the record does not say
+
+
+def test_a_byte_count_written_as_an_integer_stays_one_in_the_recommendation():
+    records = [measurement(b, static_bytes=100_000_000, act_bytes_per_sample=1_000_000) for b in (8, 16, 32, 64)]
+    points = plan(JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64])), records)["profiled"]["points"]
+    assert [p["peak_bytes"] for p in points] == [r["memory"]["peak_bytes"] for r in records]
+    assert all(type(p["peak_bytes"]) is int and type(p["activation_bytes"]) is int for p in points)
+    assert type(parse_measurement(measurement(8)).memory.peak_bytes) is float  # and a float stays a float
+
+
+def test_usable_measurements_hands_back_the_records_it_was_given():
+    records = [measurement(8), oom(64), comm_record("gloo", 1e-5, 10), measurement(16)]
+    ok, oom_batches = usable_measurements(records)
+    assert ok == [records[0], records[3]] and oom_batches == [64]
+    parsed, _ = usable_measurements([parse_measurement(r) for r in records])
+    assert all(isinstance(p, ComputeMeasurement) for p in parsed) and [p.batch_size for p in parsed] == [8, 16]
+
+
+def test_a_record_that_breaks_the_contract_fails_its_point_with_the_field_named():
+    """A real child writes an 'ok' record without its timing: the point fails with its own error (not
+    retried, and not a fit that fails later on a missing key), and the record is kept as it came."""
+    broken = measurement(16)
+    del broken["iter_time"]
+    write = f"import json, sys; open(sys.argv[-1], 'w').write(json.dumps({broken!r}))"
+    outcome = run_child([sys.executable, "-c", write], 60)
+    assert outcome.state == "failed" and not outcome.worker_died
+    assert "measurement contract" in outcome.error and "iter_time" in outcome.error
+    assert outcome.measurement == broken
+
+
+def test_the_max_batch_search_predicts_with_the_plans_memory_model():
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], profiling={"memory_limit_gib": 0.25}))
+    records = [measurement(b) for b in (8, 16, 32, 64)]
+    for index, record in enumerate(records):  # off the line, so the fit is not read off one point
+        record["memory"]["peak_bytes"] *= 1 + 0.02 * (-1) ** index
+    memory = plan(spec, records)["models"]["memory"]
+    ok, _ = usable_measurements([parse_measurement(r) for r in records])
+    expected = int((0.25 * 2**30 - memory["static_bytes"]) // memory["act_bytes_per_sample"])
+    assert _predicted_max_batch(spec, ok) == expected

@@ -42,6 +42,7 @@ from typing import Any
 from tula_service import lifecycle
 from tula_service.db import Job, Point
 from tula_service.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request
+from tula_service.measurement import parse_measurement
 from tula_service.store import Store
 
 STDERR_TAIL_CHARS = 2000
@@ -149,13 +150,17 @@ def _outcome_of_exit(returncode: int, stderr: str, out_path: Path, duration_s: f
         reason = f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
         error = f"profiling process died ({reason}): {stderr[-STDERR_TAIL_CHARS:].strip()}".rstrip(": ")
         return Outcome("failed", None, error, True, duration_s, worker)
-    measurement = json.loads(out_path.read_text())
-    status = measurement.get("status")
-    if status == "oom":
-        return Outcome("oom", measurement, measurement.get("error"), False, duration_s, worker)
-    if status == "failed":  # the point's own error, e.g. a model that does not build
-        return Outcome("failed", measurement, measurement.get("error"), False, duration_s, worker)
-    return Outcome("done", measurement, None, False, duration_s, worker)
+    record = json.loads(out_path.read_text())  # stored as it came; read through the contract
+    try:
+        measurement = parse_measurement(record)
+    except ValueError as error:  # pydantic's ValidationError is one: the record names no batch, a kind, ...
+        error_text = f"the profiler's record breaks the measurement contract (tula_service.measurement): {error}"
+        return Outcome("failed", record, error_text, False, duration_s, worker)
+    if measurement.status == "oom":
+        return Outcome("oom", record, measurement.error, False, duration_s, worker)
+    if measurement.status == "failed":  # the point's own error, e.g. a model that does not build
+        return Outcome("failed", record, measurement.error, False, duration_s, worker)
+    return Outcome("done", record, None, False, duration_s, worker)
 
 
 class WarmWorkerUnavailable(RuntimeError):

@@ -7,9 +7,9 @@ import logging
 from tula_service import lifecycle
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
-from tula_service.perfmodel import MemoryModel
+from tula_service.measurement import ComputeMeasurement, Measurement, parse_measurement
 from tula_service.planner import GIB
-from tula_service.recommend import NotEnoughMeasurements, plan, usable_measurements
+from tula_service.recommend import NotEnoughMeasurements, fitted_models, plan, usable_measurements
 from tula_service.reliability import points_to_retime
 from tula_service.settings import environment
 from tula_service.spec import JobSpec, allowed_model_modules
@@ -71,7 +71,7 @@ def comm_command_args(job: Job) -> list[str]:
     at least MIN_COMM_MAX_BYTES so both latency and bandwidth can be fitted (the benchmark caps
     gloo runs at 4 MiB itself)."""
     gradient_bytes = [
-        p.measurement["model"]["gradient_bytes"]
+        parse_measurement(p.measurement).model.gradient_bytes
         for p in job.points
         if p.state == "done" and p.kind in COMPUTE_POINT_KINDS and p.measurement
     ]
@@ -79,15 +79,16 @@ def comm_command_args(job: Job) -> list[str]:
     return ["--max-bytes", str(max_bytes), "--backend", "auto"]
 
 
-def _predicted_max_batch(spec: JobSpec, ok: list[dict]) -> int | None:
-    """Largest batch the memory model says fits the profiling device's limit (when one is known)."""
+def _predicted_max_batch(spec: JobSpec, ok: list[ComputeMeasurement]) -> int | None:
+    """Largest batch the plan's memory model (fitted as `plan` fits it) says fits the profiling device's
+    limit (when one is known): the point estimate, no margin, as the search is to find the limit."""
     limit = spec.profiling.memory_limit_gib * GIB if spec.profiling.memory_limit_gib else None
-    nvml_totals = [m["memory"]["nvml"]["total_bytes"] for m in ok if (m["memory"].get("nvml") or {}).get("total_bytes")]
+    nvml_totals = [m.memory.device_total_bytes for m in ok if m.memory.device_total_bytes]
     capacity = limit or (min(nvml_totals) if nvml_totals else None)
     if capacity is None or len(ok) < 2:
         return None
-    model = MemoryModel().fit([m["batch_size"] for m in ok], [m["memory"]["peak_bytes"] for m in ok])
-    return model.max_device_batch(capacity, margin=0.0)
+    models, _ = fitted_models(spec, ok)
+    return models.memory.max_device_batch(capacity, margin=0.0)
 
 
 def advance(store: Store, job_id: str) -> bool:
@@ -99,16 +100,14 @@ def advance(store: Store, job_id: str) -> bool:
     if job is None or job.state not in ACTIVE_JOB_STATES:
         return False
     spec = job.parsed_spec
+    ok, oom = usable_measurements(parsed_measurements(job))
     if spec.profiling.search_max_batch:
-        ok, oom = usable_measurements(plan_inputs(job)[0])
         probes_done = sum(p.kind == "search" for p in job.points)
         predicted = _predicted_max_batch(spec, ok)
-        ok_batches = [m["batch_size"] for m in ok]
-        probe = next_probe(ok_batches, oom, predicted, probes_done, spec.profiling.max_search_probes)
+        probe = next_probe([m.batch_size for m in ok], oom, predicted, probes_done, spec.profiling.max_search_probes)
         if probe is not None:
             store.add_point(job_id, "search", probe)
             return True
-    ok, _ = usable_measurements(plan_inputs(job)[0])
     retimed = [p.batch_size for p in job.points if p.kind == "retime"]
     due = points_to_retime(ok, retimed)
     if due:
@@ -119,6 +118,11 @@ def advance(store: Store, job_id: str) -> bool:
     finish_job(store, job)
     lifecycle.job_finished(store.get_job(job_id))
     return False
+
+
+def parsed_measurements(job: Job) -> list[Measurement]:
+    """A job's measurements (plan_inputs), parsed (tula_service.measurement)."""
+    return [parse_measurement(m) for m in plan_inputs(job)[0]]
 
 
 def plan_inputs(job: Job) -> tuple[list[dict], list[dict]]:

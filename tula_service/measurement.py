@@ -51,11 +51,12 @@ class IterTime(_Record):
 
 
 class MemoryRecord(_Record):
-    """Bytes of one device: the peak (CUDA allocator, or static + saved activations on a CPU)."""
+    """Bytes of one device: the peak (CUDA allocator, or static + saved activations on a CPU). A count
+    the profiler wrote as an integer stays one, so the recommendation shows it as measured."""
 
-    peak_bytes: float = Field(ge=0)
-    static_bytes: float | None = Field(None, ge=0, description="parameters, gradients and optimizer state")
-    activation_bytes: float | None = Field(None, ge=0, description="saved for backward at this batch")
+    peak_bytes: int | float = Field(ge=0)
+    static_bytes: int | float | None = Field(None, ge=0, description="parameters, gradients and optimizer state")
+    activation_bytes: int | float | None = Field(None, ge=0, description="saved for backward at this batch")
     nvml: dict[str, Any] | None = Field(None, description="the device as NVML reports it (CUDA only)")
 
     @property
@@ -76,6 +77,10 @@ class GradientRecord(_Record):
     variability_series: list[float] = Field(default_factory=list, description="| |g_t| - |g_t-1| | / |g_t-1| per step (AGS)")
     precond_true_grad_sq_norm: float | None = None
     precond_trace_sigma: float | None = None
+    noise_scale: float | None = Field(
+        None, description="B_simple at this point: EMA tr(Sigma) / EMA |G|^2; None when |G|^2 is not resolved"
+    )
+    variability_median: float | None = Field(None, description="median of variability_series (AGS)")
 
 
 class ModelSize(_Record):
@@ -112,6 +117,11 @@ class ComputeMeasurement(_Record):
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def host_contended(self) -> bool | None:
+        """Whether the host was busy around the point (HostLoad); None for a record that does not say."""
+        return self.host_load.contended if self.host_load is not None else None
 
 
 class CommPoint(_Record):

@@ -9,7 +9,7 @@ Every number in the result carries where it came from:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from tula_service.advice import ags_config, batch_ramp, lr_rule, runner_ups, war
 from tula_service.fitting import fit_models
 from tula_service.knee import KNEE_METHODS
 from tula_service.maxbatch import bracket
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, parse_measurement
 from tula_service.planner import (
     ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, ranking, sweep,
 )  # fmt: skip
@@ -28,17 +29,34 @@ class NotEnoughMeasurements(ValueError):
     """Fewer than two usable points: a line cannot be fitted."""
 
 
-def usable_measurements(measurements: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+Record = TypeVar("Record", bound=dict[str, Any] | Measurement)  # a stored record, or a parsed one
+
+
+def usable_measurements(measurements: list[Record]) -> tuple[list[Record], list[int]]:
     """Successful compute points (one per batch size: of a re-timed batch the quieter measurement,
-    tula_service.reliability) and the batches that ran out of memory."""
-    compute = [m for m in measurements if m.get("kind", "compute") == "compute"]
-    ok_by_batch: dict[int, dict[str, Any]] = {}
-    for m in compute:
-        if m.get("status") == "ok":
-            earlier = ok_by_batch.get(m["batch_size"])
-            ok_by_batch[m["batch_size"]] = m if earlier is None else quieter(earlier, m)
-    oom_batches = sorted({m["batch_size"] for m in compute if m.get("status") == "oom"})
-    return [ok_by_batch[b] for b in sorted(ok_by_batch)], oom_batches
+    tula_service.reliability) and the batches that ran out of memory. The points are the records it was
+    given: parsed measurements for parsed ones (as `plan` passes them), stored dicts for stored ones."""
+    ok_by_batch: dict[int, tuple[ComputeMeasurement, Record]] = {}
+    oom_batches: set[int] = set()
+    for record in measurements:
+        point = parse_measurement(record)
+        if not isinstance(point, ComputeMeasurement) or point.kind != "compute":
+            continue
+        if point.ok:
+            earlier = ok_by_batch.get(point.batch_size)
+            if earlier is None or quieter(earlier[0], point) is point:
+                ok_by_batch[point.batch_size] = (point, record)
+        elif point.status == "oom":
+            oom_batches.add(point.batch_size)
+    return [ok_by_batch[b][1] for b in sorted(ok_by_batch)], sorted(oom_batches)
+
+
+def fitted_models(
+    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None
+) -> tuple[FittedModels, dict[str, Any]]:
+    """tula_service.fitting.fit_models of parsed points (it reads them as the stored JSON's dicts)."""
+    dumped = [m.model_dump() for m in ok]
+    return fit_models(spec, dumped, comm.model_dump() if comm else None, pilot.model_dump() if pilot else None)
 
 
 def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> np.ndarray:
@@ -51,17 +69,19 @@ def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> n
 
 
 def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    ok, oom_batches = usable_measurements(measurements)
-    if len({m["batch_size"] for m in ok}) < 2:
+    """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement)."""
+    points = [parse_measurement(m) for m in measurements]
+    ok, oom_batches = usable_measurements(points)
+    if len(ok) < 2:
         raise NotEnoughMeasurements(
             f"need at least 2 successfully profiled batch sizes, got {len(ok)}"
             + (f" (out of memory at {oom_batches})" if oom_batches else "")
         )
-    comm = next((m for m in measurements if m.get("kind") == "comm" and m.get("status") == "ok"), None)
-    pilot = next((m for m in reversed(measurements) if m.get("kind") == "pilot" and m.get("status") == "ok"), None)
-    models, report = fit_models(spec, ok, comm, pilot)
+    comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
+    pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
+    models, report = fitted_models(spec, ok, comm, pilot)
     inputs = PlanInputs(
-        device_batches=candidate_device_batches([m["batch_size"] for m in ok], oom_batches),
+        device_batches=candidate_device_batches([m.batch_size for m in ok], oom_batches),
         total_devices=spec.cluster.total_devices,
         device_memory_bytes=spec.cluster.device_memory_gib * GIB,
         num_samples=spec.dataset.num_samples,
@@ -78,9 +98,9 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         )
     choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
     chosen, knee, front = choice.index, choice.knee, choice.front
-    measured = {m["batch_size"]: m for m in ok}
+    measured = {m.batch_size: m for m in ok}
     rows = [_candidate_row(candidates, i, front, measured, report) for i in range(candidates["global_batch"].size)]
-    tokens_per_sample = ok[0]["model"].get("tokens_per_sample")
+    tokens_per_sample = ok[0].model.tokens_per_sample
     if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
         for row in rows:
             row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
@@ -122,7 +142,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         },
         "models": report,
         "curves": model_curves(models, report, spec, sorted(measured), oom_batches, max_batch, rows),
-        "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(measurements)),
+        "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(points)),
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],
             "max_device_batch": {"value": max_batch, "source": "predicted"},
@@ -200,25 +220,27 @@ def model_curves(
     }
 
 
-def _retimed_batches(measurements: list[dict[str, Any]]) -> list[int]:
+def _retimed_batches(points: list[Measurement]) -> list[int]:
     """Batches with more than one successful compute measurement: timed again (tula_service.reliability)."""
-    batches = [m["batch_size"] for m in measurements if m.get("kind", "compute") == "compute" and m.get("status") == "ok"]
+    batches = [m.batch_size for m in points if isinstance(m, ComputeMeasurement) and m.kind == "compute" and m.ok]
     return sorted({b for b in batches if batches.count(b) > 1})
 
 
-def measured_variability(spec: JobSpec, ok: list[dict[str, Any]], pilot: dict[str, Any] | None) -> dict[str, Any]:
+def measured_variability(
+    spec: JobSpec, ok: list[ComputeMeasurement | dict[str, Any]], pilot: PilotMeasurement | dict[str, Any] | None
+) -> dict[str, Any]:
     """Gradient variability with the batch it was measured at: along the reference run, else the pilot
-    (both at training.reference_batch, through training), else the profiled points (at initialization)."""
+    (both at training.reference_batch, through training), else the profiled points (at initialization).
+    Takes parsed measurements or stored records."""
     reference = spec.training.reference_run
-    trajectories = (("reference run", list(reference.gradient_stats) if reference else []),
-                    ("pilot", (pilot or {}).get("trajectory") or []))  # fmt: skip
+    pilot_records = parse_measurement(pilot).trajectory if pilot is not None else []
+    trajectories = (("reference run", list(reference.gradient_stats) if reference else []), ("pilot", pilot_records))
     for source, records in trajectories:
-        values = [(r["variability"] if isinstance(r, dict) else r.variability, r["batch"] if isinstance(r, dict) else r.batch)
-                  for r in records]  # fmt: skip
-        values = [(v, b) for v, b in values if v is not None]
+        values = [(r.variability, r.batch) for r in records if r.variability is not None]
         if values:
             return {"values": values, "source": source}
-    values = [(v, m["gradient"]["batch"]) for m in ok if m.get("gradient") for v in m["gradient"].get("variability_series", [])]
+    gradients = [m.gradient for m in map(parse_measurement, ok) if m.gradient]
+    values = [(v, gradient.batch) for gradient in gradients for v in gradient.variability_series]
     return {"values": values, "source": "profiled points (initial weights)"}
 
 
@@ -230,27 +252,29 @@ def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, 
     return {"largest_ok_batch": limits[0], "smallest_oom_batch": limits[1], "source": "measured"}
 
 
-def _point_summary(m: dict[str, Any]) -> dict[str, Any]:
-    gradient = m.get("gradient") or {}
+def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
+    iter_time, memory, gradient = point.iter_time, point.memory, point.gradient
     return {
-        "batch_size": m["batch_size"],
-        "iter_time_median_s": m["iter_time"]["median_s"],
-        "iter_time_p10_s": m["iter_time"].get("p10_s"),
-        "iter_time_p90_s": m["iter_time"].get("p90_s"),
-        "iter_time_cv": m["iter_time"].get("cv"),
-        "iter_time_robust_cv": m["iter_time"].get("robust_cv"),
-        "samples": m["iter_time"].get("count"),
-        "peak_bytes": m["memory"]["peak_bytes"],
-        "activation_bytes": m["memory"].get("activation_bytes"),
-        "noise_scale": gradient.get("noise_scale"),
-        "variability_median": gradient.get("variability_median"),
-        "options": m.get("options"),
-        "host_contended": (m.get("host_load") or {}).get("contended"),
+        "batch_size": point.batch_size,
+        "iter_time_median_s": iter_time.median_s,
+        "iter_time_p10_s": iter_time.p10_s,
+        "iter_time_p90_s": iter_time.p90_s,
+        "iter_time_cv": iter_time.cv,
+        "iter_time_robust_cv": iter_time.robust_cv,
+        "samples": iter_time.count,
+        "peak_bytes": memory.peak_bytes,
+        "activation_bytes": memory.activation_bytes,
+        "noise_scale": gradient.noise_scale if gradient else None,
+        "variability_median": gradient.variability_median if gradient else None,
+        "options": point.options,
+        "host_contended": point.host_contended,
         "source": "measured",
     }
 
 
-def _candidate_row(candidates: dict[str, np.ndarray], i: int, front: np.ndarray, measured: dict[int, dict], report: dict) -> dict[str, Any]:
+def _candidate_row(
+    candidates: dict[str, np.ndarray], i: int, front: np.ndarray, measured: dict[int, ComputeMeasurement], report: dict
+) -> dict[str, Any]:
     b, n, a = (int(candidates[key][i]) for key in ("device_batch", "devices", "accumulation"))
     point = measured.get(b)
     time_err = report["compute"]["leave_one_out"]["median_rel_err"]
@@ -260,10 +284,10 @@ def _candidate_row(candidates: dict[str, np.ndarray], i: int, front: np.ndarray,
         return {"value": float(candidates[key][i]), "source": "predicted", "rel_err": rel_err}
 
     memory = (
-        {"value": float(point["memory"]["peak_bytes"]), "source": "measured"} if point else predicted("memory_bytes", mem_err)
+        {"value": float(point.memory.peak_bytes), "source": "measured"} if point else predicted("memory_bytes", mem_err)
     )
     iter_time = (
-        {"value": float(point["iter_time"]["median_s"]), "source": "measured"}
+        {"value": float(point.iter_time.median_s), "source": "measured"}
         if point and n == 1 and a == 1
         else predicted("iter_time_s")
     )

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.measurement import IterTime
+from tula_service.measurement import ComputeMeasurement, parse_measurement
 from tula_service.perfmodel.compute import select_compute_model
 from tula_service.perfmodel.validation import leave_one_out_relative_errors
 
@@ -43,13 +43,15 @@ MIN_POINTS_FOR_LOO = 5
 UNRELIABLE = "unreliable: re-profile on a quiet host"
 
 
-def iter_time_spread(measurement: dict[str, Any]) -> float | None:
+Point = ComputeMeasurement | dict[str, Any]  # parsed, or a stored record (parsed on the way in)
+
+
+def iter_time_spread(point: ComputeMeasurement) -> float | None:
     """The point's robust CV (the CV for an older record), or None without a timing."""
-    iter_time = measurement.get("iter_time")
-    return IterTime.model_validate(iter_time).spread if iter_time else None
+    return point.iter_time.spread if point.iter_time else None
 
 
-def quieter(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+def quieter(first: ComputeMeasurement, second: ComputeMeasurement) -> ComputeMeasurement:
     """Of two measurements of one batch, the one with the lower spread (the later one on a tie or without one)."""
     cv_first, cv_second = iter_time_spread(first), iter_time_spread(second)
     if cv_first is not None and cv_second is not None and cv_first < cv_second:
@@ -57,31 +59,32 @@ def quieter(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     return second
 
 
-def _loo_errors(ok: list[dict[str, Any]]) -> list[float]:
-    batch = np.array([m["batch_size"] for m in ok], dtype=float)
-    iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
+def _loo_errors(ok: list[ComputeMeasurement]) -> list[float]:
+    batch = np.array([m.batch_size for m in ok], dtype=float)
+    iter_time_s = np.array([m.iter_time.median_s for m in ok], dtype=float)
     if batch.size < MIN_POINTS_FOR_LOO:
         return []
     model, _ = select_compute_model(batch, iter_time_s)
     return leave_one_out_relative_errors(type(model), batch, iter_time_s)
 
 
-def points_to_retime(ok: list[dict[str, Any]], retimed_batches: list[int]) -> list[int]:
+def points_to_retime(ok: list[Point], retimed_batches: list[int]) -> list[int]:
     """Batch sizes to time once more: noisy (CV) or off the model (leave-one-out), not yet re-timed."""
-    loo = _loo_errors(ok)
+    points = [parse_measurement(m) for m in ok]
+    loo = _loo_errors(points)
     due = []
-    for index, measurement in enumerate(ok):
-        batch = measurement["batch_size"]
-        if retimed_batches.count(batch) >= RETIMES_PER_BATCH:
+    for index, point in enumerate(points):
+        if retimed_batches.count(point.batch_size) >= RETIMES_PER_BATCH:
             continue
-        cv = iter_time_spread(measurement)
+        cv = iter_time_spread(point)
         if (cv is not None and cv > POINT_CV_LIMIT) or (loo and loo[index] > LOO_LIMIT):
-            due.append(batch)
+            due.append(point.batch_size)
     return due
 
 
-def assess(ok: list[dict[str, Any]], compute_loo: dict[str, Any], retimed_batches: list[int]) -> dict[str, Any]:
+def assess(ok: list[Point], compute_loo: dict[str, Any], retimed_batches: list[int]) -> dict[str, Any]:
     """The recommendation's `reliability`: verdict, reasons with their numbers, thresholds, what was re-timed."""
+    points = [parse_measurement(m) for m in ok]
     reasons = []
     median_loo = compute_loo.get("median_rel_err") if compute_loo.get("points", 0) >= MIN_POINTS_FOR_LOO else None
     if median_loo is not None and median_loo > LOO_LIMIT:
@@ -89,14 +92,14 @@ def assess(ok: list[dict[str, Any]], compute_loo: dict[str, Any], retimed_batche
             f"the step-time model mispredicts held-out points by {median_loo:.0%} (median; max "
             f"{compute_loo.get('max_rel_err', median_loo):.0%}), above {LOO_LIMIT:.0%}"
         )
-    noisy = [m for m in ok if (iter_time_spread(m) or 0.0) > POINT_CV_LIMIT]
-    if len(noisy) * 2 > len(ok):
-        spread = ", ".join(f"batch {m['batch_size']}: {iter_time_spread(m):.0%}" for m in noisy)
-        reasons.append(f"{len(noisy)} of {len(ok)} points have iteration-time CVs above {POINT_CV_LIMIT:.0%} "
+    noisy = [m for m in points if (iter_time_spread(m) or 0.0) > POINT_CV_LIMIT]
+    if len(noisy) * 2 > len(points):
+        spread = ", ".join(f"batch {m.batch_size}: {iter_time_spread(m):.0%}" for m in noisy)
+        reasons.append(f"{len(noisy)} of {len(points)} points have iteration-time CVs above {POINT_CV_LIMIT:.0%} "
                        f"(robust, 1.4826 MAD / median: {spread})")
-    contended = sum(bool((m.get("host_load") or {}).get("contended")) for m in ok)
+    contended = sum(bool(m.host_contended) for m in points)
     if reasons and contended:
-        reasons.append(f"{contended} of {len(ok)} points ran on a contended host (load average above its cores)")
+        reasons.append(f"{contended} of {len(points)} points ran on a contended host (load average above its cores)")
     return {
         "verdict": "unreliable" if reasons else "reliable",
         "message": UNRELIABLE if reasons else "the profile's timings are consistent",
