@@ -8,12 +8,12 @@ from tula_service import lifecycle
 from tula_service.db import Job
 from tula_service.maxbatch import next_probe
 from tula_service.measurement import ComputeMeasurement, Measurement, parse_measurement
-from tula_service.planner import GIB
 from tula_service.recommend import NotEnoughMeasurements, fitted_models, plan, usable_measurements
 from tula_service.reliability import points_to_retime
 from tula_service.settings import environment
 from tula_service.spec import JobSpec, allowed_model_modules
 from tula_service.store import ACTIVE_JOB_STATES, Store
+from tula_service.units import GIB
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from tula_service.knee import Knee, find_knee
 from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel
 from tula_service.perfmodel.overlap import OverlapModel
 from tula_service.pricing import pricing_rule
-from tula_service.units import GIB  # not used here: tula_service.jobs and tula_service.recommend import it from here
 ACCUMULATION_STEPS = (1, 2, 4, 8)
 MEMORY_MARGIN = 0.05
 

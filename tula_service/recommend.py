@@ -19,10 +19,11 @@ from tula_service.knee import KNEE_METHODS
 from tula_service.maxbatch import bracket
 from tula_service.measurement import CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, parse_measurement
 from tula_service.planner import (
-    ACCUMULATION_STEPS, GIB, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, ranking, sweep,
+    ACCUMULATION_STEPS, MEMORY_MARGIN, FittedModels, PlanInputs, choose, max_device_batch, ranking, sweep,
 )  # fmt: skip
 from tula_service.reliability import assess, quieter
 from tula_service.spec import JobSpec, powers_of_two_between
+from tula_service.units import GIB
 
 
 class NotEnoughMeasurements(ValueError):
