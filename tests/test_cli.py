@@ -11,7 +11,7 @@ import yaml
 
 from tests.conftest import REPO, LiveServer, free_port
 from tests.handmade import spec_dict
-from tula_service.cli import duration_h
+from tula_service.cli.client import duration_h
 from tula_service.client import TulaClient
 
 EXAMPLE = REPO / "configs" / "example_small_cnn.yaml"
@@ -232,7 +232,7 @@ def test_plan_with_another_reference_run_and_an_lr_ceiling(done_job):
     [
         (("--gpus", "6"), "--nodes 2 --gpus-per-node 3"),
         (("--gpus", "8", "--nodes", "3"), "is not --nodes 3 x 4"),
-        (("--objective", "deadline"), "--objective deadline needs --deadline"),
+        (("--objective", "deadline"), "objective 'deadline' needs deadline_h"),  # the spec's rule, the server's 409
         (("--deadline", "4h", "--budget", "10"), "--objective deadline|budget"),
     ],
 )
@@ -270,7 +270,7 @@ def test_ray_address_needs_the_ray_executor(tmp_path):
 
 
 def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words():
-    from tula_service.cli import format_recommendation
+    from tula_service.cli.printing import format_recommendation
     from tula_service.recommend import plan
     from tula_service.spec import JobSpec
     from tests.handmade import measurement

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO, free_port
 from tests.handmade import spec_dict
-from tula_service.cli import human_bandwidth, human_bytes, human_duration, human_number, human_usd
+from tula_service.cli.human import human_bandwidth, human_bytes, human_duration, human_number, human_usd
 from tula_service.client import TulaClient
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES
 from tula_service.specfile import MAX_SPEC_BYTES

@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.handmade import spec_dict
-from tula_service.cli import with_reference_stats
+from tula_service.cli.client import with_reference_stats
 from tula_service.gradient_stats_file import GradientStatsFileError, read_gradient_stats
 from tula_service.spec import MAX_GRADIENT_STATS_RECORDS, JobSpec
 
