@@ -7,9 +7,15 @@ import uuid
 import httpx
 import pytest
 
-from tests.handmade import spec_dict
+from pydantic import ValidationError
+
+from tests.api_fixtures import finished_job, store_for
+from tests.handmade import measurement, spec_dict
 from tula_service.client import TulaClient, TulaError
+from tula_service.recommend import plan
+from tula_service.recommendation import JobRecommendation, WhatIfPlan
 from tula_service.schemas import JobList, JobView, MeasurementList, PointList
+from tula_service.spec import JobSpec
 
 
 @pytest.fixture
@@ -229,6 +235,31 @@ def test_recommendation_and_plan_of_an_unfinished_job_are_409s(client):
         with pytest.raises(TulaError) as refused:
             call()
         assert refused.value.status_code == 409 and "queued" in str(refused.value)
+
+
+def test_a_recommendation_is_the_servers_json_checked_against_its_model(client, api_only):
+    job_id = finished_job(store_for(api_only.database_url))
+    answer = client.recommendation(job_id)
+    assert answer == httpx.get(f"{api_only.url}/v1/jobs/{job_id}/recommendation").json()
+    typed = client.recommendation_model(job_id)
+    assert isinstance(typed, JobRecommendation) and typed.job_id == job_id
+    assert typed.chosen.total_time_s.source == "predicted" and typed.model_dump(mode="json", exclude_unset=True) == answer
+
+
+def test_a_what_if_plan_is_checked_against_its_model(client, api_only):
+    job_id = finished_job(store_for(api_only.database_url))
+    answer = client.plan(job_id, {"cluster": {"nodes": 2}, "objective": "min_time"})
+    assert answer["what_if"] == {"cluster": {"nodes": 2}, "objective": "min_time"} and answer["objective"] == "min_time"
+    typed = client.plan_model(job_id, {"cluster": {"nodes": 2}})
+    assert isinstance(typed, WhatIfPlan) and max(row.devices for row in typed.candidates) == 2
+
+
+def test_an_answer_that_breaks_the_recommendation_contract_is_refused():
+    recommendation = plan(JobSpec.model_validate(spec_dict()), [measurement(b) for b in (8, 16, 32)])
+    del recommendation["chosen"]["cost_usd"]["source"]
+    server = httpx.MockTransport(lambda request: httpx.Response(200, json={"job_id": "j", **recommendation}))
+    with TulaClient("http://tula.invalid", transport=server) as broken, pytest.raises(ValidationError, match="cost_usd.source"):
+        broken.recommendation("j")
 
 
 def test_unknown_catalog_is_refused_before_any_request(client):

@@ -1,8 +1,11 @@
 """A typed HTTP client for the Tula API (httpx). The CLI uses it; so can an orchestrator.
 
 Responses parse into the API's own pydantic models (`tula_service.schemas`: JobView, JobList,
-PointList, MeasurementList); recommendations and what-if plans stay dicts. Errors are `TulaError` with the
-server's problem+json body and a message naming each bad field.
+PointList, MeasurementList; `tula_service.recommendation`: JobRecommendation, WhatIfPlan). Recommendations
+and what-if plans are checked against their model and returned as the JSON dicts the server sent
+(`recommendation_model` and `plan_model` return the models). An answer that breaks its model raises
+pydantic's ValidationError. Errors are `TulaError` with the server's problem+json body and a message
+naming each bad field.
 
 Retries: transport errors (connection refused or reset, timeouts) and 502/503/504 are retried with
 exponential backoff on every request that is safe to repeat. A submission always carries an
@@ -22,8 +25,9 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from tula_service.db import TERMINAL_JOB_STATES
+from tula_service.states import TERMINAL_JOB_STATES
 from tula_service.settings import environment
+from tula_service.recommendation import JobRecommendation, WhatIfPlan
 from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -71,6 +75,12 @@ def _raise_for_problem(response: httpx.Response) -> httpx.Response:
         message, problem = explain(response)
         raise TulaError(response.status_code, message, problem)
     return response
+
+
+def _checked(model: type[BaseModel], answer: dict[str, Any]) -> dict[str, Any]:
+    """The answer as the server sent it, once it validates as `model` (pydantic's ValidationError if not)."""
+    model.model_validate(answer)
+    return answer
 
 
 class TulaClient:
@@ -172,12 +182,19 @@ class TulaClient:
         return MeasurementList.model_validate(self._json("GET", self._job_path(job_id, "measurements")))
 
     def recommendation(self, job_id: str) -> dict[str, Any]:
-        """The stored recommendation (409 until the job is done)."""
-        return self._json("GET", self._job_path(job_id, "recommendation"))
+        """The stored recommendation (409 until the job is done), checked against JobRecommendation."""
+        return _checked(JobRecommendation, self._json("GET", self._job_path(job_id, "recommendation")))
+
+    def recommendation_model(self, job_id: str) -> JobRecommendation:
+        return JobRecommendation.model_validate(self._json("GET", self._job_path(job_id, "recommendation")))
 
     def plan(self, job_id: str, what_if: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Re-plan a done job's measurements: {cluster: {...}, pricing: {...}, objective, deadline_h, budget_usd}."""
-        return self._json("POST", self._job_path(job_id, "plan"), json=dict(what_if or {}))
+        """Re-plan a done job's measurements: {cluster: {...}, pricing: {...}, objective, deadline_h, budget_usd};
+        the answer is checked against WhatIfPlan."""
+        return _checked(WhatIfPlan, self._json("POST", self._job_path(job_id, "plan"), json=dict(what_if or {})))
+
+    def plan_model(self, job_id: str, what_if: Mapping[str, Any] | None = None) -> WhatIfPlan:
+        return WhatIfPlan.model_validate(self._json("POST", self._job_path(job_id, "plan"), json=dict(what_if or {})))
 
     def wait(
         self,

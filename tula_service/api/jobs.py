@@ -11,8 +11,10 @@ from pydantic import ValidationError
 
 from tula_service.api.deps import ExecutorDep, StoreDep
 from tula_service.api.errors import what_if_conflict
+from tula_service.db import Job
 from tula_service.jobs import plan_inputs
-from tula_service.recommend import NotEnoughMeasurements
+from tula_service.recommend import NotEnoughMeasurements, plan
+from tula_service.recommendation import JobRecommendation, WhatIfPlan
 from tula_service.schemas import (JobDetail, JobList, JobState, JobSummary, JobView, MeasurementList, MeasurementView,
                                   PointList, PointView, next_offset)
 from tula_service.spec import JobSpec, allowed_model_modules
@@ -132,7 +134,8 @@ def get_measurements(job_id: str, store: StoreDep) -> MeasurementList:
     job = _job_or_404(store, job_id)
     return MeasurementList(job_id=job.id, points=[MeasurementView.of(p) for p in job.points])
 
-@router.get("/{job_id}/recommendation")
+# A recommendation's optional fields are the ones an answer may lack (plan() leaves some out): unset, they stay out.
+@router.get("/{job_id}/recommendation", response_model=JobRecommendation, response_model_exclude_unset=True)
 def get_recommendation(job_id: str, store: StoreDep) -> dict[str, Any]:
     job = _job_or_404(store, job_id)
     if job.state in ("failed", "cancelled"):
@@ -144,9 +147,22 @@ def get_recommendation(job_id: str, store: StoreDep) -> dict[str, Any]:
             detail=f"job is {job.state} ({view.progress.points_done}/{view.progress.points_total} points); "
             "the recommendation exists once it is done",
         )
-    return {"job_id": job.id, **job.recommendation}
+    return served_recommendation(job)
 
-@router.post("/{job_id}/plan")
+
+def served_recommendation(job: Job) -> dict[str, Any]:
+    """The stored recommendation, or, when an older server stored one this server's contract no longer
+    describes (a field added since), the job's stored measurements planned again by this server, which
+    is what the stored one would be now (planning is a pure function of spec and measurements)."""
+    stored = {"job_id": job.id, **job.recommendation}
+    try:
+        JobRecommendation.model_validate(stored)
+    except ValidationError:
+        measurements, failed = plan_inputs(job)
+        return {"job_id": job.id, **plan(job.parsed_spec, measurements, failed)}
+    return stored
+
+@router.post("/{job_id}/plan", response_model=WhatIfPlan, response_model_exclude_unset=True)
 def what_if(job_id: str, what_if: WhatIf, store: StoreDep) -> dict[str, Any]:
     """Re-plan the job's stored measurements for another cluster, GPU type, pricing, objective,
     deadline, budget or reference run (no profiling). Fields left out keep their stored values. A
