@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from tula_service.db import TERMINAL_JOB_STATES
+from tula_service.states import TERMINAL_JOB_STATES
 from tula_service.spec import JobSpec
 from tula_service.store import Store
 from tests.handmade import spec_dict

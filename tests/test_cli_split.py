@@ -26,6 +26,13 @@ def test_importing_the_client_half_loads_no_database_server_or_app(module):
     assert loaded_after(f"import {module}") == []
 
 
+def test_a_client_command_runs_without_the_storage_layer():
+    """`tula --help` builds the parser (job states, catalog kinds) and the typed client imports its
+    response models: none of it needs SQLAlchemy (the states live in tula_service.states)."""
+    statement = "import tula_service.client\nfrom tula_service.cli import build_parser\nbuild_parser()"
+    assert loaded_after(statement) == []
+
+
 def test_one_parser_has_both_halves_commands_in_their_order():
     from tula_service.cli import build_parser
 

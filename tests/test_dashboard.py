@@ -25,7 +25,8 @@ from tula_service.dispatch import Outcome, record_outcome
 from tula_service.spec import JobSpec
 from tests.conftest import REPO, LiveServer
 from tula_service.dashboard import plotly_js_path, plotly_js_url
-from tula_service.db import TERMINAL_JOB_STATES, Job, make_engine, make_session_factory
+from tula_service.db import Job, make_engine, make_session_factory
+from tula_service.states import TERMINAL_JOB_STATES
 from tula_service.tokens import create_token
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")

@@ -24,7 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from tula_service.db import TERMINAL_JOB_STATES
+from tula_service.states import TERMINAL_JOB_STATES
 from tula_service.security import content_security_policy, inline_script_hashes
 
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -16,16 +16,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship,
 if TYPE_CHECKING:
     from tula_service.spec import JobSpec
 
-# A job or point is active until it reaches a terminal state. A job takes its points while queued or
-# profiling, then fits them; a point whose worker died goes from running back to queued.
-ACTIVE_JOB_STATES = ("queued", "profiling", "fitting")
-PROFILING_JOB_STATES = ("queued", "profiling")  # its queued points may be claimed
-TERMINAL_JOB_STATES = ("done", "failed", "cancelled")
-JOB_STATES = ACTIVE_JOB_STATES + TERMINAL_JOB_STATES
-ACTIVE_POINT_STATES = ("queued", "running")
-TERMINAL_POINT_STATES = ("done", "oom", "failed", "cancelled")
-POINT_STATES = ACTIVE_POINT_STATES + TERMINAL_POINT_STATES
-
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)

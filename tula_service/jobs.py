@@ -12,7 +12,8 @@ from tula_service.recommend import NotEnoughMeasurements, fitted_models, plan, u
 from tula_service.reliability import points_to_retime
 from tula_service.settings import environment
 from tula_service.spec import JobSpec, allowed_model_modules
-from tula_service.store import ACTIVE_JOB_STATES, Store
+from tula_service.states import ACTIVE_JOB_STATES
+from tula_service.store import Store
 from tula_service.units import GIB
 
 log = logging.getLogger(__name__)

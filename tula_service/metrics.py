@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from tula_service.db import JOB_STATES, Point
+from tula_service.db import Point
+from tula_service.states import JOB_STATES
 from tula_service.store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -6,13 +6,16 @@ The typed client (`tula_service.client`) parses responses into these same models
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tula_service.db import JOB_STATES, TERMINAL_POINT_STATES, Job, Point
+from tula_service.states import JOB_STATES, TERMINAL_POINT_STATES
 
-# tula_service.db's job states as a type: a query parameter of this type is documented as an enum in
+if TYPE_CHECKING:  # only the API builds these views from stored rows; the client needs no SQLAlchemy
+    from tula_service.db import Job, Point
+
+# the job states as a type: a query parameter of this type is documented as an enum in
 # OpenAPI and refused with FastAPI's own 422 for any other value.
 JobState = Literal[JOB_STATES]  # type: ignore[valid-type]
 

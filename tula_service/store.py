@@ -17,17 +17,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, selectinload, sessionmaker
 
 from tula_service import lifecycle
-from tula_service.db import (
-    ACTIVE_JOB_STATES,
-    ACTIVE_POINT_STATES,
-    PROFILING_JOB_STATES,
-    TERMINAL_JOB_STATES,
-    TERMINAL_POINT_STATES,
-    Job,
-    Point,
-    utcnow,
-)
+from tula_service.db import Job, Point, utcnow
 from tula_service.spec import JobSpec
+from tula_service.states import ACTIVE_JOB_STATES, ACTIVE_POINT_STATES, PROFILING_JOB_STATES, TERMINAL_JOB_STATES, TERMINAL_POINT_STATES
 
 
 class IdempotencyConflict(ValueError):

@@ -382,7 +382,7 @@ def _catalog(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from tula_service.client import CATALOG_KINDS
-    from tula_service.db import JOB_STATES
+    from tula_service.states import JOB_STATES
 
     client_options = argparse.ArgumentParser(add_help=False)
     client_options.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
