@@ -77,3 +77,21 @@ def test_the_api_answers_a_bound_with_a_422_naming_the_field(live_server):
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec, timeout=30)
     assert response.status_code == 422
     assert [e["field"] for e in response.json()["errors"]] == ["body.batch_sizes"]
+
+
+def test_a_boolean_is_no_number_anywhere_in_a_spec_or_a_what_if():
+    """pydantic's lax float reads JSON `true` as 1.0; every float field refuses it, naming the field."""
+    from tula_service.whatif import WhatIf
+
+    for section, field in (("training", "reference_lr"), ("pricing", "price"), ("cluster", "device_memory_gib")):
+        spec = spec_dict()
+        spec[section][field] = True
+        with pytest.raises(pydantic.ValidationError, match=f"{field}: give a number, not a boolean"):
+            JobSpec.model_validate(spec)
+    spec = spec_dict()
+    spec["training"]["reference_run"] = {"gradient_stats": [{"samples": 64, "batch": 32, "grad_sqr": 1.0, "trace_sigma": True}]}
+    with pytest.raises(pydantic.ValidationError, match="give a number, not a boolean"):
+        JobSpec.model_validate(spec)
+    with pytest.raises(pydantic.ValidationError, match="price: give a number, not a boolean"):
+        WhatIf.model_validate({"pricing": {"price": True}})
+    assert WhatIf.model_validate({"pricing": {"price": 3}}).given() == {"pricing": {"price": 3.0}}

@@ -24,12 +24,14 @@ from models.registry import (
     user_model_allowed,
 )
 from tula_service.settings import environment
-from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool
+from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool, reject_bool_number
 from tula_service.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors, validating_client_submission
 
 # Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec_limits).
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(reject_bool)]
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH), BeforeValidator(reject_bool)]
+Count = Annotated[int, BeforeValidator(reject_bool)]
+MeasuredNumber = Annotated[float, BeforeValidator(reject_bool_number)]  # a statistic a run recorded: never a boolean
 
 
 def allowed_model_modules() -> list[str]:
@@ -44,7 +46,23 @@ def in_catalog(kind: str, name: str, catalog: dict[str, object]) -> str:
 
 
 class _Strict(BaseModel):
+    """Unknown fields refused, and no boolean read as a number: pydantic's lax float reads JSON `true`
+    as 1.0, so every float field of a spec model refuses a boolean, naming the field."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(field.alias or name)
+                if isinstance(value, bool) and field.annotation in _FLOAT_ANNOTATIONS:
+                    raise ValueError(f"{field.alias or name}: give a number, not a boolean")
+        return data
+
+
+_FLOAT_ANNOTATIONS = (float, float | None)
 
 
 # Where a value of the validated spec came from: given in the spec, or filled from the GPU catalog
@@ -294,19 +312,19 @@ class GradientStatsRecord(_Strict):
     2018, App. A.1), averaged over a window of steps, numerator and denominator separately. B_simple =
     trace_sigma / grad_sqr. A noisy window may give a slightly negative estimate: it is data, not an error."""
 
-    samples: int = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
+    samples: Count = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
     batch: BatchSize = Field(description="global batch of those steps")
-    grad_sqr: float = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
-    trace_sigma: float = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
-    loss: float | None = Field(None, allow_inf_nan=False, description="training loss, mean over the window")
-    metric: float | None = Field(None, allow_inf_nan=False, description="the run's evaluation metric at this record")
-    step: int | None = Field(None, ge=0)
+    grad_sqr: MeasuredNumber = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
+    trace_sigma: MeasuredNumber = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
+    loss: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="training loss, mean over the window")
+    metric: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="the run's evaluation metric at this record")
+    step: Count | None = Field(None, ge=0)
     window_steps: PositiveInt | None = Field(None, description="optimizer steps the record averages")
-    variability: float | None = Field(
+    variability: MeasuredNumber | None = Field(
         None, ge=0, allow_inf_nan=False, description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS)"
     )
-    precond_grad_sqr: float | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
-    precond_trace_sigma: float | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+    precond_grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
+    precond_trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
 
 
 MAX_GRADIENT_STATS_RECORDS = 2_000  # ~600 kB of JSON, inside the 1 MiB request cap; `tula submit` merges longer files

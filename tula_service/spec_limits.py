@@ -32,3 +32,10 @@ def reject_bool(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError("give an integer, not a boolean")
     return value
+
+
+def reject_bool_number(value: object) -> object:
+    """JSON `true` is not a measured number either: pydantic's lax float would read it as 1.0."""
+    if isinstance(value, bool):
+        raise ValueError("give a number, not a boolean")
+    return value

@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from tula_service.links import stale_link_fields
 from tula_service.recommend import plan
-from tula_service.spec import ClusterSpec, JobSpec, PricingSpec, TrainingSpec, in_catalog
+from tula_service.spec import ClusterSpec, JobSpec, PricingSpec, TrainingSpec, _Strict, in_catalog
 
 # What a GPU type decides about a cluster's memory: a what-if that switches GPU type drops these from the
 # stored spec (unless it gives them itself) so that the new GPU's catalog values take their place; its
@@ -60,9 +60,10 @@ def _override(spec_field: FieldInfo, name: str) -> tuple[Any, FieldInfo]:
 
 def _overrides_model(name: str, spec_model: type[BaseModel], fields: tuple[str, ...], doc: str,
                      **validators: Any) -> type[BaseModel]:
-    """A model of these `fields` of `spec_model`, each as `_override` makes it; any other key is refused."""
+    """A model of these `fields` of `spec_model`, each as `_override` makes it; any other key is refused,
+    and a boolean is no number (the spec models' base, spec._Strict)."""
     return create_model(
-        name, __config__=ConfigDict(extra="forbid"), __doc__=doc, __validators__=validators,
+        name, __base__=_Strict, __doc__=doc, __validators__=validators,
         **{field: _override(spec_model.model_fields[field], field) for field in fields},
     )  # fmt: skip
 
