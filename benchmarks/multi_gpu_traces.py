@@ -32,9 +32,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pollux_traces import APPLICATIONS, load_placement_rows  # noqa: E402
+from tula_service.catalogs import interconnect  # noqa: E402
 from tula_service.perfmodel.placement import PlacementStepModel, StepRow, placement_features  # noqa: E402
 
 PROFILED_PLACEMENTS = ("2", "3", "4", "11", "22", "1111")
+# The testbed's links as its README states them (g4dn.12xlarge: T4s on PCIe 3.0, 50 Gbit/s Ethernet), from
+# the interconnect catalog, as a user would name them in the spec: what a shape that fits no latency assumes.
+TESTBED_LINKS = {"intra": "pcie3_x16", "inter": "ethernet_50g"}
 GENEROUS_FRACTION = 0.3
 # Gradient bytes = 4 x parameters of the network (fp32), public facts of the two models, not fitted:
 # ResNet-18 (CIFAR variant) 11 173 962 parameters; ResNet-50 25 557 032.
@@ -140,7 +144,8 @@ def errors_summary(predicted: np.ndarray, measured: np.ndarray) -> dict:
 
 def evaluate(app_name: str, rows: list[dict], train: np.ndarray, python: Path | None) -> dict:
     started = time.perf_counter()
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES[app_name]).fit(step_rows([r for r, k in zip(rows, train) if k]))
+    links = {side: interconnect(name) for side, name in TESTBED_LINKS.items()}
+    model = PlacementStepModel(**links, gradient_bytes=GRADIENT_BYTES[app_name]).fit(step_rows([r for r, k in zip(rows, train) if k]))
     fit_s = time.perf_counter() - started
     placements, batch = [r["placement"] for r in rows], np.array([r["local_bsz"] for r in rows])
     ours = model.predict_placements(placements, batch)

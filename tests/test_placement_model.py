@@ -17,8 +17,12 @@ from tula_service.perfmodel.placement import (
     placement_features,
     validate_rows,
 )
+from tula_service.perfmodel.network import Link
 
 GRADIENT_BYTES = 45e6
+# The cluster's links as a spec would give them: the latencies a shape without fitted latencies assumes.
+INTRA = Link(latency_s=5e-6, bandwidth_gbps=64.0, source="assumed", name="intra-node (test)")
+INTER = Link(latency_s=5e-5, bandwidth_gbps=50.0, source="assumed", name="inter-node (test)")
 BATCHES = (16, 32, 64, 128, 256)
 PLACEMENTS = ("2", "3", "4", "11", "22", "111", "1111", "44", "222", "13", "4444", "2222", "12")
 TRUTH = Shape("shared_nic", overlap=True, contention=True, fit_latency=False)
@@ -28,7 +32,7 @@ TRUE_THETA = np.array([5e-6, GRADIENT_BYTES * 8 / 20e9, 5e-5, GRADIENT_BYTES * 8
 
 def synthetic_rows(shape: Shape = TRUTH, theta: np.ndarray = TRUE_THETA, noise: float = 0.02, seed: int = 0) -> list[StepRow]:
     rng = np.random.default_rng(seed)
-    generator = PlacementStepModel(gradient_bytes=GRADIENT_BYTES)
+    generator = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES)
     rows = []
     for placement in ("1",) + PLACEMENTS:
         g, m, n = placement_features([placement])
@@ -43,7 +47,7 @@ def synthetic_rows(shape: Shape = TRUTH, theta: np.ndarray = TRUE_THETA, noise: 
 
 
 def test_recovers_bandwidths_gamma_and_contention_from_noisy_synthetic_rows():
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
     params = model.params_()
     assert params["intra"]["bandwidth_gbps"] == pytest.approx(20.0, rel=0.15)
     assert params["inter"]["bandwidth_gbps"] == pytest.approx(8.0, rel=0.1)
@@ -54,13 +58,13 @@ def test_recovers_bandwidths_gamma_and_contention_from_noisy_synthetic_rows():
 
 
 def test_shared_nic_predicts_two_per_node_slower_than_one_per_node():
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
     sync_11, sync_22 = model.allreduce_s(["11", "22"])
     assert sync_22 > 1.5 * sync_11
 
 
 def test_hierarchical_shape_predicts_the_opposite():
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=(Shape("hierarchical", True, True, False),))
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(Shape("hierarchical", True, True, False),))
     model.fit(synthetic_rows())
     sync_11, sync_22 = model.allreduce_s(["11", "22"])
     inter_11 = 2 * 1 / 2 * model.theta_[3]
@@ -69,7 +73,7 @@ def test_hierarchical_shape_predicts_the_opposite():
 
 def test_leave_placements_out_picks_the_generating_topology_and_overlap():
     shapes = tuple(Shape(t, o, True, False) for t in ("shared_nic", "hierarchical", "flat") for o in (True, False))
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=shapes).fit(synthetic_rows())
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=shapes).fit(synthetic_rows())
     assert model.shape_ == TRUTH
     chosen = model.candidates_[TRUTH.name]["held_out"]["median_rel_err"]
     assert all(c["held_out"]["median_rel_err"] >= chosen for c in model.candidates_.values())
@@ -80,13 +84,13 @@ def test_no_overlap_truth_is_chosen_as_no_overlap():
     theta = TRUE_THETA.copy()
     theta[4] = 1.0
     shapes = (truth, TRUTH)
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=shapes).fit(synthetic_rows(truth, theta))
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=shapes).fit(synthetic_rows(truth, theta))
     assert model.shape_ == truth  # the fitted gamma cannot beat gamma = 1 by the tie margin
 
 
 def test_without_multi_device_rows_the_given_links_are_assumed():
     single = [row for row in synthetic_rows() if sum(row.placement) == 1]
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES).fit(single)
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES).fit(single)
     params = model.params_()
     assert {params[k]["source"].split(" ")[0] for k in ("intra", "inter", "gamma", "kappa")} == {"assumed"}
     assert params["inter"]["bandwidth_gbps"] == pytest.approx(model.inter.bandwidth_gbps)
@@ -96,7 +100,7 @@ def test_without_multi_device_rows_the_given_links_are_assumed():
 
 def test_fitted_parameters_stay_inside_their_bounds():
     rows = [StepRow(r.placement, r.device_batch, r.step_time_s * (30.0 if sum(r.placement) > 1 else 1.0)) for r in synthetic_rows()]
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=(Shape("shared_nic", True, True, True),)).fit(rows)
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(Shape("shared_nic", True, True, True),)).fit(rows)
     params = model.params_()
     for link in ("intra", "inter"):
         assert BANDWIDTH_BOUNDS_GBPS[0] * 0.999 <= params[link]["bandwidth_gbps"] <= BANDWIDTH_BOUNDS_GBPS[1] * 1.001
@@ -120,7 +124,7 @@ def test_bad_rows_are_named_by_index_and_field(row, message):
 
 
 def test_planner_sized_prediction_is_fast():
-    model = PlacementStepModel(gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows())
     g, m, n = packed_features(np.arange(1, 65)[:, None], gpus_per_node=4)
     batch = np.geomspace(1, 1024, 64)[None, :]
     started = time.perf_counter()

@@ -49,8 +49,6 @@ BANDWIDTH_BOUNDS_GBPS = (0.1, 2000.0)
 UNKNOWN_BYTES_TRANSFER_BOUNDS_S = (1e-7, 100.0)  # seconds to move one whole gradient when S is unknown
 MAX_LOO_FOLDS = 12
 TIE_TOLERANCE = 2e-3  # a richer shape must beat a simpler one by 0.2 percentage point of median error
-DEFAULT_INTRA = Link(latency_s=5e-6, bandwidth_gbps=64.0, source="assumed", name="PCIe 3.0 x16 (assumed)")
-DEFAULT_INTER = Link(latency_s=5e-5, bandwidth_gbps=50.0, source="assumed", name="50 Gbit/s Ethernet (assumed)")
 
 
 def parse_placement(placement: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -180,11 +178,14 @@ class _Data:
 
 @dataclass
 class PlacementStepModel:
-    """`fit(rows)` -> the chosen shape's parameters (`params_`, each with its source); `predict(g, m, n, batch)`."""
+    """`fit(rows)` -> the chosen shape's parameters (`params_`, each with its source); `predict(g, m, n, batch)`.
 
+    `intra` and `inter` are the cluster's links as the spec or the catalog give them (tula_service.links):
+    the values a shape that does not fit a latency assumes, and the fallback without multi-device rows."""
+
+    intra: Link
+    inter: Link
     gradient_bytes: float | None = None
-    intra: Link = DEFAULT_INTRA
-    inter: Link = DEFAULT_INTER
     shapes: tuple[Shape, ...] = CANDIDATE_SHAPES
     shape_: Shape = field(default=Shape(), init=False)
 
