@@ -35,7 +35,7 @@ def test_point_reports_timing_with_spread_and_phases(small_cnn_points):
     assert small_cnn_points[8]["status"] == "ok" and small_cnn_points[8]["schema_version"] == 2
     assert timing["count"] >= 3 and len(timing["samples_s"]) == timing["count"]
     assert 0 < timing["p10_s"] <= timing["median_s"] <= timing["p90_s"]
-    assert timing["stopped_by"] in ("cv_target", "time_cap", "max_iters")
+    assert timing["stopped_by"] in ("cv_target", "median_rse_target", "time_cap", "max_iters")
     assert timing["warmup_iters"] >= 1
     phase_medians = sum(timing["phases"][p]["median_s"] for p in ("data_s", "forward_s", "backward_s", "optimizer_s"))
     assert phase_medians == pytest.approx(timing["median_s"], rel=0.5)
