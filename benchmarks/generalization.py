@@ -4,18 +4,18 @@ that exists offline, at the same epoch budget (the Tula seed paper's Table I and
 - small:  SGD at the small reference batch (32), the accuracy large batches try to keep;
 - LBT:    plain large-batch training, the reference hyperparameters at batch B;
 - LRS:    linear LR scaling, lr = lr_ref * B / 32 (Goyal et al. 2017), with a linear warm-up from lr_ref
-          over min(5 epochs, 10% of training) (`tula_service.advice`'s warm-up rule);
+          over min(5 epochs, 10% of training) (`tula_service.plan.advice`'s warm-up rule);
 - LARS:   layer-wise trust ratios (You et al. 2017, `LARS` below), same warm-up;
 - AGS:    LBT plus `profiler.ags.AdaptiveGradientScaler` with the (delta, s) that Tula's planner
           recommends for the job (below), the paper's "Tula" column.
 
 Where AGS's config comes from: for each workload the service's own profiler measures the model at a few
-batch sizes (`profiler.measure.profile_point` on `tula_service.jobs.point_request` of a JobSpec) and runs
+batch sizes (`profiler.measure.profile_point` on `tula_service.dispatch.jobs.point_request` of a JobSpec) and runs
 the pilot point at the reference batch (`profiler.pilot.run_pilot`: training with gradient statistics
-along the way), and `tula_service.recommend.plan` plans on those measurements; delta and s are read from
+along the way), and `tula_service.plan.recommend.plan` plans on those measurements; delta and s are read from
 its `training_advice.ags`: delta from the variability measured along the pilot, scaled to the batch, and s
 from the noise scale read along it. That object is for the batch the plan chooses; at the other batches
-of the table the same rule (`tula_service.advice.ags_config`) is applied to the plan's B_noise and the
+of the table the same rule (`tula_service.plan.advice.ags_config`) is applied to the plan's B_noise and the
 pilot's variability (and checked to reproduce the plan's own object at its chosen batch).
 
 Sensitivity (Figs. 7-8): accuracy vs s at the recommended delta, and vs delta at the recommended s, at
@@ -59,9 +59,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
+
 from profiler.ags import AdaptiveGradientScaler  # noqa: E402
-from tula_service.advice import WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION, ags_config  # noqa: E402
-from tula_service.recommend import measured_variability, usable_measurements  # noqa: E402
+from tula_service.fit.perfmodel.efficiency import EpochModel  # noqa: E402
+from tula_service.plan.advice import WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION, ags_config  # noqa: E402
+from tula_service.plan.recommend import measured_variability, usable_measurements  # noqa: E402
 
 SMALL_BATCH = 32
 MOMENTUM = 0.9
@@ -219,9 +221,9 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
     AGS config per large batch (see the module docstring)."""
     from profiler.measure import profile_point
     from profiler.pilot import run_pilot
-    from tula_service.jobs import pilot_request, point_request
-    from tula_service.recommend import plan
-    from tula_service.spec import JobSpec
+    from tula_service.dispatch.jobs import pilot_request, point_request
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -245,6 +247,7 @@ def recommended_ags(dataset: str, workload: Workload, quick: bool) -> dict[str, 
     recommendation = plan(spec, [*measurements, pilot])
     efficiency = recommendation["models"]["efficiency"]
     noise = efficiency["noise_scale"]["value"] if efficiency["source"] == "fitted" else None
+    noise = EpochModel(spec.training.reference_batch, spec.training.reference_epochs, noise, optimizer=spec.training.optimizer)
     variability = measured_variability(spec, usable_measurements(measurements)[0], pilot)
     chosen = recommendation["chosen"]["global_batch"]
     planned = recommendation["training_advice"]["ags"]

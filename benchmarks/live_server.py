@@ -31,8 +31,10 @@ def free_port() -> int:
 
 class LiveServer:
     """`python -m tula_service serve` on a free loopback port, on its own SQLite file (`database_path`)
-    or on any database (`database_url`, e.g. one on the test PostgreSQL server); its output is
-    appended to `log_path`."""
+    or on any database (`database_url`, e.g. one on the test PostgreSQL server), or, with
+    `database_from_environment`, on the one TULA_DATABASE_URL in `env` names (no --database-url, as the
+    compose file runs it); its output is appended to `log_path`; it runs in `cwd` (the repository root
+    by default)."""
 
     def __init__(
         self,
@@ -41,12 +43,19 @@ class LiveServer:
         extra_args: tuple[str, ...] = (),
         env: dict | None = None,
         database_url: str | None = None,
+        cwd: Path = REPO,
+        database_from_environment: bool = False,
     ):
-        if (database_path is None) == (database_url is None):
-            raise ValueError("give a LiveServer either database_path or database_url")
+        given = (database_path is not None) + (database_url is not None) + database_from_environment
+        if given != 1:
+            raise ValueError("give a LiveServer one of database_path, database_url or database_from_environment")
+        if database_from_environment and not (env or {}).get("TULA_DATABASE_URL"):
+            raise ValueError("database_from_environment needs TULA_DATABASE_URL in env")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.database_url = database_url or f"sqlite:///{database_path}"
+        self.database_url = (env or {}).get("TULA_DATABASE_URL") if database_from_environment else database_url or f"sqlite:///{database_path}"
+        self.database_flag = () if database_from_environment else ("--database-url", self.database_url)
+        self.cwd = cwd
         self.log_path = log_path
         self.extra_args = extra_args
         self.env = env or {}
@@ -57,10 +66,10 @@ class LiveServer:
         exits first or does not answer in `timeout_s` (then it is stopped)."""
         command = [
             sys.executable, "-m", "tula_service", "serve",
-            "--port", str(self.port), "--database-url", self.database_url, *self.extra_args,
+            "--port", str(self.port), *self.database_flag, *self.extra_args,
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.process = subprocess.Popen(command, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.pollux_traces import APPLICATIONS, load_placement_rows  # noqa: E402
 from tula_service.catalogs import interconnect  # noqa: E402
-from tula_service.perfmodel.placement import PlacementStepModel, StepRow, placement_features  # noqa: E402
+from tula_service.fit.perfmodel.placement import PlacementStepModel, StepRow, placement_features  # noqa: E402
 
 PROFILED_PLACEMENTS = ("2", "3", "4", "11", "22", "1111")
 # The testbed's links as its README states them (g4dn.12xlarge: T4s on PCIe 3.0, 50 Gbit/s Ethernet), from

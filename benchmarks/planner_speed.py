@@ -1,9 +1,9 @@
 """How long does planning take over a large search space?
 
-Times `tula_service.planner.sweep` followed by `choose` (objective "knee") over 64 per-device batch
+Times `tula_service.plan.planner.sweep` followed by `choose` (objective "knee") over 64 per-device batch
 sizes x 64 device counts (1..64, every count, not only powers of two) x 8 accumulation options
 (1..8): 32,768 configurations, from performance models fitted the way `recommend.plan` fits them
-(`tula_service.fitting.fit_models`) on hand-made measurements with known lines
+(`tula_service.fit.fitting.fit_models`) on hand-made measurements with known lines
 (`benchmarks/handmade_measurements.py`, noise scale 2048). Also timed, for reference: `sweep` and
 `choose` alone, `fit_models`, and the whole `recommend.plan` (fitting, sweep, choice, one
 provenance-labelled row per candidate), once over its own search space (powers-of-two device counts,
@@ -32,10 +32,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from handmade_measurements import measurement, spec_dict  # noqa: E402
-from tula_service import recommend  # noqa: E402
-from tula_service.fitting import fit_models  # noqa: E402
-from tula_service.planner import PlanInputs, choose, sweep  # noqa: E402
-from tula_service.spec import JobSpec  # noqa: E402
+
+from tula_service.fit.fitting import fit_models  # noqa: E402
+from tula_service.plan import recommend  # noqa: E402
+from tula_service.plan.planner import PlanInputs, choose, sweep  # noqa: E402
+from tula_service.spec.job_spec import JobSpec  # noqa: E402
 from tula_service.units import GIB  # noqa: E402
 
 DEVICE_BATCHES = np.arange(8, 8 * 65, 8)  # 8, 16, ..., 512: 64 per-device batch sizes

@@ -2,7 +2,7 @@
 
 The analogue of the Tula paper's Figure 11 (relative error of memory and iteration-time prediction).
 For three zoo models, profile a full grid of per-device batch sizes, each point in its own child
-process exactly as the service does (the request from `tula_service.jobs.point_request`, run by
+process exactly as the service does (the request from `tula_service.dispatch.jobs.point_request`, run by
 `python -m profiler.run_point`), without gradient statistics (grad_iters=0). Then fit:
 
 - partial search: `MemoryModel` on `memory.peak_bytes` and the compute model on the median
@@ -11,7 +11,7 @@ process exactly as the service does (the request from `tula_service.jobs.point_r
   would sit near the memory limit), and predict every other, held-out batch size;
 - full search: the same models fitted on the whole grid; its error is the leave-one-out error.
 
-The compute model is `tula_service.perfmodel.compute.select_compute_model` (shape picked by
+The compute model is `tula_service.fit.perfmodel.compute.select_compute_model` (shape picked by
 cross-validation) when the package has it, else the linear `ComputeModel`; the output says which.
 
 Time cap per point: sampling stops once the CV of iteration time is under 3% or after 5 s (the
@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_fidelity import WORKLOADS, run_point  # noqa: E402
 
-from tula_service.jobs import point_request  # noqa: E402
-from tula_service.perfmodel import ComputeModel, MemoryModel  # noqa: E402
-from tula_service.spec import JobSpec  # noqa: E402
+from tula_service.dispatch.jobs import point_request  # noqa: E402
+from tula_service.fit.perfmodel import ComputeModel, MemoryModel  # noqa: E402
+from tula_service.spec.job_spec import JobSpec  # noqa: E402
 
 try:
-    from tula_service.perfmodel.compute import select_compute_model
+    from tula_service.fit.perfmodel.compute import select_compute_model
 except ImportError:  # older packages: only the linear model
     select_compute_model = None
 

@@ -23,7 +23,7 @@ from typing import get_args
 
 import numpy as np
 
-from tula_service.spec import Precision
+from tula_service.spec.job_spec import Precision
 
 IMAGES_32 = {"name": "synthetic_images", "num_samples": 50_000, "channels": 3, "image_size": 32, "num_classes": 10}
 TOKENS = {"name": "synthetic_tokens", "num_samples": 10_000, "seq_len": 64, "vocab_size": 256}

@@ -13,7 +13,7 @@ Tasks:
 
 The prediction goes through the service's own code path: the reference run's records are validated as
 `training.reference_run.gradient_stats` of a JobSpec (reference_batch, reference_epochs = its measured
-epochs, dataset.num_samples = the data set's size), and `tula_service.efficiency_evidence.epoch_model` gives
+epochs, dataset.num_samples = the data set's size), and `tula_service.fit.efficiency_evidence.epoch_model` gives
 the epochs model the planner uses. The model and data-set names of that spec are placeholders: the
 efficiency model reads only training and num_samples.
 
@@ -64,10 +64,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pollux_traces  # noqa: E402
-from tula_service.efficiency_evidence import STATISTIC_FOR_OPTIMIZER, epoch_model  # noqa: E402
-from tula_service.perfmodel.efficiency import EpochModel, fit_epochs_to_runs  # noqa: E402
-from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale, pooled_ratio, record_arrays  # noqa: E402
-from tula_service.spec import JobSpec  # noqa: E402
+
+from tula_service.fit.efficiency_evidence import STATISTIC_FOR_OPTIMIZER, epoch_model  # noqa: E402
+from tula_service.fit.perfmodel.efficiency import EpochModel, fit_epochs_to_runs  # noqa: E402
+from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, pooled_ratio, record_arrays  # noqa: E402
+from tula_service.spec.job_spec import JobSpec  # noqa: E402
 
 TARGET_FRACTION_OF_WORST_BEST = 0.99
 POLLUX_CLUSTER = (4, 4)  # nodes x GPUs per node of the traces' testbed
@@ -230,7 +231,7 @@ def _pooled(records: list[dict], statistic: str = "raw") -> float | None:
 
 def read_records(task: Task, records: list[dict], target_samples: float, **options: Any) -> float | None:
     """TrajectoryNoiseScale(**options) on the statistic the service reads for the task's optimizer, the raw one
-    where that is not resolved (as tula_service.efficiency_evidence falls back)."""
+    where that is not resolved (as tula_service.fit.efficiency_evidence falls back)."""
     value = TrajectoryNoiseScale(statistic=STATISTIC_FOR_OPTIMIZER[task.optimizer], **options).fit(records, target_samples).noise_scale_
     return value if value is not None else TrajectoryNoiseScale(**options).fit(records, target_samples).noise_scale_
 

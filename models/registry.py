@@ -28,7 +28,7 @@ SHAPE_KEYS: dict[str, tuple[str, ...]] = {
     "tokens": ("vocab_size", "seq_len"),
 }
 
-# The dataset fields a job spec may give besides name and num_samples (`tula_service.spec.DatasetSpec`).
+# The dataset fields a job spec may give besides name and num_samples (`tula_service.spec.job_spec.DatasetSpec`).
 # A catalog dataset takes the ones in its DatasetInfo.fields; a user dataset factory receives those given.
 DATASET_SPEC_FIELDS = ("channels", "image_size", "num_classes", "seq_len", "vocab_size", "path", "scaling", "split")
 

@@ -26,7 +26,7 @@ A batch of B samples (`batch_problem` checks it):
 
 `python -m models.user_contract --check JSON | --check-file FILE [--out FILE]` builds a profiling request's dataset and model on
 a batch of CHECK_BATCH samples, runs forward, loss and backward, and writes what breaks the contract as JSON
-(`check`); tula_service.user_code_check runs it when a spec names user code.
+(`check`); tula_service.spec.user_code_check runs it when a spec names user code.
 """
 
 from __future__ import annotations

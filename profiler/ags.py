@@ -20,7 +20,7 @@ convergence quality"), Fig. 8 says "larger delta biases training toward scaled u
 smaller delta favors unscaled (sensitive) updates" -- so an update is scaled when its variability is
 *below* delta. The variability above is the relative change of the gradient l2-norm between
 consecutive iterations, the quantity `profiler.gradstats` measures and whose median the service
-recommends as delta (`tula_service.advice.ags_config`).
+recommends as delta (`tula_service.plan.advice.ags_config`).
 
 Use, in any loop (two lines):
 

@@ -2,7 +2,7 @@
 
 Measures the time of one blocking `torch.distributed.all_reduce` (SUM, float32) of `message_bytes`
 across `world_size` processes on this host, for message sizes in x4 steps from 1 KiB up to the
-model's gradient size. `tula_service.perfmodel.comm_fit` fits the points to the ring model
+model's gradient size. `tula_service.fit.perfmodel.comm_fit` fits the points to the ring model
 
     T(n, S) = 2 (n - 1) * latency_s + 2 (n - 1) / n * S / bandwidth_bytes_per_s
 
@@ -12,7 +12,7 @@ model's gradient size. `tula_service.perfmodel.comm_fit` fits the points to the 
   timed with perf_counter. This measures one host's memory copies and TCP stack, not a GPU
   interconnect; the record's `backend`, `device` and `measured` fields say so, and
   `informs_network_model` is false: the fit reports it next to the network model and does not use
-  it (`tula_service.fitting`). So gloo runs the shorter `GLOO_POLICY` (0.1 s per size, not 0.25 s).
+  it (`tula_service.fit.fitting`). So gloo runs the shorter `GLOO_POLICY` (0.1 s per size, not 0.25 s).
 
 Every rank times every iteration; an iteration's time is the max over ranks (the collective is done
 when its slowest rank is done). Per (world size, size) the record keeps median, p10, p90 and count.

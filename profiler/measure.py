@@ -100,7 +100,7 @@ def apply_threads(request: dict[str, Any]) -> int:
 
 
 def profile_point(request: dict[str, Any]) -> dict[str, Any]:
-    """Measure one batch size; see `tula_service.jobs.point_request` for the request's keys."""
+    """Measure one batch size; see `tula_service.dispatch.jobs.point_request` for the request's keys."""
     budget = PointBudget(float(request.get("time_cap_s", DEFAULT_TIME_CAP_S)))
     started = time.perf_counter()
     threads = apply_threads(request)

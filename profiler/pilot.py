@@ -18,7 +18,7 @@ P g, P = diag(1 / (sqrt(v_hat) + eps)) with v_hat the bias-corrected exp_avg_sq 
 step's own gradient is not in its preconditioner), one P for all micro-batches and the full gradient of
 the step; the first step has no v_hat yet, so its precond estimates are missing from the first record.
 
-Records follow the shared gradient-statistics contract (`tula_service.spec.GradientStatsRecord`).
+Records follow the shared gradient-statistics contract (`tula_service.spec.job_spec.GradientStatsRecord`).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
 
 def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
     """Train at request["batch_size"] (the reference batch) and return the pilot measurement; see
-    `tula_service.jobs.pilot_request` for the request's keys."""
+    `tula_service.dispatch.jobs.pilot_request` for the request's keys."""
     threads = apply_threads(request)
     device = pick_device(request.get("device", "auto"))
     started = time.perf_counter()

@@ -1,6 +1,6 @@
 """The all-reduce benchmark of `profiler.comm`, run across a group of Ray actors.
 
-The Ray executor (`tula_service.ray_executor`) measures a job's communication here instead of in
+The Ray executor (`tula_service.dispatch.ray_executor`) measures a job's communication here instead of in
 one `python -m profiler.comm` process tree, so the ranks can sit on the cluster's devices:
 
 - Backend and world sizes as `profiler.comm` plans them, counted on the Ray cluster: NCCL when the

@@ -3,11 +3,11 @@ fitted by the real planner, for API tests on any database backend."""
 
 from __future__ import annotations
 
-from tula_service.db import make_engine, make_session_factory
-from tula_service.dispatch import Outcome, record_outcome
-from tula_service.spec import JobSpec
-from tula_service.store import Store
 from tests.handmade import measurement, spec_dict
+from tula_service.dispatch.dispatcher import Outcome, record_outcome
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.job_store import Store
 
 
 def store_for(database_url: str) -> Store:

@@ -13,11 +13,10 @@ from typing import Any, Protocol
 
 import httpx
 
-from tula_service.states import TERMINAL_JOB_STATES
-from tula_service.spec import JobSpec
-from tula_service.store import Store
 from tests.handmade import spec_dict
-
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.job_store import Store
+from tula_service.store.states import TERMINAL_JOB_STATES
 
 CRASHING_CHILD = "echo 'worker exploded' >&2; kill -SEGV $$"  # a fake_python body: every start dies
 

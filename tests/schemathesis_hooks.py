@@ -1,5 +1,5 @@
 """schemathesis hooks (`SCHEMATHESIS_HOOKS=tests.schemathesis_hooks`): generated job specs made to meet the
-rules that JSON Schema cannot state (tula_service.submission_schema.SCHEMA_CANNOT_STATE), one repair per
+rules that JSON Schema cannot state (tula_service.spec.submission_schema.SCHEMA_CANNOT_STATE), one repair per
 rule, so that the positive-data check holds POST /v1/jobs to "every spec the schema allows and these rules
 allow is accepted". Only positive cases are changed: a negative case keeps the violation it was made for.
 The repairs read the same catalogs and limits as the validators, and change the least they can.
@@ -19,8 +19,9 @@ from typing import Any
 import schemathesis
 
 from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_problem
-from tula_service.spec import MAX_BATCH, powers_of_two_between
-from tula_service.spec_limits import max_batch_sizes, max_devices
+from tula_service.spec.job_spec import MAX_BATCH, powers_of_two_between
+from tula_service.spec.spec_limits import max_batch_sizes, max_devices
+
 
 @schemathesis.hook.apply_to(method="POST", path="/v1/jobs")  # on the other operations a case hook costs seconds a case
 def map_case(context, case):

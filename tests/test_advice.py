@@ -4,10 +4,11 @@ import math
 
 import pytest
 
-from tula_service.advice import AGS_MAX_SCALE, adascale_gain
-from tula_service.recommend import plan
-from tula_service.spec import JobSpec
 from tests.handmade import measurement, spec_dict
+from tula_service.fit.perfmodel.efficiency import adascale_gain
+from tula_service.plan.advice import AGS_MAX_SCALE
+from tula_service.plan.recommend import plan
+from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64, 128]
 
@@ -104,6 +105,7 @@ def test_runner_ups_come_with_their_deltas():
     ups = rec["runner_ups"]
     assert len(ups) == 3
     assert all(u["time_delta_pct"] >= 0 for u in ups)  # min_time: nothing is faster than the chosen
+    assert all(u["source"] == "predicted" and u["rel_err"] == rec["chosen"]["total_time_s"]["rel_err"] for u in ups)
 
 
 def test_lr_advice_never_exceeds_max_lr_and_says_so():

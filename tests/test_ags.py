@@ -310,8 +310,8 @@ def test_two_gloo_processes_decide_and_scale_like_one_process_on_the_full_batch(
 
 
 def _real_recommendation() -> dict:
-    from tula_service.recommend import plan
-    from tula_service.spec import JobSpec
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
 
     batches = [8, 16, 32, 64, 128]
     spec = JobSpec.model_validate(spec_dict(batch_sizes=batches, cluster={"gpus_per_node": 16, "interconnect_gbps": 1000}))

@@ -9,9 +9,9 @@ import pytest
 
 from tests.api_fixtures import finished_job, store_for
 from tests.handmade import spec_dict
-from tula_service.db import make_engine, make_session_factory
-from tula_service.states import JOB_STATES
-from tula_service.tokens import create_token
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.states import JOB_STATES
+from tula_service.store.tokens import create_token
 
 PROBLEM = "application/problem+json"
 

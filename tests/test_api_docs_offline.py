@@ -6,14 +6,13 @@ aborted and recorded, and so is every Content-Security-Policy violation the page
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
 
 from tests.api_fixtures import finished_job, store_for
 from tests.browser import launched_chromium
 from tests.conftest import LiveServer
-from tula_service.dashboard import DOCS_ASSETS, docs_asset_url, docs_assets_dir
+from tula_service.api.dashboard import DOCS_ASSETS, docs_asset_url, docs_assets_dir
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
 

@@ -15,10 +15,10 @@ from starlette.routing import Route
 
 from tests.conftest import REPO, free_port
 from tests.handmade import spec_dict
-from tula_service.auth import CACHE_TTL_S, TokenAuth, is_loopback, listen_refusal
+from tula_service.api.auth import CACHE_TTL_S, TokenAuth, is_loopback, listen_refusal
 from tula_service.client import TulaClient, TulaError
-from tula_service.db import make_engine, make_session_factory, normalized_url
-from tula_service.tokens import (
+from tula_service.store.db import make_engine, make_session_factory, normalized_url
+from tula_service.store.tokens import (
     InvalidTokenName,
     any_active_token,
     create_token,

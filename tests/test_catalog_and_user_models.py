@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
-from tula_service.client import TulaClient
-from tula_service.spec import JobSpec
 from tests.conftest import REPO
 from tests.handmade import spec_dict
+from tula_service.client import TulaClient
+from tula_service.spec.job_spec import JobSpec
 
 USER_MODEL = "tests.user_models_fixture:tiny_classifier"
 USER_DATASET = {"name": "tests.user_models_fixture:blob_images", "num_samples": 512}

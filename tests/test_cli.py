@@ -270,10 +270,10 @@ def test_ray_address_needs_the_ray_executor(tmp_path):
 
 
 def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words():
-    from tula_service.cli.printing import format_recommendation
-    from tula_service.recommend import plan
-    from tula_service.spec import JobSpec
     from tests.handmade import measurement
+    from tula_service.cli.printing import format_recommendation
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
 
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64]))
     points = [measurement(b) for b in (8, 16, 32, 64)]

@@ -18,7 +18,7 @@ from tests.handmade import spec_dict
 from tula_service.cli.human import human_bandwidth, human_bytes, human_duration, human_number, human_usd
 from tula_service.client import TulaClient
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES
-from tula_service.specfile import MAX_SPEC_BYTES
+from tula_service.spec.specfile import MAX_SPEC_BYTES
 
 EXAMPLE = REPO / "configs" / "example_small_cnn.yaml"
 NOWHERE = "http://127.0.0.1:9"  # never reached: these mistakes are found before anything is sent
@@ -130,7 +130,7 @@ def test_a_spec_larger_than_the_servers_request_cap_is_refused_by_size(tmp_path)
 
 
 def test_reference_stats_larger_than_their_limit_are_refused_by_size(tmp_path):
-    from tula_service.gradient_stats_file import MAX_FILE_BYTES
+    from tula_service.fit.gradient_stats_file import MAX_FILE_BYTES
 
     stats = tmp_path / "stats.jsonl"
     with stats.open("wb") as file:

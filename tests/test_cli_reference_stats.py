@@ -10,8 +10,8 @@ import yaml
 from tests.conftest import REPO
 from tests.handmade import spec_dict
 from tula_service.cli.client import with_reference_stats
-from tula_service.gradient_stats_file import GradientStatsFileError, read_gradient_stats
-from tula_service.spec import MAX_GRADIENT_STATS_RECORDS, JobSpec
+from tula_service.fit.gradient_stats_file import GradientStatsFileError, read_gradient_stats
+from tula_service.spec.job_spec import MAX_GRADIENT_STATS_RECORDS, JobSpec
 
 RECORDS = [
     {"samples": 640, "batch": 32, "grad_sqr": 0.52, "trace_sigma": 41.0, "loss": 2.1, "metric": None, "step": 20,
@@ -77,7 +77,7 @@ def test_every_bad_line_is_reported_not_only_the_first(tmp_path):
 
 
 def test_an_empty_file_and_one_larger_than_a_file_may_hold_are_refused(tmp_path, monkeypatch):
-    import tula_service.gradient_stats_file as records_file
+    import tula_service.fit.gradient_stats_file as records_file
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -92,8 +92,8 @@ def test_an_empty_file_and_one_larger_than_a_file_may_hold_are_refused(tmp_path,
 
 
 def test_more_records_than_a_spec_holds_are_merged_into_windows_that_keep_the_noise_scale():
-    from tula_service.gradient_stats_file import coarsen_records
-    from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale
+    from tula_service.fit.gradient_stats_file import coarsen_records
+    from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale
 
     records = [{"samples": 64 * (i + 1), "batch": 64, "grad_sqr": 1.0 + (i % 3) * 0.1, "trace_sigma": 50.0 + i,
                 "window_steps": 1, "variability": 0.1 * (i % 5), "step": i + 1} for i in range(3 * MAX_GRADIENT_STATS_RECORDS + 7)]  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 
-SERVER_MODULES = ("sqlalchemy", "uvicorn", "fastapi", "starlette", "tula_service.api", "tula_service.db")
+SERVER_MODULES = ("sqlalchemy", "uvicorn", "fastapi", "starlette", "tula_service.api", "tula_service.store.db")
 
 
 def loaded_after(statement: str) -> list[str]:
@@ -28,7 +28,7 @@ def test_importing_the_client_half_loads_no_database_server_or_app(module):
 
 def test_a_client_command_runs_without_the_storage_layer():
     """`tula --help` builds the parser (job states, catalog kinds) and the typed client imports its
-    response models: none of it needs SQLAlchemy (the states live in tula_service.states)."""
+    response models: none of it needs SQLAlchemy (the states live in tula_service.store.states)."""
     statement = "import tula_service.client\nfrom tula_service.cli import build_parser\nbuild_parser()"
     assert loaded_after(statement) == []
 

@@ -6,16 +6,15 @@ import uuid
 
 import httpx
 import pytest
-
 from pydantic import ValidationError
 
 from tests.api_fixtures import finished_job, store_for
 from tests.handmade import measurement, spec_dict
 from tula_service.client import TulaClient, TulaError
-from tula_service.recommend import plan
-from tula_service.recommendation import JobRecommendation, WhatIfPlan
+from tula_service.plan.recommend import plan
+from tula_service.plan.recommendation import JobRecommendation, WhatIfPlan
 from tula_service.schemas import JobList, JobView, MeasurementList, PointList
-from tula_service.spec import JobSpec
+from tula_service.spec.job_spec import JobSpec
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO
 from tests.processes import gone, wait_for
 from tests.test_no_torch import _run as run_with_torch_blocked
-from tula_service.perfmodel.comm_fit import RingAllReduceFit, fit_comm_record
+from tula_service.fit.perfmodel.comm_fit import RingAllReduceFit, fit_comm_record
 
 LATENCY_S = 20e-6
 BANDWIDTH_GBPS = 100.0
@@ -74,7 +74,7 @@ def test_comm_fit_imports_without_torch():
     result = run_with_torch_blocked(
         """
         import sys
-        from tula_service.perfmodel.comm_fit import RingAllReduceFit
+        from tula_service.fit.perfmodel.comm_fit import RingAllReduceFit
         model = RingAllReduceFit().fit([2, 2, 4], [1024, 1e6, 1e6], [1e-4, 1e-3, 2e-3])
         assert model.bandwidth_gbps_ > 0
         assert not any(name == "torch" or name.startswith("torch.") for name in sys.modules)

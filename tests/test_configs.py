@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from tula_service.spec import JobSpec
 from tests.conftest import REPO
+from tula_service.spec.job_spec import JobSpec
 
 CONFIGS = sorted((REPO / "configs").glob("example_*.*"))
 

@@ -20,14 +20,14 @@ from sqlalchemy import update
 
 from tests.api_fixtures import finished_job, store_for
 from tests.browser import launched_chromium
-from tests.handmade import measurement, spec_dict
-from tula_service.dispatch import Outcome, record_outcome
-from tula_service.spec import JobSpec
 from tests.conftest import REPO, LiveServer
-from tula_service.dashboard import plotly_js_path, plotly_js_url
-from tula_service.db import Job, make_engine, make_session_factory
-from tula_service.states import TERMINAL_JOB_STATES
-from tula_service.tokens import create_token
+from tests.handmade import measurement, spec_dict
+from tula_service.api.dashboard import plotly_js_path, plotly_js_url
+from tula_service.dispatch.dispatcher import Outcome, record_outcome
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import Job, make_engine, make_session_factory
+from tula_service.store.states import TERMINAL_JOB_STATES
+from tula_service.store.tokens import create_token
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
 
@@ -225,7 +225,7 @@ def test_a_job_submitted_through_the_form_shows_its_progress_until_done(server, 
     assert job["spec"]["profiling"]["time_cap_s"] == FAST_PROFILING["time_cap_s"]
     assert (job["spec"]["training"]["reference_lr"], job["spec"]["training"]["max_lr"]) == (0.05, 0.2)
     assert job["state"] == "done", job["error"]
-    total = job["progress"]["points_total"]  # 3 planned, plus any noisy one timed again (tula_service.reliability)
+    total = job["progress"]["points_total"]  # 3 planned, plus any noisy one timed again (tula_service.dispatch.reliability)
     assert seen[-1] == (total, total, "done") and total >= 3
     assert any(value < maximum for value, maximum, _ in seen), f"the bar never showed a job in progress: {seen}"
     values = [value for value, _, _ in seen]

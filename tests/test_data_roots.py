@@ -6,8 +6,8 @@ import pytest
 
 from models.data import build_dataset
 from models.data_roots import check_submitted_path, resolve_confined
-from tula_service.spec import JobSpec
 from tests.handmade import spec_dict
+from tula_service.spec.job_spec import JobSpec
 
 
 def _folder_of_images(root):

@@ -7,24 +7,21 @@ No Docker engine is needed: `docker compose config` runs too where the compose p
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
 from sqlalchemy.engine import make_url
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, LiveServer
 from tula_service.cli import build_parser
-from tula_service.migrate import current_revision, head_revision
+from tula_service.store.migrate import current_revision, head_revision
 
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
@@ -239,30 +236,17 @@ def test_the_server_takes_its_database_from_TULA_DATABASE_URL(postgres_server, t
     """As in the compose file: a plain postgresql:// URL in the environment, no --database-url."""
     name = postgres_server.create_database()
     url = make_url(postgres_server.url(name)).set(drivername="postgresql").render_as_string(hide_password=False)
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tula_service", "serve", "--port", str(port), "--executor", "none"],
-        cwd=tmp_path, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "TULA_DATABASE_URL": url, "PYTHONPATH": str(REPO)},
+    server = LiveServer(
+        None, tmp_path / "server.log", ("--executor", "none"), {"TULA_DATABASE_URL": url, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path, database_from_environment=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, f"server exited with {server.returncode}:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"server did not answer in 60 s:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        server.start()
         engine = sa.create_engine(postgres_server.url(name))
         with engine.connect() as connection:
             assert current_revision(connection) == head_revision()
         engine.dispose()
         assert not list(tmp_path.glob("**/*.db")), "the server fell back to an SQLite file"
     finally:
-        server.terminate()
-        server.wait(15)
+        server.stop()
         postgres_server.drop_database(name)

@@ -3,9 +3,9 @@
 import httpx
 import pytest
 
-from tula_service.client import TulaClient
-from tula_service.specfile import load_spec_file
 from tests.conftest import REPO
+from tula_service.client import TulaClient
+from tula_service.spec.specfile import load_spec_file
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def test_job_finishes_with_every_point_measured(finished_job):
     job, _, _ = finished_job
     assert job["state"] == "done", job["error"]
     progress = job["progress"]
-    retimed = sum(p["kind"] == "retime" for p in job["points"])  # noisy points timed again (tula_service.reliability)
+    retimed = sum(p["kind"] == "retime" for p in job["points"])  # noisy points timed again (tula_service.dispatch.reliability)
     assert (progress["points_total"], progress["points_failed"], progress["points_retried"], progress["step"]) == (6 + retimed, 0, 0, "done")
     assert progress["points_done"] == progress["points_measured"] == progress["points_total"]
     assert [p["batch_size"] for p in job["points"] if p["kind"] == "grid"] == [8, 16, 32, 64, 128]

@@ -4,10 +4,10 @@ then the initial weights; each labelled, the others reported beside it."""
 import numpy as np
 import pytest
 
-from tula_service.recommend import plan
-from tula_service.spec import JobSpec
-from tula_service.whatif import WhatIf, replan
 from tests.handmade import measurement, spec_dict
+from tula_service.plan.recommend import plan
+from tula_service.plan.whatif import WhatIf, replan
+from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64, 128]
 POINTS = [measurement(b) for b in BATCHES]  # B_noise at initialization: 100

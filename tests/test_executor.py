@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from tula_service.executor import LocalExecutor
-from tula_service.store import Store
 from tests.api_fixtures import store_for
 from tests.processes import (
     CRASHING_CHILD,
@@ -23,6 +21,8 @@ from tests.processes import (
     submit,
     wait_for,
 )
+from tula_service.dispatch.executor import LocalExecutor
+from tula_service.store.job_store import Store
 
 FAST_PROFILING = {"time_cap_s": 0.2, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
 
@@ -125,7 +125,7 @@ def test_a_killed_server_leaves_no_orphan_child(tmp_path):
     script = tmp_path / "starter.py"
     script.write_text(
         "import sys\n"
-        "from tula_service.dispatch import run_child\n"
+        "from tula_service.dispatch.dispatcher import run_child\n"
         f"run_child([{fake_python(tmp_path, f'echo $$ > {pid_file}; sleep 60')!r}], 60)\n"
     )
     starter = subprocess.Popen([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[1])

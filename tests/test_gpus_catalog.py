@@ -7,10 +7,10 @@ import pydantic
 import pytest
 import yaml
 
-from tula_service.catalogs import GPUS_PATH, gpu, gpu_catalog_listing, load_gpus, load_interconnects
-from tula_service.spec import JobSpec
-from tula_service.units import GIB, MIB
 from tests.handmade import spec_dict
+from tula_service.catalogs import GPUS_PATH, gpu, gpu_catalog_listing, load_gpus, load_interconnects
+from tula_service.spec.job_spec import JobSpec
+from tula_service.units import GIB, MIB
 
 REQUIRED_GPUS = {
     "h200", "h100_sxm", "h100_pcie", "a100_80gb_sxm", "a100_40gb_sxm", "l40s", "a10g", "v100_32gb", "rtx_4090", "mi300x",

@@ -16,12 +16,12 @@ from tests.api_fixtures import finished_job, store_for
 from tests.conftest import REPO, LiveServer
 from tests.handmade import spec_dict
 from tula_service.api import Settings, create_app
+from tula_service.api.security import host_pattern_problem, served_hosts
 from tula_service.catalogs import load_gpus
-from tula_service.db import make_engine, make_session_factory
-from tula_service.security import host_pattern_problem, served_hosts
-from tula_service.spec import JobSpec
-from tula_service.tokens import create_token
-from tula_service.whatif import CLUSTER_OVERRIDES, PRICING_OVERRIDES, TRAINING_OVERRIDES
+from tula_service.plan.whatif import CLUSTER_OVERRIDES, PRICING_OVERRIDES, TRAINING_OVERRIDES
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.tokens import create_token
 
 PROBLEM = "application/problem+json"
 API_ONLY = ("--executor", "none")

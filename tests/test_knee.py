@@ -1,6 +1,6 @@
 import numpy as np
 
-from tula_service.knee import decreasing_envelope, find_knee
+from tula_service.plan.knee import decreasing_envelope, find_knee
 
 BATCHES = 2 ** np.arange(3, 14)
 
@@ -37,3 +37,13 @@ def test_sharp_bend_on_four_points_is_the_knee():
     # four points, bend at the second
     knee = find_knee(np.array([8, 16, 32, 64]), np.array([8.0, 1.2, 1.1, 1.0]))
     assert knee.global_batch == 16 and knee.method in ("kneedle", "max_distance_fallback")
+
+
+def test_every_knee_method_is_explained_and_declared_in_the_contract():
+    from typing import get_args
+
+    from tula_service.plan.knee import KNEE_METHODS
+    from tula_service.plan.recommendation import Knee, KneeMethod
+
+    assert set(get_args(KneeMethod)) == set(KNEE_METHODS)
+    assert Knee.model_json_schema()["properties"]["method"]["enum"] == list(get_args(KneeMethod))

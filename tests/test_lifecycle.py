@@ -2,10 +2,10 @@
 
 import logging
 
-from tula_service.dispatch import Outcome, record_outcome
-from tula_service.lifecycle import format_line
 from tests.handmade import measurement
 from tests.processes import submit
+from tula_service.dispatch.dispatcher import Outcome, record_outcome
+from tula_service.lifecycle import format_line
 
 
 def _lines(caplog, event: str) -> list[str]:

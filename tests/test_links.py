@@ -1,9 +1,10 @@
-"""Which links a cluster plans for (tula_service.links): filled in by the spec, used by the fit, dropped by a what-if."""
+"""Which links a cluster plans for (tula_service.fit.links): filled in by the spec, used by the fit, dropped by a what-if."""
 
 import pytest
 
+from tests.handmade import measurement, spec_dict
 from tula_service.catalogs import gpu, interconnect
-from tula_service.links import (
+from tula_service.fit.links import (
     DEFAULT_INTER_NODE_LINK,
     DEFAULT_INTRA_NODE_LINK,
     catalog_link_defaults,
@@ -11,11 +12,10 @@ from tula_service.links import (
     link_report,
     stale_link_fields,
 )
-from tula_service.perfmodel.network import ASSUMED_LATENCY_S, Link
-from tula_service.recommend import plan
-from tula_service.spec import ClusterSpec, JobSpec
-from tula_service.whatif import WhatIf, merged_spec
-from tests.handmade import measurement, spec_dict
+from tula_service.fit.perfmodel.network import ASSUMED_LATENCY_S, Link
+from tula_service.plan.recommend import plan
+from tula_service.plan.whatif import WhatIf, merged_spec
+from tula_service.spec.job_spec import ClusterSpec, JobSpec
 
 MEASURED = Link(latency_s=3e-6, bandwidth_gbps=900.0, source="fitted", name="measured (nccl)")
 

@@ -1,4 +1,4 @@
-from tula_service.maxbatch import bracket, next_probe
+from tula_service.dispatch.maxbatch import bracket, next_probe
 
 
 def test_no_out_of_memory_means_no_search():

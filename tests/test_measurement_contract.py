@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from tests.handmade import comm_record, measurement, oom, spec_dict
-from tula_service.dispatch import run_child
-from tula_service.jobs import _predicted_max_batch
+from tula_service.dispatch.dispatcher import run_child
+from tula_service.dispatch.jobs import _predicted_max_batch
 from tula_service.measurement import (
     CommMeasurement,
     ComputeMeasurement,
@@ -19,8 +19,8 @@ from tula_service.measurement import (
     SourcedValue,
     parse_measurement,
 )
-from tula_service.recommend import plan, usable_measurements
-from tula_service.spec import JobSpec
+from tula_service.plan.recommend import plan, usable_measurements
+from tula_service.spec.job_spec import JobSpec
 
 IMAGES = {"name": "synthetic_images", "channels": 3, "image_size": 16, "num_classes": 10, "num_samples": 2000}
 FAST = {"warmup_iters": 1, "timed_iters": 3, "time_cap_s": 0.5, "grad_iters": 3, "device": "cpu", "threads": 1}
@@ -118,7 +118,7 @@ def test_a_point_whose_model_fails_is_a_failed_record_of_the_contract(tmp_path):
     assert failed.status == "failed" and "no_such_model" in failed.error
 
 
-# The service reads the contract's attributes (tula_service.recommend, reliability, jobs, dispatch).
+# The service reads the contract's attributes (tula_service.plan.recommend, reliability, jobs, dispatch).
 
 
 def test_the_gradient_summary_and_the_host_load_a_point_shows_are_typed_fields():

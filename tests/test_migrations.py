@@ -14,9 +14,9 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from tula_service.db import Base, make_engine, make_session_factory
-from tula_service.migrate import alembic_config, current_revision, head_revision, upgrade_to_head
-from tula_service.store import Store
+from tula_service.store.db import Base, make_engine, make_session_factory
+from tula_service.store.job_store import Store
+from tula_service.store.migrate import alembic_config, current_revision, head_revision, upgrade_to_head
 
 MODEL_TABLES = {"jobs", "points", "api_tokens"}
 JOB_ID = "a" * 32
@@ -152,7 +152,7 @@ def fresh_postgres_database(postgres_server):
 
 STARTING_SERVER = """
 import sys
-from tula_service.db import make_engine
+from tula_service.store.db import make_engine
 print("ready", flush=True)
 sys.stdin.readline()
 make_engine(sys.argv[1]).dispose()

@@ -38,8 +38,8 @@ def test_server_app_imports_serves_and_plans_without_torch(tmp_path):
         from fastapi.testclient import TestClient
         from tula_service.api import Settings, create_app
         from tula_service.cli import build_parser
-        from tula_service.recommend import plan
-        from tula_service.spec import JobSpec
+        from tula_service.plan.recommend import plan
+        from tula_service.spec.job_spec import JobSpec
         from tests.handmade import measurement, spec_dict
 
         app = create_app(Settings(database_url="sqlite:///{tmp_path}/t.db"))

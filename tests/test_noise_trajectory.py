@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from tula_service.perfmodel.efficiency import PERFECT_SCALING_NOISE_SCALE_FACTOR, EpochModel, fit_epochs_to_runs
-from tula_service.perfmodel.noise_trajectory import TrajectoryNoiseScale
+from tula_service.fit.perfmodel.efficiency import PERFECT_SCALING_NOISE_SCALE_FACTOR, EpochModel, fit_epochs_to_runs
+from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale
 
 
 def power_law_records(count: int, last_samples: float, slope: float = 1.0, level: float = 100.0, start: float = 1000.0, noise: float = 0.0, seed: int = 0):

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tula_service.planner import Choice, choose, pareto_mask
-from tula_service.recommend import plan
-from tula_service.spec import JobSpec
 from tests.handmade import measurement, spec_dict
+from tula_service.plan.planner import Choice, choose, pareto_mask
+from tula_service.plan.recommend import plan
+from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64, 128, 256, 512, 1024]
 CLUSTER = {"nodes": 2, "gpus_per_node": 8, "interconnect_gbps": 10}

@@ -1,22 +1,18 @@
 """Out-of-memory is data: real child processes under a real address-space limit, then the bounded
 search for the largest batch that fits, through the real executor and store."""
 
-import time
-
 import pytest
 
-from tula_service.db import make_engine, make_session_factory
-from tula_service.executor import LocalExecutor
-from tula_service.spec import JobSpec
-from tula_service.store import Store
 from tests.handmade import spec_dict
+from tests.processes import run_until_finished
+from tula_service.dispatch.executor import LocalExecutor
+from tula_service.spec.job_spec import JobSpec
 
 pytest.importorskip("torch")
 
 
 @pytest.mark.e2e
-def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(tmp_path):
-    store = Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
+def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(store):
     spec = spec_dict(
         batch_sizes=[16, 64, 256, 4096, 8192],
         profiling={
@@ -25,15 +21,7 @@ def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(tmp_pa
         },
     )  # fmt: skip
     job, _ = store.create_job(JobSpec.model_validate(spec))
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        deadline = time.monotonic() + 600
-        while store.get_job(job.id).state not in ("done", "failed") and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        executor.stop()
-    finished = store.get_job(job.id)
+    finished = run_until_finished(store, LocalExecutor(store, poll_s=0.05), job.id, timeout_s=600)
     assert finished.state == "done", finished.error
     by_kind = {kind: [p for p in finished.points if p.kind == kind] for kind in ("grid", "search")}
     assert {p.batch_size: p.state for p in by_kind["grid"]}[4096] == "oom"

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from tula_service.perfmodel import ComputeModel, EpochModel, MemoryModel, NoiseScaleModel, RingAllReduce
-from tula_service.perfmodel.validation import leave_one_out_relative_errors
+from tula_service.fit.perfmodel import ComputeModel, EpochModel, MemoryModel, NoiseScaleModel, RingAllReduce
+from tula_service.fit.perfmodel.efficiency import max_step_gain
+from tula_service.fit.perfmodel.validation import leave_one_out_relative_errors
 
 BATCHES = np.array([8, 16, 32, 64, 128], dtype=float)
 
@@ -83,6 +84,23 @@ def test_a_max_step_gain_floors_the_steps_at_reference_steps_over_the_gain():
     assert steps_4096 == pytest.approx(steps_ref / 12.0)
     with pytest.raises(ValueError, match="max_step_gain must be >= 1"):
         EpochModel(32, 8.0, 800.0, max_step_gain=0.5)
+
+
+def test_the_step_gain_ceiling_is_the_lr_ratio_for_sgd_and_its_square_for_adam():
+    assert max_step_gain("sgd", 0.1, 0.4) == pytest.approx(4.0)
+    assert max_step_gain("adam", 0.001, 0.003) == pytest.approx(9.0)  # Adam's LR grows with sqrt(gain)
+    assert max_step_gain("adamw", 0.001, None) is None and max_step_gain("sgd", None, 0.4) is None
+
+
+def test_the_epochs_model_gives_the_adascale_gain_and_lr_multiplier_of_its_noise_scale():
+    sgd, adam = EpochModel(32, 8.0, 100.0), EpochModel(32, 8.0, 100.0, optimizer="adam")
+    gain = (1 + 100 / 32) / (1 + 100 / 256)  # r(8) of B_noise = 100 at B_ref = 32
+    assert sgd.step_gain(256) == pytest.approx(gain) and adam.step_gain(256) == pytest.approx(gain)
+    assert sgd.lr_multiplier(256) == pytest.approx(gain) and adam.lr_multiplier(256) == pytest.approx(np.sqrt(gain))
+    assert sgd.step_gain(32) == pytest.approx(1.0)
+    assert EpochModel(32, 8.0, None).step_gain(256) is None and EpochModel(32, 8.0, None).lr_multiplier(256) is None
+    # a gain bought by the LR at max_lr is the ceiling of the floor: max_step_gain inverts lr_multiplier
+    assert max_step_gain("adam", 1.0, adam.lr_multiplier(256)) == pytest.approx(gain)
 
 
 def test_without_a_noise_scale_a_max_step_gain_changes_nothing():

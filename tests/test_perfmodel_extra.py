@@ -6,15 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tula_service.catalogs import interconnect, load_interconnects
-from tula_service.perfmodel.compute import (
+from tula_service.fit.perfmodel.compute import (
     ComputeModel,
     PowerLawComputeModel,
     SaturatingComputeModel,
     select_compute_model,
 )
-from tula_service.perfmodel.memory import MemoryModel
-from tula_service.perfmodel.network import HierarchicalAllReduce, Link, RingAllReduce
-from tula_service.perfmodel.overlap import OverlapModel
+from tula_service.fit.perfmodel.memory import MemoryModel
+from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link, RingAllReduce
+from tula_service.fit.perfmodel.overlap import OverlapModel
 
 BATCHES = 2.0 ** np.arange(0, 10)  # 1 .. 512
 NVLINK = Link(latency_s=2e-6, bandwidth_gbps=3600, source="test", name="nvlink")

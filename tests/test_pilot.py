@@ -13,14 +13,13 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from profiler.pilot import StepStats, run_pilot, settled, split_batch, warmup_steps_for  # noqa: E402
-from tests.processes import submit, wait_for_job  # noqa: E402
-from tula_service.db import Job, Point, make_engine, make_session_factory  # noqa: E402
-from tula_service.dispatch import inferred_oom  # noqa: E402
-from tula_service.executor import LocalExecutor  # noqa: E402
-from tula_service.jobs import pilot_request  # noqa: E402
-from tula_service.spec import GradientStatsRecord, JobSpec  # noqa: E402
-from tula_service.store import Store  # noqa: E402
 from tests.handmade import spec_dict  # noqa: E402
+from tests.processes import run_until_finished, submit  # noqa: E402
+from tula_service.dispatch.dispatcher import inferred_oom  # noqa: E402
+from tula_service.dispatch.executor import LocalExecutor  # noqa: E402
+from tula_service.dispatch.jobs import pilot_request  # noqa: E402
+from tula_service.spec.job_spec import GradientStatsRecord, JobSpec  # noqa: E402
+from tula_service.store.db import Job, Point  # noqa: E402
 
 IMAGES = {"name": "synthetic_images", "channels": 3, "image_size": 16, "num_classes": 10, "num_samples": 2000}
 MNIST1D = {"name": "mnist1d", "num_samples": 2000}
@@ -164,12 +163,7 @@ def test_pilot_out_of_memory_in_the_child_process_is_data(tmp_path):
     assert record["trajectory"] == []
 
 
-def _store(tmp_path) -> Store:
-    return Store(make_session_factory(make_engine(f"sqlite:///{tmp_path}/jobs.db")))
-
-
-def test_a_job_gets_a_pilot_point_at_the_reference_batch_only_when_asked(tmp_path):
-    store = _store(tmp_path)
+def test_a_job_gets_a_pilot_point_at_the_reference_batch_only_when_asked(store):
     with_pilot = submit(store, batch_sizes=[8, 16], profiling={"pilot": True})
     assert [(p.kind, p.batch_size) for p in with_pilot.points] == [("grid", 8), ("grid", 16), ("pilot", 32)]
     assert all(p.kind != "pilot" for p in submit(store, name="no-pilot", batch_sizes=[8, 16]).points)
@@ -199,19 +193,13 @@ def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():
 
 
 @pytest.mark.e2e
-def test_a_job_with_a_pilot_ends_done_with_its_trajectory_and_threads_reach_the_child(tmp_path):
-    store = _store(tmp_path)
+def test_a_job_with_a_pilot_ends_done_with_its_trajectory_and_threads_reach_the_child(store):
     profiling = {
         "time_cap_s": 0.2, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2, "threads": 1,
         "pilot": True, "pilot_steps": 20, "pilot_record_every": 5,
     }  # fmt: skip
     job = submit(store, batch_sizes=[8, 16], dataset={"name": "synthetic_images", "num_samples": 2000}, profiling=profiling)
-    executor = LocalExecutor(store, poll_s=0.05)
-    executor.start()
-    try:
-        finished = wait_for_job(store, job.id, timeout_s=120)
-    finally:
-        executor.stop()
+    finished = run_until_finished(store, LocalExecutor(store, poll_s=0.05), job.id, timeout_s=120)
     assert finished.state == "done", finished.error
     [pilot] = [p for p in finished.points if p.kind == "pilot"]
     assert pilot.state == "done" and pilot.attempts == 1 and pilot.batch_size == 32

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from tula_service.perfmodel.placement import (
+from tula_service.fit.perfmodel.network import Link
+from tula_service.fit.perfmodel.placement import (
     BANDWIDTH_BOUNDS_GBPS,
     GAMMA_BOUNDS,
     PlacementStepModel,
@@ -17,7 +18,6 @@ from tula_service.perfmodel.placement import (
     placement_features,
     validate_rows,
 )
-from tula_service.perfmodel.network import Link
 
 GRADIENT_BYTES = 45e6
 # The cluster's links as a spec would give them: the latencies a shape without fitted latencies assumes.

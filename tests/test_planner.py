@@ -3,11 +3,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tula_service.fitting import fit_models
-from tula_service.planner import pareto_mask
-from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.spec import JobSpec
 from tests.handmade import comm_record, measurement, oom, spec_dict
+from tula_service.fit.fitting import fit_models
+from tula_service.plan.planner import pareto_mask
+from tula_service.plan.recommend import NotEnoughMeasurements, plan
+from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64, 128, 256, 512, 1024]
 

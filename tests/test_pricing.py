@@ -1,14 +1,14 @@
-"""What a plan costs per pricing kind (tula_service.pricing), and the planner's cost from it."""
+"""What a plan costs per pricing kind (tula_service.plan.pricing), and the planner's cost from it."""
 
 from typing import get_args
 
 import numpy as np
 import pytest
 
-from tula_service import pricing
-from tula_service.planner import PlanInputs, cost_usd
-from tula_service.pricing import PRICING_RULES, pricing_rule
-from tula_service.spec import PricingKind
+from tula_service.plan import pricing
+from tula_service.plan.planner import PlanInputs, cost_usd
+from tula_service.plan.pricing import PRICING_RULES, pricing_rule
+from tula_service.spec.job_spec import PricingKind
 from tula_service.units import GIB
 
 DEVICES = np.array([1, 8, 9, 16])

@@ -35,9 +35,9 @@ from tests.processes import (  # noqa: E402
     wait_for,
     wait_for_job_over_http,
 )
-from tula_service.perfmodel.comm_fit import fit_comm_record  # noqa: E402
-from tula_service.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
-from tula_service.store import Store  # noqa: E402
+from tula_service.dispatch.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
+from tula_service.fit.perfmodel.comm_fit import fit_comm_record  # noqa: E402
+from tula_service.store.job_store import Store  # noqa: E402
 
 FAST_PROFILING = {"time_cap_s": 0.5, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
 CLUSTER_CPUS = 2

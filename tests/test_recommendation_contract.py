@@ -1,4 +1,4 @@
-"""The recommendation's typed contract (tula_service.recommendation): every recommendation plan() makes
+"""The recommendation's typed contract (tula_service.plan.recommendation): every recommendation plan() makes
 validates, and passes through the model unchanged, so the routes that declare it serve the same JSON;
 OpenAPI documents it; a what-if and a stored recommendation come back over HTTP as they were planned."""
 
@@ -16,10 +16,10 @@ from sqlalchemy import update
 from tests.api_fixtures import finished_job, store_for
 from tests.conftest import REPO, LiveServer
 from tests.handmade import comm_record, measurement, oom, spec_dict
-from tula_service.db import Job
-from tula_service.recommend import plan
-from tula_service.recommendation import JobRecommendation, Recommendation, WhatIfPlan
-from tula_service.spec import JobSpec
+from tula_service.plan.recommend import plan
+from tula_service.plan.recommendation import JobRecommendation, Recommendation, WhatIfPlan
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import Job
 
 BATCHES = [8, 16, 32, 64]
 TARGET_SAMPLES = 10 * 50_000  # reference_epochs x num_samples of the hand-made spec
@@ -138,8 +138,8 @@ def test_a_fit_report_may_carry_more_detail_than_the_model_names():
 
 
 def test_the_contract_loads_neither_the_server_nor_the_planner_nor_torch():
-    probe = ("import sys, tula_service.recommendation\n"
-             "print(' '.join(m for m in ('sqlalchemy', 'fastapi', 'tula_service.db', 'numpy', 'torch') if m in sys.modules))")  # fmt: skip
+    probe = ("import sys, tula_service.plan.recommendation\n"
+             "print(' '.join(m for m in ('sqlalchemy', 'fastapi', 'tula_service.store.db', 'numpy', 'torch') if m in sys.modules))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.split() == [], result.stderr
 
@@ -186,8 +186,8 @@ def test_a_recommendation_stored_before_the_curves_is_served_as_stored(api):
 def test_a_stored_recommendation_the_contract_no_longer_describes_is_planned_again(api):
     """Stored by an older server, before `reliability` existed: served as this server plans the same
     measurements now, not as a 500 for an answer outside its schema."""
-    from tula_service.jobs import plan_inputs
-    from tula_service.recommend import plan
+    from tula_service.dispatch.jobs import plan_inputs
+    from tula_service.plan.recommend import plan
 
     store = store_for(api.database_url)
     job_id = finished_job(store, batch_sizes=BATCHES)
@@ -212,8 +212,8 @@ def test_only_a_stored_recommendation_may_lack_the_curves():
 
 
 def test_a_what_if_is_served_byte_for_byte_as_planned(api):
-    from tula_service.jobs import plan_inputs
-    from tula_service.whatif import WhatIf, replan
+    from tula_service.dispatch.jobs import plan_inputs
+    from tula_service.plan.whatif import WhatIf, replan
 
     body = {"cluster": {"nodes": 2, "gpus_per_node": 4}, "objective": "min_cost", "pricing": {"kind": "node_hour", "price": 9}}
     response = api.post(f"/v1/jobs/{api.job_id}/plan", json=body)

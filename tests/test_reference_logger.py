@@ -107,7 +107,7 @@ def test_records_follow_the_contract_and_each_line_is_on_disk_when_its_window_cl
         assert all(math.isfinite(r[k]) for k in ("grad_sqr", "trace_sigma", "loss"))
         assert r["trace_sigma"] > 0 and r["metric"] is None and r["precond_grad_sqr"] is None and r["precond_trace_sigma"] is None
     assert lines[0]["variability"] > 0 and lines[2]["variability"] > 0
-    from tula_service.gradient_stats_file import read_gradient_stats  # here: the DDP test's processes need not import it
+    from tula_service.fit.gradient_stats_file import read_gradient_stats  # here: the DDP test's processes need not import it
 
     assert read_gradient_stats(path) == lines  # the service's reader takes the file as written
 

@@ -1,12 +1,12 @@
-"""Noisy profiles are timed again once, and a profile that stays noisy says so (tula_service.reliability)."""
+"""Noisy profiles are timed again once, and a profile that stays noisy says so (tula_service.dispatch.reliability)."""
 
-from tula_service.db import make_engine, make_session_factory
-from tula_service.dispatch import Outcome, record_outcome
-from tula_service.recommend import plan, usable_measurements
-from tula_service.reliability import UNRELIABLE, assess, points_to_retime
-from tula_service.spec import JobSpec
-from tula_service.store import Store
 from tests.handmade import measurement, spec_dict
+from tula_service.dispatch.dispatcher import Outcome, record_outcome
+from tula_service.dispatch.reliability import UNRELIABLE, assess, points_to_retime
+from tula_service.plan.recommend import plan, usable_measurements
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.job_store import Store
 
 
 def _noisy(batch: int, cv: float, slowdown: float = 1.0) -> dict:

@@ -9,7 +9,7 @@ schemathesis's (no 5xx on any input, responses, headers and bodies as documented
 requests rejected, schema-valid ones accepted, Allow headers, ...), with no exception. Every schema-valid
 what-if is planned (200) or does not fit the stored job (409); every schema-valid `state` filter is one of
 the job states. POST /v1/jobs publishes a request schema that states the catalogs and the rules between
-fields (tula_service.submission_schema), and the hooks of tests.schemathesis_hooks make generated specs
+fields (tula_service.spec.submission_schema), and the hooks of tests.schemathesis_hooks make generated specs
 meet the few rules JSON Schema cannot state (SCHEMA_CANNOT_STATE), so every generated spec must be
 accepted (202).
 Run it by hand: docs/api.md.
@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 
 from models.registry import DATASETS, MODELS
-from tula_service.catalogs import load_gpus
-from tula_service.db import make_engine, make_session_factory
-from tula_service.jobs import finish_job
-from tula_service.spec import JobSpec
-from tula_service.store import Store
 from tests.handmade import measurement, spec_dict
+from tula_service.catalogs import load_gpus
+from tula_service.dispatch.jobs import finish_job
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.job_store import Store
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 REPO = Path(__file__).resolve().parents[1]

@@ -1,12 +1,12 @@
-"""Bounds on a job spec (tula_service.spec_limits): every one is a 422 naming its field."""
+"""Bounds on a job spec (tula_service.spec.spec_limits): every one is a 422 naming its field."""
 
 import httpx
 import pydantic
 import pytest
 
-from tula_service.spec import JobSpec
-from tula_service.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES
 from tests.handmade import spec_dict
+from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES
 
 
 def _errors(spec: dict) -> dict[tuple, str]:
@@ -81,7 +81,7 @@ def test_the_api_answers_a_bound_with_a_422_naming_the_field(live_server):
 
 def test_a_boolean_is_no_number_anywhere_in_a_spec_or_a_what_if():
     """pydantic's lax float reads JSON `true` as 1.0; every float field refuses it, naming the field."""
-    from tula_service.whatif import WhatIf
+    from tula_service.plan.whatif import WhatIf
 
     for section, field in (("training", "reference_lr"), ("pricing", "price"), ("cluster", "device_memory_gib")):
         spec = spec_dict()

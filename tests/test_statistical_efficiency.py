@@ -81,7 +81,7 @@ def test_the_summary_line_takes_medians_and_worsts():
 
 @needs_traces
 def test_pollux_runs_become_records_in_the_service_contract():
-    from tula_service.spec import GradientStatsRecord
+    from tula_service.spec.job_spec import GradientStatsRecord
 
     app = pollux_traces.APPLICATIONS["cifar10"]
     runs = pollux_traces.load_runs(app)

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import delete, event, func, inspect, select
 
 from tests.handmade import spec_dict
-from tula_service.db import Job, Point, make_engine, make_session_factory
-from tula_service.spec import JobSpec
-from tula_service.store import IdempotencyConflict, Store
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import Job, Point, make_engine, make_session_factory
+from tula_service.store.job_store import IdempotencyConflict, Store
 
 BARRIER_TIMEOUT_S = 30
 

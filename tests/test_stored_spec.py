@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from models.registry import ALLOWED_MODULES_ENV
 from tests.handmade import spec_dict
-from tula_service.db import make_engine, make_session_factory
-from tula_service.jobs import point_request
-from tula_service.spec import JobSpec
-from tula_service.store import Store
-from tula_service.whatif import WhatIf, merged_spec
+from tula_service.dispatch.jobs import point_request
+from tula_service.plan.whatif import WhatIf, merged_spec
+from tula_service.spec.job_spec import JobSpec
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.job_store import Store
 
 USER_MODEL = "tests.user_models_fixture:tiny_classifier"
 IMAGES = {"name": "synthetic_images", "num_samples": 1000, "channels": 1, "image_size": 8, "num_classes": 4}

@@ -1,4 +1,4 @@
-"""The published request schema of POST /v1/jobs (tula_service.submission_schema) against the validators:
+"""The published request schema of POST /v1/jobs (tula_service.spec.submission_schema) against the validators:
 what the schema allows, JobSpec accepts, and what the schema can state that JobSpec refuses, the schema
 refuses too. schemathesis runs the same agreement on generated specs (tests/test_schemathesis.py)."""
 
@@ -15,13 +15,13 @@ import yaml
 from pydantic import ValidationError
 from referencing import Registry, Resource
 
-from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from models.data_roots import DATA_ROOTS_ENV
+from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tests.handmade import spec_dict
 from tests.schemathesis_hooks import meeting_the_rules
 from tula_service.api import Settings, create_app
-from tula_service.spec import JobSpec
-from tula_service.submission_schema import COMPONENT, SCHEMA_CANNOT_STATE
+from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.submission_schema import COMPONENT, SCHEMA_CANNOT_STATE
 
 REPO = Path(__file__).resolve().parents[1]
 SUBMIT_BODY = ("paths", "/v1/jobs", "post", "requestBody", "content", "application/json", "schema")

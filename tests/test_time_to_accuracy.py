@@ -132,8 +132,8 @@ def test_implied_noise_scale_recovers_the_epoch_model_it_was_made_from():
 
 
 def recommendation_for(batches: list[int]) -> dict:
-    from tula_service.recommend import plan
-    from tula_service.spec import JobSpec
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
 
     spec = JobSpec.model_validate(spec_dict(batch_sizes=batches, objective="min_time", training={"reference_lr": 0.02}))
     return plan(spec, [measurement(b, trace_sigma=100.0 * 64) for b in batches])

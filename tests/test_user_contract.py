@@ -16,8 +16,8 @@ from models.workload import build_workload
 from tests.conftest import REPO
 from tests.handmade import spec_dict
 from tests.test_no_torch import BLOCK_TORCH
-from tula_service.spec import JobSpec
-from tula_service.user_code_check import run_contract_check
+from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.user_code_check import run_contract_check
 
 FIXTURE = "tests.user_models_fixture"
 ALLOWED = [FIXTURE]
@@ -157,7 +157,7 @@ def test_without_torch_the_check_is_skipped_and_the_spec_says_so():
         f"""
         import os
         os.environ["TULA_ALLOWED_MODEL_MODULES"] = "{FIXTURE}"
-        from tula_service.spec import JobSpec
+        from tula_service.spec.job_spec import JobSpec
         from tests.handmade import spec_dict
         spec = JobSpec.model_validate(spec_dict(model="{TINY}", dataset={BLOBS!r}))
         print(spec.user_code_check)

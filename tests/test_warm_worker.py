@@ -11,8 +11,6 @@ from typing import NamedTuple
 
 import pytest
 
-from tula_service.executor import LocalExecutor
-from tula_service.store import Store
 from tests.processes import (
     children_of,
     fake_python,
@@ -25,6 +23,8 @@ from tests.processes import (
     wait_for,
     wait_for_job,
 )
+from tula_service.dispatch.executor import LocalExecutor
+from tula_service.store.job_store import Store
 
 FAST_PROFILING = {"time_cap_s": 1.0, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
 LONG_PROFILING = {"time_cap_s": 120.0, "timed_iters": 100_000, "target_cv": 1e-9}  # runs until killed

@@ -3,11 +3,11 @@
 import httpx
 import pytest
 
-from tula_service.catalogs import gpu
-from tula_service.recommend import plan
-from tula_service.spec import JobSpec
-from tula_service.whatif import WhatIf, merged_spec, replan
 from tests.handmade import measurement, spec_dict
+from tula_service.catalogs import gpu
+from tula_service.plan.recommend import plan
+from tula_service.plan.whatif import WhatIf, merged_spec, replan
+from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64]
 POINTS = [measurement(b) for b in BATCHES]

@@ -26,7 +26,7 @@ import yaml
 from models.registry import unknown_name_message
 
 if TYPE_CHECKING:
-    from tula_service.perfmodel.network import Link
+    from tula_service.fit.perfmodel.network import Link
 
 INTERCONNECTS_PATH = Path(__file__).resolve().parents[1] / "configs" / "interconnects.yaml"
 GPUS_PATH = Path(__file__).resolve().parents[1] / "configs" / "gpus.yaml"
@@ -78,7 +78,7 @@ def _note(where: str, entry: dict) -> str:
 def _link(path: str, name: str, entry: object) -> Link:
     # Imported here: the perfmodel package loads scipy, and the CLI reads the spec (which reads this
     # module) for its choices; only building a link needs it.
-    from tula_service.perfmodel.network import Link
+    from tula_service.fit.perfmodel.network import Link
 
     where = f"{path}: interconnect '{name}'"
     if not isinstance(entry, dict):

@@ -1,7 +1,7 @@
 """A typed HTTP client for the Tula API (httpx). The CLI uses it; so can an orchestrator.
 
 Responses parse into the API's own pydantic models (`tula_service.schemas`: JobView, JobList,
-PointList, MeasurementList; `tula_service.recommendation`: JobRecommendation, WhatIfPlan). Recommendations
+PointList, MeasurementList; `tula_service.plan.recommendation`: JobRecommendation, WhatIfPlan). Recommendations
 and what-if plans are checked against their model and returned as the JSON dicts the server sent
 (`recommendation_model` and `plan_model` return the models). An answer that breaks its model raises
 pydantic's ValidationError. Errors are `TulaError` with the server's problem+json body and a message
@@ -25,10 +25,10 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from tula_service.states import TERMINAL_JOB_STATES
-from tula_service.settings import environment
-from tula_service.recommendation import JobRecommendation, WhatIfPlan
+from tula_service.plan.recommendation import JobRecommendation, WhatIfPlan
 from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
+from tula_service.settings import environment
+from tula_service.store.states import TERMINAL_JOB_STATES
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_BACKOFF_S = 10.0

@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from tula_service.db import Job, Point
+from tula_service.store.db import Job, Point
 
 log = logging.getLogger("tula.lifecycle")
 ERROR_CHARS = 300  # an error's head; the point's full error is in the API

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from tula_service.spec import GradientStatsRecord
+from tula_service.spec.job_spec import GradientStatsRecord
 
 Source = Literal["measured", "fitted", "predicted", "assumed", "spec", "catalog-assumed"]
 

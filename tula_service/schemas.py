@@ -1,4 +1,4 @@
-"""API response shapes (requests are `tula_service.spec.JobSpec` and `tula_service.whatif.WhatIf`).
+"""API response shapes (requests are `tula_service.spec.job_spec.JobSpec` and `tula_service.plan.whatif.WhatIf`).
 
 The typed client (`tula_service.client`) parses responses into these same models.
 """
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tula_service.states import JOB_STATES, TERMINAL_POINT_STATES
+from tula_service.store.states import JOB_STATES, TERMINAL_POINT_STATES
 
 if TYPE_CHECKING:  # only the API builds these views from stored rows; the client needs no SQLAlchemy
-    from tula_service.db import Job, Point
+    from tula_service.store.db import Job, Point
 
 # the job states as a type: a query parameter of this type is documented as an enum in
 # OpenAPI and refused with FastAPI's own 422 for any other value.

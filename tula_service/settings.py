@@ -7,7 +7,7 @@
 | TULA_ALLOWED_HOSTS | allowed_hosts | `tula serve`: Host names beyond the bound address and loopback (comma-separated) |
 | TULA_ALLOWED_MODEL_MODULES | allowed_model_modules | the spec: module prefixes of user `module:factory` code (comma-separated) |
 | TULA_DATA_ROOTS | data_roots | the spec and the profiling requests: folders file datasets may be read from (os.pathsep-separated) |
-| TULA_MAX_BATCH_SIZES, TULA_MAX_DEVICES | max_batch_sizes, max_devices | the spec's bounds (tula_service.spec_limits) |
+| TULA_MAX_BATCH_SIZES, TULA_MAX_DEVICES | max_batch_sizes, max_devices | the spec's bounds (tula_service.spec.spec_limits) |
 
 The environment is read at each call, not once at import: `tula serve --data-root` sets TULA_DATA_ROOTS
 for the server and the workers it starts, and tests change it. A malformed value (a limit that is not a

@@ -2,8 +2,8 @@
 (tula_service.api.operations, .catalog, .jobs) that reaches them through tula_service.api.deps.
 
 Errors are application/problem+json (tula_service.api.errors); bodies are capped by tula_service.limits;
-the Host allowlist and the security headers are tula_service.security; tokens are tula_service.auth;
-/metrics is Prometheus text (tula_service.metrics); the OpenAPI document is tula_service.api.openapi.
+the Host allowlist and the security headers are tula_service.api.security; tokens are tula_service.api.auth;
+/metrics is Prometheus text (tula_service.api.metrics); the OpenAPI document is tula_service.api.openapi.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from tula_service.api import catalog, jobs, operations
+from tula_service.api.auth import TokenAuth
+from tula_service.api.dashboard import mount_api_docs, mount_dashboard
 from tula_service.api.errors import PROBLEM_RESPONSES, install_problem_handlers
+from tula_service.api.metrics import Metrics
 from tula_service.api.openapi import install_openapi
-from tula_service.auth import TokenAuth
-from tula_service.dashboard import mount_api_docs, mount_dashboard
-from tula_service.db import make_engine, make_session_factory
-from tula_service.executor import LocalExecutor, NoExecutor
+from tula_service.api.security import IN_PROCESS_ALLOWED_HOSTS, HostAllowlist, SecurityHeaders
+from tula_service.dispatch.executor import LocalExecutor, NoExecutor
 from tula_service.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
-from tula_service.metrics import Metrics
-from tula_service.security import IN_PROCESS_ALLOWED_HOSTS, HostAllowlist, SecurityHeaders
 from tula_service.settings import environment
-from tula_service.spec import JobSpec
-from tula_service.specfile import load_spec_file
-from tula_service.store import Store
+from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.specfile import load_spec_file
+from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.job_store import Store
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Settings:
     public_reads: bool = False  # with tokens configured, GETs under /v1 need no token
     require_token: bool = False  # refuse /v1 even when every token was revoked (non-loopback servers)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    # Host names the server answers to (tula_service.security); `tula serve` sets the bound address,
+    # Host names the server answers to (tula_service.api.security); `tula serve` sets the bound address,
     # the loopback names and --allowed-host / TULA_ALLOWED_HOSTS.
     allowed_hosts: tuple[str, ...] = IN_PROCESS_ALLOWED_HOSTS
 
@@ -67,7 +67,7 @@ def _make_executor(settings: Settings, store: Store, metrics: Metrics):
     if settings.executor == "local":
         return LocalExecutor(store, workers=settings.workers, on_finished=metrics.observe_point)
     if settings.executor == "ray":
-        from tula_service.ray_executor import RayExecutor
+        from tula_service.dispatch.ray_executor import RayExecutor
 
         return RayExecutor(store, address=settings.ray_address, on_finished=metrics.observe_point)
     return NoExecutor()

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tula_service.catalogs import gpu_catalog_listing
-from tula_service.spec import allowed_model_modules
+from tula_service.spec.job_spec import allowed_model_modules
 
 router = APIRouter(prefix="/v1/catalog", tags=["catalog"])
 

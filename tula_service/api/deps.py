@@ -1,7 +1,7 @@
 """What the routes depend on (FastAPI `Depends`): the store, the executor, the settings, the database
 engine and the metrics the app was made with (`create_app` puts them on app.state).
 
-Authentication is not a dependency but a middleware (tula_service.auth.TokenAuth): FastAPI reads and
+Authentication is not a dependency but a middleware (tula_service.api.auth.TokenAuth): FastAPI reads and
 validates a body before it solves a route's dependencies, and a request without a valid token must be
 refused before its body is read.
 """
@@ -13,8 +13,8 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlalchemy.engine import Engine
 
-from tula_service.metrics import Metrics
-from tula_service.store import Store
+from tula_service.api.metrics import Metrics
+from tula_service.store.job_store import Store
 
 
 def _store(request: Request) -> Store:

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from tula_service.api.security import DEFAULT_CSP, STATIC_SECURITY_HEADERS
 from tula_service.problems import ProblemError, field_errors, problem_response
 from tula_service.schemas import Problem
-from tula_service.security import DEFAULT_CSP, STATIC_SECURITY_HEADERS
 
 log = logging.getLogger(__name__)
 

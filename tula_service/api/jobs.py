@@ -11,16 +11,26 @@ from pydantic import ValidationError
 
 from tula_service.api.deps import ExecutorDep, StoreDep
 from tula_service.api.errors import what_if_conflict
-from tula_service.db import Job
-from tula_service.jobs import plan_inputs
-from tula_service.recommend import NotEnoughMeasurements, plan
-from tula_service.recommendation import JobRecommendation, WhatIfPlan
-from tula_service.schemas import (JobDetail, JobList, JobState, JobSummary, JobView, MeasurementList, MeasurementView,
-                                  PointList, PointView, next_offset)
-from tula_service.spec import JobSpec, allowed_model_modules
-from tula_service.store import IdempotencyConflict, Store
-from tula_service.user_code_check import checked_submission, client_submission
-from tula_service.whatif import WhatIf, replan
+from tula_service.dispatch.jobs import plan_inputs
+from tula_service.plan.recommend import NotEnoughMeasurements, plan
+from tula_service.plan.recommendation import JobRecommendation, WhatIfPlan
+from tula_service.plan.whatif import WhatIf, replan
+from tula_service.schemas import (
+    JobDetail,
+    JobList,
+    JobState,
+    JobSummary,
+    JobView,
+    MeasurementList,
+    MeasurementView,
+    PointList,
+    PointView,
+    next_offset,
+)
+from tula_service.spec.job_spec import JobSpec, allowed_model_modules
+from tula_service.spec.user_code_check import checked_submission, client_submission
+from tula_service.store.db import Job
+from tula_service.store.job_store import IdempotencyConflict, Store
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
 

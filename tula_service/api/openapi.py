@@ -1,5 +1,5 @@
 """The OpenAPI document as the API publishes it: JSON Schema's names for numeric bounds, and the request
-schema of POST /v1/jobs narrowed to what its validators accept (tula_service.submission_schema)."""
+schema of POST /v1/jobs narrowed to what its validators accept (tula_service.spec.submission_schema)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tula_service.submission_schema import publish_job_submission
+from tula_service.spec.submission_schema import publish_job_submission
 
 PYDANTIC_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
 
@@ -15,7 +15,7 @@ PYDANTIC_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "
 def standard_bounds(schema: Any) -> Any:
     """The OpenAPI document with JSON Schema's names for numeric bounds, in place. pydantic writes a bound
     that follows a validator in an Annotated type (`Annotated[int, BeforeValidator(...), Field(ge=1)]`,
-    as tula_service.spec's counts are) as `ge`/`le`/`gt`/`lt`, which JSON Schema does not know, so
+    as tula_service.spec.job_spec's counts are) as `ge`/`le`/`gt`/`lt`, which JSON Schema does not know, so
     clients and schemathesis would take `batch: 0` for valid."""
     if isinstance(schema, list):
         for item in schema:

@@ -8,9 +8,9 @@ from starlette.responses import JSONResponse
 
 from tula_service.api.deps import EngineDep, ExecutorDep, MetricsDep, SettingsDep
 from tula_service.api.errors import PROBLEM_RESPONSES
-from tula_service.metrics import CONTENT_TYPE
-from tula_service.migrate import current_revision, head_revision
+from tula_service.api.metrics import CONTENT_TYPE
 from tula_service.problems import problem_response
+from tula_service.store.migrate import current_revision, head_revision
 
 router = APIRouter(tags=["operations"])
 

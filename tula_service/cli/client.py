@@ -3,7 +3,7 @@ to a server through `tula_service.client.TulaClient`, with `--server` (default $
 `--token` (default $TULA_TOKEN).
 
 No database here, and nothing of the server: this module imports neither SQLAlchemy nor uvicorn nor
-the app. `tula_service.client` and `tula_service.db` (the job states) still import SQLAlchemy
+the app. `tula_service.client` and `tula_service.store.db` (the job states) still import SQLAlchemy
 today, so they are imported where a command or the parser needs them, not with the module.
 """
 
@@ -21,15 +21,26 @@ import httpx
 from pydantic import ValidationError
 
 from tula_service.cli.common import (
-    EXIT_INTERRUPTED, EXIT_JOB_NOT_DONE, EXIT_WAIT_TIMEOUT, CliError, one_line, positive_float, positive_int,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_NOT_DONE,
+    EXIT_WAIT_TIMEOUT,
+    CliError,
+    one_line,
+    positive_float,
+    positive_int,
 )  # fmt: skip
 from tula_service.cli.human import human_number
 from tula_service.cli.printing import (
-    ProgressPrinter, compare_with_stored, describe_job, describe_what_if, format_gpu_catalog, format_job_list,
+    ProgressPrinter,
+    compare_with_stored,
+    describe_job,
+    describe_what_if,
+    format_gpu_catalog,
+    format_job_list,
     format_recommendation,
 )  # fmt: skip
 from tula_service.settings import environment
-from tula_service.spec import Objective, PricingKind
+from tula_service.spec.job_spec import Objective, PricingKind
 
 if TYPE_CHECKING:
     from tula_service.client import TulaClient, TulaError
@@ -111,9 +122,9 @@ def _client(args: argparse.Namespace) -> TulaClient:
 
 def _reference_stats(path: str) -> list[dict[str, Any]]:
     """The records of `--reference-stats FILE` (JSONL or a JSON list), each checked."""
-    from tula_service.gradient_stats_file import coarsen_records, read_gradient_stats
-    from tula_service.spec import MAX_GRADIENT_STATS_RECORDS
-    from tula_service.specfile import FileRefused
+    from tula_service.fit.gradient_stats_file import coarsen_records, read_gradient_stats
+    from tula_service.spec.job_spec import MAX_GRADIENT_STATS_RECORDS
+    from tula_service.spec.specfile import FileRefused
 
     try:
         records = read_gradient_stats(path)
@@ -146,8 +157,8 @@ def with_reference_stats(spec: dict[str, Any], records: list[dict[str, Any]]) ->
 def _validated_spec(path: str, reference_stats: str | None = None) -> dict[str, Any]:
     """The spec file, parsed (specfile: size-limited, safe YAML, errors with line and column) and
     validated here, so a mistake is named before anything is sent."""
-    from tula_service.spec import JobSpec  # the catalogs behind it take a second to import
-    from tula_service.specfile import load_spec_file
+    from tula_service.spec.job_spec import JobSpec  # the catalogs behind it take a second to import
+    from tula_service.spec.specfile import load_spec_file
 
     try:
         data = load_spec_file(path)
@@ -382,7 +393,7 @@ def _catalog(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from tula_service.client import CATALOG_KINDS
-    from tula_service.states import JOB_STATES
+    from tula_service.store.states import JOB_STATES
 
     client_options = argparse.ArgumentParser(add_help=False)
     client_options.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")

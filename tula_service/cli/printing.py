@@ -137,7 +137,7 @@ def format_job_list(jobs: list[JobView]) -> str:
 
 def describe_job(job: JobView) -> str:
     # The states are db.py's; imported here, not with the module, as db.py imports SQLAlchemy.
-    from tula_service.states import ACTIVE_JOB_STATES, ACTIVE_POINT_STATES, TERMINAL_JOB_STATES
+    from tula_service.store.states import ACTIVE_JOB_STATES, ACTIVE_POINT_STATES, TERMINAL_JOB_STATES
 
     progress = job.progress
     lines = [

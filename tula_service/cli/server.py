@@ -43,7 +43,7 @@ def on_the_database(command: Command) -> Command:
 
 
 def _engine(database_url: str):
-    from tula_service.db import make_engine
+    from tula_service.store.db import make_engine
 
     if database_url.startswith("sqlite:///"):
         Path(database_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +51,7 @@ def _engine(database_url: str):
 
 
 def _sessions(database_url: str):
-    from tula_service.db import make_session_factory
+    from tula_service.store.db import make_session_factory
 
     return make_session_factory(_engine(database_url))
 
@@ -69,10 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tula_service.api import Settings, create_app
-    from tula_service.auth import is_loopback, listen_refusal
-    from tula_service.db import make_session_factory
-    from tula_service.security import allowed_hosts_from_env, host_pattern_problem, served_hosts
-    from tula_service.tokens import any_active_token
+    from tula_service.api.auth import is_loopback, listen_refusal
+    from tula_service.api.security import allowed_hosts_from_env, host_pattern_problem, served_hosts
+    from tula_service.store.db import make_session_factory
+    from tula_service.store.tokens import any_active_token
 
     if args.ray_address and args.executor != "ray":
         raise CliError("--ray-address needs --executor ray")
@@ -123,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 @on_the_database
 def _token_create(args: argparse.Namespace) -> int:
-    from tula_service.tokens import InvalidTokenName, create_token
+    from tula_service.store.tokens import InvalidTokenName, create_token
 
     try:
         info, plaintext = create_token(_sessions(_database_url(args)), args.name)
@@ -140,7 +140,7 @@ def _token_create(args: argparse.Namespace) -> int:
 
 @on_the_database
 def _token_list(args: argparse.Namespace) -> int:
-    from tula_service.tokens import list_tokens
+    from tula_service.store.tokens import list_tokens
 
     tokens = list_tokens(_sessions(_database_url(args)), include_revoked=True)
     if args.json:
@@ -156,7 +156,7 @@ def _token_list(args: argparse.Namespace) -> int:
 
 @on_the_database
 def _token_revoke(args: argparse.Namespace) -> int:
-    from tula_service.tokens import revoke_token
+    from tula_service.store.tokens import revoke_token
 
     revoked = revoke_token(_sessions(_database_url(args)), args.name_or_prefix)
     if revoked == 0:

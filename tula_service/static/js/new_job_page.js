@@ -96,7 +96,7 @@ function deepMerge(base, extra) {
   return merged;
 }
 
-// The spec as the API takes it (tula_service.spec.JobSpec); blank fields are left for the API to default.
+// The spec as the API takes it (tula_service.spec.job_spec.JobSpec); blank fields are left for the API to default.
 function specFromForm() {
   const text = (name) => field(name).value.trim() || undefined;
   const objective = field("objective").value;

@@ -1,0 +1,225 @@
+"""Which B_noise the epochs model uses, from which evidence, and how sure it is.
+
+Evidence for the noise scale, best first (the first one available is used; the others are reported next
+to it with their ratio to it, so a disagreement is visible):
+
+1. "other_runs": epochs to the target measured at two or more batches (training.reference_* plus
+   training.other_runs). They are the quantity predicted itself, so E_min and B_noise are fitted to them
+   (perfmodel.efficiency.fit_epochs_to_runs) and win over any gradient statistic.
+2. "reference_run": gradient statistics along the user's reference run (training.reference_run.
+   gradient_stats, written by profiler.reference_logger): the user's model, data, optimizer and cluster, up
+   to the target. Read by perfmodel.noise_trajectory: the noise scale averaged over the progress the run
+   made in the second half of its samples to the target (the B_noise a fixed-batch run sees when it varies).
+3. "pilot": the pilot point's trajectory (profiling.pilot): the same estimator, but a pilot covers the
+   start of the run only, so the value is extrapolated and labelled so.
+4. "initialization": the compute points' statistics at the initial weights, pooled with equal weights.
+   The noise scale grows 10-1000x during training, so this under-predicts the useful batch: weak evidence.
+
+For Adam and AdamW the records may also hold the statistics of the preconditioned gradient P g, P =
+diag(1 / (sqrt(v_hat) + eps)): Adam's update is P g, so its noise-to-signal ratio is the one that sets how
+far a larger batch helps. STATISTIC_FOR_OPTIMIZER says which one the model reads, chosen by measured error
+in benchmarks/statistical_efficiency.py (docs/validation.md: on the Adam tasks the preconditioned one
+predicted the epochs better); both are reported, and the raw one is used when the other is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
+from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
+from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, record_arrays
+from tula_service.spec.job_spec import JobSpec
+
+EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
+STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
+WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
+
+
+@dataclass
+class NoiseEvidence:
+    source: str
+    noise_scale: float | None
+    interval: tuple[float, float] | None = None
+    stderr: float | None = None
+    min_epochs: float | None = None  # only "other_runs" fits E_min itself
+    detail: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    weak: bool = False  # the initial weights, or a trajectory extrapolated from less than WEAK_COVERAGE of the run
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "noise_scale": self.noise_scale,
+            "interval": list(self.interval) if self.interval else None, "stderr": self.stderr,
+            "detail": self.detail, "warnings": self.warnings, "weak": self.weak,
+        }  # fmt: skip
+
+
+def target_samples(spec: JobSpec) -> float:
+    """T = E_ref D: the samples the reference run needs to reach its target."""
+    return spec.training.reference_epochs * spec.dataset.num_samples
+
+
+def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvidence | None:
+    if not records:
+        return None
+    wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
+    estimates = {
+        name: TrajectoryNoiseScale(statistic=name).fit(records, target_samples(spec))
+        for name in ("raw", "preconditioned")
+        if record_arrays(records, name)["samples"].size
+    }
+    resolved = wanted in estimates and estimates[wanted].noise_scale_ is not None
+    statistic = wanted if resolved else "raw"
+    chosen = estimates[statistic]
+    detail = {**chosen.describe(), "batch": int(_batch(records)),
+              "preconditioned_noise_scale": estimates["preconditioned"].noise_scale_ if "preconditioned" in estimates else None,
+              "raw_noise_scale": estimates["raw"].noise_scale_ if "raw" in estimates else None}  # fmt: skip
+    warnings = []
+    if statistic != wanted:
+        warnings.append(f"{source}: the {wanted} statistics for {spec.training.optimizer} are "
+                        f"{'missing' if wanted not in estimates else 'not resolved'}: the raw gradient's are used")  # fmt: skip
+    if chosen.noise_scale_ is None:
+        warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive: the noise scale is not resolved")
+    elif chosen.extrapolated_:
+        warnings.append(
+            f"{source}: the records cover {chosen.coverage_:.1%} of the reference run's samples to the target; "
+            f"B_noise is extrapolated to {chosen.run_fraction:.0%} of the run (slope {chosen.slope_:.2f} in log-log)"
+            + (": weak evidence, the noise scale usually keeps growing" if chosen.coverage_ < WEAK_COVERAGE else "")
+        )
+    if detail["batch"] != spec.training.reference_batch:
+        warnings.append(f"{source}: its records are at batch {detail['batch']}, not at training.reference_batch "
+                        f"({spec.training.reference_batch})")  # fmt: skip
+    interval = _extrapolation_interval(chosen) if chosen.noise_scale_ is not None else None
+    weak = chosen.extrapolated_ and chosen.coverage_ < WEAK_COVERAGE
+    return NoiseEvidence(source, chosen.noise_scale_, interval, detail=detail, warnings=warnings, weak=weak)
+
+
+def _extrapolation_interval(estimate: TrajectoryNoiseScale) -> tuple[float, float] | None:
+    """The bootstrap interval; when extrapolated, its upper end also allows the noise scale to keep growing
+    in proportion to the samples seen from the last record on (slope 1, an assumption stated in the report)."""
+    if estimate.interval_ is None:
+        return None
+    low, high = estimate.interval_
+    if estimate.extrapolated_ and estimate.covered_samples_ > 0:
+        last = estimate.bins_[-1] if estimate.bins_ else None
+        if last is not None:
+            high = max(high, last.noise_scale * estimate.at_samples_ / last.samples)
+    return low, high
+
+
+def _batch(records: list[Any]) -> int:
+    batches = [r.get("batch") if isinstance(r, dict) else r.batch for r in records]
+    return int(np.median(batches))
+
+
+def from_initialization(points: list[dict[str, Any]]) -> NoiseEvidence | None:
+    with_stats = [m["gradient"] for m in points if m.get("gradient")]
+    if not with_stats:
+        return None
+    noise = NoiseScaleModel().fit([g["true_grad_sq_norm"] for g in with_stats], [g["trace_sigma"] for g in with_stats])
+    detail = {"points": noise.points_, "true_grad_sq_norm": noise.true_grad_sq_norm_, "trace_sigma": noise.trace_sigma_,
+              "weights": "equal per point", "batches": [int(g["batch"]) for g in with_stats]}  # fmt: skip
+    warnings = ["initialization: the noise scale was measured at the initial weights; it grows 10-1000x as the "
+                "loss falls (McCandlish et al. 2018), so larger batches are likely better than predicted: give "
+                "training.reference_run.gradient_stats or other_runs, or enable profiling.pilot"]  # fmt: skip
+    stderr = noise.noise_scale_stderr_
+    interval = (max(noise.noise_scale_ - 2 * stderr, 0.0), noise.noise_scale_ + 2 * stderr) if noise.noise_scale_ and stderr else None
+    return NoiseEvidence("initialization", noise.noise_scale_, interval, stderr=stderr, detail=detail, warnings=warnings, weak=True)
+
+
+def from_runs(spec: JobSpec) -> NoiseEvidence | None:
+    training = spec.training
+    if not training.other_runs:
+        return None
+    batches = [training.reference_batch, *(run.batch for run in training.other_runs)]
+    epochs = [training.reference_epochs, *(run.epochs for run in training.other_runs)]
+    fit = fit_epochs_to_runs(batches, epochs)
+    detail = {"batches": batches, "epochs": epochs, "rms_log_error": fit["rms_log_error"], "lower_bound": fit["lower_bound"]}
+    warnings = []
+    if fit["lower_bound"]:
+        warnings.append("other_runs: the epochs do not grow with the batch over the runs given, so B_noise is only "
+                        f"known to be far above {max(batches)}: reported as {fit['noise_scale']:.3g}")  # fmt: skip
+    if len(batches) == 2:
+        warnings.append("other_runs: two runs determine E_min and B_noise exactly: no check of the fit")
+    return NoiseEvidence("other_runs", fit["noise_scale"], min_epochs=fit["min_epochs"], detail=detail, warnings=warnings)
+
+
+def gather(spec: JobSpec, points: list[dict[str, Any]], pilot: dict[str, Any] | None) -> list[NoiseEvidence]:
+    """Every piece of evidence available, best first (EVIDENCE_ORDER)."""
+    reference = spec.training.reference_run
+    found = [
+        from_runs(spec),
+        from_trajectory("reference_run", list(reference.gradient_stats), spec) if reference else None,
+        from_trajectory("pilot", pilot.get("trajectory") or [], spec) if pilot else None,
+        from_initialization(points),
+    ]
+    return [evidence for evidence in found if evidence is not None]
+
+
+def choose(evidence: list[NoiseEvidence]) -> NoiseEvidence | None:
+    return next((e for e in evidence if e.noise_scale), None)
+
+
+def epoch_model(spec: JobSpec, points: list[dict[str, Any]], pilot: dict[str, Any] | None) -> tuple[EpochModel, dict[str, Any]]:
+    """The epochs model and the efficiency section of the fit report."""
+    evidence = gather(spec, points, pilot)
+    chosen = choose(evidence)
+    training = spec.training
+    epochs = EpochModel(
+        training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
+        max_step_gain(training.optimizer, training.reference_lr, training.max_lr),
+        min_epochs=chosen.min_epochs if chosen else None, optimizer=training.optimizer,
+    )  # fmt: skip
+    return epochs, report(chosen, evidence, epochs)
+
+
+def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel) -> dict[str, Any]:
+    candidates = [e.summary() | {"ratio_to_used": (e.noise_scale / chosen.noise_scale) if chosen and e.noise_scale else None}
+                  for e in evidence]  # fmt: skip
+    if chosen is None:
+        return {
+            "formula": "E(B) = reference_epochs * max(1, B / reference_batch)",
+            "noise_scale": None,
+            "source": "assumed",
+            "evidence": {"used": None, "candidates": candidates},
+            "warnings": [w for e in evidence for w in e.warnings],
+            "note": "no informative noise-scale measurement (none taken, or the pooled |G|^2 or tr(Sigma) "
+            "is not positive: the gradient signal is below what the profiled batches resolve); assumed: "
+            "epochs constant up to the reference batch, and no fewer optimizer steps than the reference "
+            "run beyond it",
+        }
+    floor = epochs.max_step_gain is not None
+    fitted_min = chosen.min_epochs is not None
+    return {
+        "formula": "E(B) = E_min (1 + B / B_noise), "
+        + ("E_min and B_noise fitted to the measured runs" if fitted_min else "E_min from the reference run")
+        + ("; never below E_ref B / (B_ref max_step_gain)" if floor else ""),
+        "noise_scale": {"value": chosen.noise_scale, "interval": list(chosen.interval) if chosen.interval else None,
+                        "stderr": chosen.stderr, "source": "fitted", "evidence": chosen.source},  # fmt: skip
+        "evidence": {"used": chosen.source, "order": list(EVIDENCE_ORDER), "candidates": candidates},
+        "max_step_gain": {
+            "value": epochs.max_step_gain, "source": "spec",
+            "why": "training.max_lr / reference_lr (squared for Adam): the LR, and with it the progress per step, "
+            "cannot grow past max_lr, so a step is worth at most this many reference steps",
+        } if floor else None,  # fmt: skip
+        "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
+        "source": "fitted",
+        "warnings": chosen.warnings,
+        "weak": chosen.weak,
+        "note": _NOTES[chosen.source],
+    }
+
+
+_NOTES = {
+    "other_runs": "E_min and B_noise fitted to the epochs measured at the given batches: the most direct evidence",
+    "reference_run": "noise scale averaged over the progress made in the second half of the user's reference run to the "
+    "target",
+    "pilot": "noise scale read along the pilot run at the reference batch and extrapolated to the second half of the "
+    "reference run to the target",
+    "initialization": "noise scale measured in the first iterations from the initial weights; it grows as the loss "
+    "falls (McCandlish et al. 2018), so larger batches are likely more efficient than predicted",
+}

@@ -1,0 +1,117 @@
+"""Fit the performance model from a job's measurements (pure functions; numpy/scipy only).
+
+Each fitted term reports its parameters and fit quality, and labels every input as measured,
+fitted, spec (given by the user) or assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tula_service.fit.efficiency_evidence import epoch_model
+from tula_service.fit.links import cluster_links, link_report
+from tula_service.fit.perfmodel import MemoryModel
+from tula_service.fit.perfmodel.comm_fit import fit_comm_record
+from tula_service.fit.perfmodel.compute import ComputeModel, select_compute_model
+from tula_service.fit.perfmodel.efficiency import EfficiencyModel
+from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link
+from tula_service.fit.perfmodel.overlap import OverlapModel
+from tula_service.fit.perfmodel.validation import error_summary, leave_one_out_relative_errors
+from tula_service.spec.job_spec import JobSpec
+
+
+@dataclass(frozen=True)
+class FittedModels:
+    """What the planner sweeps with: one fitted model per term of the performance model."""
+
+    memory: MemoryModel
+    compute: ComputeModel
+    network: object  # anything with predict(devices) -> seconds (RingAllReduce, HierarchicalAllReduce)
+    epochs: EfficiencyModel  # EpochModel: predict epochs, step gain, LR multiplier
+    overlap: OverlapModel = field(default_factory=OverlapModel)
+
+
+def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link | None:
+    """The intra-node link fitted from the all-reduce benchmark, when it ran on GPUs (NCCL)."""
+    if comm is None:
+        return None
+    try:
+        fit = fit_comm_record(comm)
+    except ValueError as error:
+        report["measured_link"] = {"error": str(error)}
+        return None
+    report["measured_link"] = {**fit.quality(), "backend": comm.get("backend"), "device": comm.get("device")}
+    if not np.isfinite(fit.bandwidth_gbps_):
+        report["measured_link"]["bandwidth_gbps"] = None
+        report["measured_link"]["note"] = "time did not grow with message size: latency-bound, bandwidth unresolved"
+        return None
+    if comm.get("backend") != "nccl":
+        report["note"] = (
+            "the all-reduce benchmark ran with gloo on CPU processes of the profiling host: it measures that "
+            "host's memory copies and loopback, not the cluster's GPU interconnect, so it is reported, not used"
+        )
+        return None
+    return Link(latency_s=fit.latency_s_, bandwidth_gbps=fit.bandwidth_gbps_, source="fitted", name="measured (nccl)")
+
+
+def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
+    """Hierarchical ring all-reduce over the links tula_service.fit.links picks: the intra-node link measured
+    (NCCL benchmark) when possible, else the spec's or the catalog's; the inter-node link the spec's or
+    the catalog's."""
+    cluster = spec.cluster
+    report: dict[str, Any] = {
+        "formula": "ring over g = min(n, gpus_per_node) devices on the intra-node link, then over the m nodes "
+        "on the inter-node link with S/g bytes: T = ring(g, S, intra) + ring(m, S/g, inter); "
+        "ring(n, S, link) = 2(n-1) latency_s + 2(n-1)/n S / bandwidth",
+        "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
+    }
+    intra, inter = cluster_links(cluster, _measured_link(comm, report))
+    report["intra_node"] = link_report(intra)
+    report["inter_node"] = link_report(inter) if cluster.nodes > 1 else None
+    return HierarchicalAllReduce(gradient_bytes, cluster.gpus_per_node, intra, inter), report
+
+
+def fit_models(
+    spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None, pilot: dict[str, Any] | None = None
+) -> tuple[FittedModels, dict[str, Any]]:
+    batch = np.array([m["batch_size"] for m in ok], dtype=float)
+    peak_bytes = np.array([m["memory"]["peak_bytes"] for m in ok], dtype=float)
+    iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
+
+    memory = MemoryModel().fit(batch, peak_bytes)
+    compute, compute_report = select_compute_model(batch, iter_time_s)
+    chosen_compute = type(compute)
+    gradient_bytes = ok[0]["model"]["gradient_bytes"]
+    network, network_report = _network(spec, gradient_bytes, comm)
+    overlap = OverlapModel()
+    epochs, efficiency_report = epoch_model(spec, ok, pilot)
+
+    report = {
+        "memory": {
+            "formula": "M(b) = static_bytes + act_bytes_per_sample * b",
+            "static_bytes": float(memory.static_bytes_),
+            "act_bytes_per_sample": float(memory.act_bytes_per_sample_),
+            "r2": memory.r2_,
+            "residual_std_bytes": memory.residual_std_bytes_,
+            "max_batch_rule": "the 95% prediction interval's upper bound must fit the device (with the margin)",
+            "leave_one_out": error_summary(leave_one_out_relative_errors(MemoryModel, batch, peak_bytes)),
+            "source": "fitted",
+        },
+        "compute": {
+            **compute.describe(),
+            "selection": compute_report,
+            "leave_one_out": error_summary(leave_one_out_relative_errors(chosen_compute, batch, iter_time_s)),
+            "source": "fitted",
+        },
+        "network": network_report,
+        "overlap": {
+            "formula": "T_iter = (T_comp^g + T_net^g)^(1/g)",
+            "g": {"value": overlap.g_, "source": overlap.source_,
+                  "note": "no multi-device iteration measured: no compute/communication overlap assumed (conservative)"},
+        },
+        "efficiency": efficiency_report,
+    }
+    return FittedModels(memory, compute, network, epochs, overlap), report

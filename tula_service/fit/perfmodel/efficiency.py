@@ -1,0 +1,192 @@
+"""Statistical efficiency: how many epochs a global batch B needs to reach the user's target.
+
+Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"):
+B_simple = tr(Sigma) / |G|^2. Epochs follow
+
+    E(B) = E_min (1 + B / B_noise),
+
+with E_min calibrated so that E(reference_batch) = reference_epochs (the user's reference run), or, with
+epochs measured at two or more batches, E_min and B_noise fitted to them (`fit_epochs_to_runs`).
+Where B_noise comes from is decided in tula_service.fit.efficiency_evidence; the noise scale along a
+training run is read by perfmodel.noise_trajectory. When the noise scale varies along the run, this form
+still holds with B_noise its mean weighted by the progress dS_min (McCandlish et al. 2018, App. D):
+S(B) = int (1 + B_noise / B) dS_min, so B_noise = int B_noise dS_min / S_min. At initialization, each profiling point estimates
+|G|^2 and tr(Sigma) with the unbiased two-batch estimator (profiler.gradstats), and NoiseScaleModel pools
+the points: numerator and denominator are averaged separately, every point with the same weight (a
+weight by samples let the two largest batches carry 75% of it), and only then divided.
+
+Without an informative noise scale the assumption is conservative: epochs stay at the reference
+value up to the reference batch, and beyond it the run needs as many optimizer steps as the reference
+(E(B) = E_ref * B / B_ref): no speed-up from a larger batch is promised without evidence for it.
+
+The noise-scale model assumes the learning rate can keep growing with the batch until a step is
+noise-free (S_min = E_min D / B_noise steps). Optimizers stop being stable at some LR first: in
+benchmarks/time_to_accuracy.py (docs/validation.md) steps stopped falling at about twice S_min once the
+tuned LR hit its ceiling, and epochs at B >= 2.6 B_noise were 38-44% above E(B). When the user gives
+the largest stable LR, a step at any batch is worth at most g = max_step_gain reference steps (AdaScale,
+Johnson et al. 2020: the LR multiplied by the gain r buys r reference steps per step; r <= max_lr /
+reference_lr for SGD, its square for Adam), so S(B) >= S_ref / g, i.e.
+
+    E(B) = max(E_min (1 + B / B_noise), E_ref B / (B_ref g)).
+
+The same B_noise sets how much one step at a larger batch is worth, and so how far the LR may grow: the
+AdaScale gain (Johnson et al. 2020) of a batch k = B / B_ref times the reference,
+
+    r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)),
+
+sigma^2 = tr(Sigma) / B_ref, in [1, k]. SGD's LR grows by r, Adam's by sqrt(r) (Pollux/AdaptDL). So the
+efficiency family has one interface (EfficiencyModel): predict epochs, the step gain and the LR multiplier
+of a batch, all from the one B_noise that tula_service.fit.efficiency_evidence chose by evidence; the planner
+and the advice read nothing else of it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw")  # the LR grows with sqrt(step gain)
+
+
+def adascale_gain(k: float, noise_scale: float, reference_batch: int) -> float:
+    """r(k) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)) (module docstring)."""
+    return (1.0 + noise_scale / reference_batch) / (1.0 + noise_scale / (k * reference_batch))
+
+
+def lr_multiplier_of_gain(gain: float, optimizer: str) -> float:
+    """The LR multiplier that buys a step gain r: r for SGD, sqrt(r) for Adam/AdamW."""
+    return float(np.sqrt(gain)) if optimizer in OPTIMIZERS_WITH_SQRT_LR else gain
+
+
+def max_step_gain(optimizer: str, reference_lr: float | None, max_lr: float | None) -> float | None:
+    """The most reference-run steps one step at a larger batch can be worth when the LR can grow by at most
+    max_lr / reference_lr: that ratio for SGD, its square for Adam/AdamW (the inverse of
+    lr_multiplier_of_gain); None without both LRs."""
+    if max_lr is None or reference_lr is None:
+        return None
+    ratio = max_lr / reference_lr
+    return ratio**2 if optimizer in OPTIMIZERS_WITH_SQRT_LR else ratio
+
+
+class EfficiencyModel(Protocol):
+    """What the planner and the advice read of a statistical-efficiency model (EpochModel implements it)."""
+
+    noise_scale: float | None
+    reference_batch: int
+
+    def predict(self, global_batch: np.ndarray | float) -> np.ndarray:
+        """Epochs to the target at each global batch."""
+
+    def step_gain(self, global_batch: float) -> float | None:
+        """How many reference-batch steps one step at global_batch is worth (None: not measured)."""
+
+    def lr_multiplier(self, global_batch: float) -> float | None:
+        """The LR at global_batch over the reference LR that realizes step_gain (None: not measured)."""
+
+
+class NoiseScaleModel:
+    """Pools per-point (|G|^2, tr Sigma) estimates into one B_noise with a delta-method std. error; each
+    point weighs the same."""
+
+    def fit(self, true_grad_sq_norm: np.ndarray, trace_sigma: np.ndarray) -> "NoiseScaleModel":
+        g = np.asarray(true_grad_sq_norm, dtype=float)
+        s = np.asarray(trace_sigma, dtype=float)
+        w = np.full(g.size, 1.0 / g.size)
+        self.true_grad_sq_norm_ = float(w @ g)
+        self.trace_sigma_ = float(w @ s)
+        self.points_ = int(g.size)
+        self.informative_ = self.true_grad_sq_norm_ > 0 and self.trace_sigma_ > 0
+        self.noise_scale_ = self.trace_sigma_ / self.true_grad_sq_norm_ if self.informative_ else None
+        self.noise_scale_stderr_ = self._stderr(g, s, w) if self.informative_ else None
+        return self
+
+    def _stderr(self, g: np.ndarray, s: np.ndarray, w: np.ndarray) -> float | None:
+        if g.size < 3:
+            return None
+        n_eff = 1.0 / np.sum(w**2)
+        cov = np.cov(np.vstack([s, g]), aweights=w) / n_eff
+        mean_s, mean_g = self.trace_sigma_, self.true_grad_sq_norm_
+        rel_var = cov[0, 0] / mean_s**2 + cov[1, 1] / mean_g**2 - 2 * cov[0, 1] / (mean_s * mean_g)
+        return float(self.noise_scale_ * np.sqrt(max(rel_var, 0.0)))
+
+
+class EpochModel:
+    """E(B) = E_min (1 + B / B_noise), E_min from the reference run; E_ref max(1, B / B_ref) without B_noise;
+    with a max_step_gain g, never below E_ref B / (B_ref g) (see the module docstring)."""
+
+    def __init__(
+        self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
+        min_epochs: float | None = None, optimizer: str = "sgd",
+    ):  # fmt: skip
+        """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run.
+        optimizer: how the LR buys a step gain (lr_multiplier_of_gain)."""
+        if max_step_gain is not None and max_step_gain < 1:
+            raise ValueError(f"max_step_gain must be >= 1 (a step at the reference LR is worth one reference step), got {max_step_gain}")
+        self.reference_batch = reference_batch
+        self.reference_epochs = reference_epochs
+        self.noise_scale = noise_scale
+        self.max_step_gain = max_step_gain
+        self.optimizer = optimizer
+        if min_epochs is not None and noise_scale:
+            self.min_epochs = min_epochs
+        else:
+            self.min_epochs = reference_epochs / (1.0 + reference_batch / noise_scale) if noise_scale else reference_epochs
+
+    def predict(self, global_batch: np.ndarray | float) -> np.ndarray:
+        batch = np.asarray(global_batch, dtype=float)
+        if not self.noise_scale:
+            return self.reference_epochs * np.maximum(1.0, batch / self.reference_batch)
+        epochs = self.min_epochs * (1.0 + batch / self.noise_scale)
+        if self.max_step_gain:
+            epochs = np.maximum(epochs, self.step_floor_epochs(batch))
+        return epochs
+
+    def step_gain(self, global_batch: float) -> float | None:
+        """The AdaScale gain r(B / B_ref) of this model's B_noise (module docstring); None without one."""
+        if not self.noise_scale:
+            return None
+        return adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch)
+
+    def lr_multiplier(self, global_batch: float) -> float | None:
+        gain = self.step_gain(global_batch)
+        return None if gain is None else lr_multiplier_of_gain(gain, self.optimizer)
+
+    def step_floor_epochs(self, global_batch: np.ndarray | float) -> np.ndarray:
+        """E_ref B / (B_ref g): the epochs of S_ref / g steps at batch B."""
+        return self.reference_epochs * np.asarray(global_batch, dtype=float) / (self.reference_batch * self.max_step_gain)
+
+
+PERFECT_SCALING_NOISE_SCALE_FACTOR = 1e3  # B_noise reported for runs that show no efficiency loss: 1000 x their largest batch
+
+
+def fit_epochs_to_runs(batches: list[int], epochs: list[float]) -> dict[str, float | bool]:
+    """E_min and B_noise of E(B) = E_min (1 + B / B_noise) fitted to epochs measured at two or more global
+    batches (least squares on log epochs, which weighs relative errors alike). Linear in the unknowns:
+    E(B) = E_min + (E_min / B_noise) B, so a non-negative least-squares line through (B, E) starts it.
+    When the epochs do not grow with the batch (slope <= 0), the runs show no loss of efficiency within
+    their range: B_noise is then only bounded from below, and reported as
+    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set."""
+    from scipy.optimize import least_squares
+
+    batch = np.asarray(batches, dtype=float)
+    measured = np.asarray(epochs, dtype=float)
+    if batch.size < 2 or np.unique(batch).size < 2:
+        raise ValueError("fitting E_min and B_noise needs epochs at two or more distinct batches")
+    slope, intercept = np.polyfit(batch, measured, 1)
+    if slope <= 0 or intercept <= 0:
+        noise_scale = PERFECT_SCALING_NOISE_SCALE_FACTOR * float(batch.max())
+        min_epochs = float(np.exp(np.mean(np.log(measured / (1 + batch / noise_scale)))))
+        return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": True, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+
+    def residuals(log_params: np.ndarray) -> np.ndarray:
+        min_epochs, noise_scale = np.exp(log_params)
+        return np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)
+
+    fit = least_squares(residuals, np.log([intercept, intercept / slope]))
+    min_epochs, noise_scale = (float(v) for v in np.exp(fit.x))
+    return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+
+
+def _rms_log(batch: np.ndarray, measured: np.ndarray, min_epochs: float, noise_scale: float) -> float:
+    return float(np.sqrt(np.mean((np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)) ** 2)))

@@ -1,0 +1,166 @@
+"""How to train at the chosen configuration: learning rate, warm-up, batch ramp, AGS, runner-ups.
+
+- LR rule for a batch k = B / B_ref times the reference, never above the spec's max_lr: linear scaling
+  for SGD (Goyal et al. 2017), square root for Adam/AdamW, and the efficiency model's LR multiplier when it
+  has a noise scale: the AdaScale gain (Johnson et al. 2020)
+      r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)),
+  in [1, k], as is for SGD and its square root for Adam (Pollux/AdaptDL); the formula lives with the epochs
+  model (tula_service.fit.perfmodel.efficiency: EfficiencyModel.step_gain, lr_multiplier).
+- Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
+  batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
+- Batch ramp: the noise scale grows as the loss falls (McCandlish et al. 2018), so start at the
+  measured noise scale (rounded down to a power of two, never below what was profiled) and double
+  the batch at stated epoch fractions until the chosen batch, with devices and accumulation kept
+  within the device memory.
+- AGS (Tula): scale the update by s on iterations whose gradient variability is below delta. delta is
+  the median of the variability predicted at the chosen batch B (about half the updates scaled, the
+  study's balanced setting; 0.5 when nothing was measured), from values measured at batch b along the
+  reference run or pilot (else at the profiled points): the step-to-step change of the gradient norm is
+  taken to be sampling noise, whose size relative to |g_B| is sqrt(tr(Sigma)/B / (|G|^2 + tr(Sigma)/B)), so
+      v(B) = v(b) sqrt((b + B_noise) / (B + B_noise)).
+  s is the AdaScale gain at the chosen batch, capped at AGS_MAX_SCALE because too large an s hurts
+  convergence (Tula seed paper, Fig. 7).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tula_service.fit.perfmodel.efficiency import EfficiencyModel
+
+AGS_DEFAULT_DELTA = 0.5
+AGS_MAX_SCALE = 2.0
+WARMUP_MAX_EPOCHS = 5.0
+WARMUP_MAX_FRACTION = 0.10
+RAMP_EPOCH_FRACTIONS = (0.0, 0.2, 0.4, 0.6)
+
+
+def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, Any]:
+    k = global_batch / spec.training.reference_batch
+    rules = {"linear": k, "sqrt": math.sqrt(k)}
+    noise_scale = efficiency.noise_scale
+    if noise_scale:
+        rules["adascale"] = efficiency.lr_multiplier(global_batch)
+    recommended = "adascale" if noise_scale else ("linear" if spec.training.optimizer == "sgd" else "sqrt")
+    factor = rules[recommended]
+    result = {
+        "batch_ratio_k": k,
+        "optimizer": spec.training.optimizer,
+        "multipliers": rules,
+        "recommended": recommended,
+        "multiplier": {"value": factor, "source": "fitted" if noise_scale else "assumed"},
+        "why": (
+            f"AdaScale gain from the efficiency model's B_noise ({noise_scale:.3g})"
+            + (" (square root for Adam)" if spec.training.optimizer != "sgd" else "")
+            if noise_scale
+            else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else "square-root scaling for Adam")
+            + "; no noise measurement for AdaScale"
+        ),
+    }
+    if spec.training.reference_lr:
+        lr = spec.training.reference_lr * factor
+        result["lr"] = {"value": lr, "reference_lr": spec.training.reference_lr, "source": "predicted"}
+        max_lr = spec.training.max_lr
+        if max_lr is not None and lr > max_lr:
+            result["lr"].update(value=max_lr, capped_from=lr, why=f"the rule's {lr:.4g} is above training.max_lr: capped (spec)")
+    return result
+
+
+def warmup(spec, chosen: dict[str, Any]) -> dict[str, Any]:
+    epochs = chosen["epochs"]["value"]
+    if chosen["global_batch"] <= spec.training.reference_batch:
+        return {"epochs": 0.0, "steps": 0, "why": "batch not larger than the reference: no warm-up needed"}
+    warmup_epochs = min(WARMUP_MAX_EPOCHS, WARMUP_MAX_FRACTION * epochs)
+    steps = int(math.ceil(warmup_epochs * spec.dataset.num_samples / chosen["global_batch"]))
+    return {
+        "epochs": warmup_epochs,
+        "steps": steps,
+        "schedule": "linear from the reference LR to the scaled LR",
+        "why": f"min({WARMUP_MAX_EPOCHS:g} epochs, {WARMUP_MAX_FRACTION:.0%} of training), after Goyal et al. 2017",
+    }
+
+
+def batch_ramp(chosen: dict[str, Any], noise_scale: float | None, smallest_batch: int, max_device_batch: int) -> dict[str, Any]:
+    target = chosen["global_batch"]
+    if not noise_scale or noise_scale >= target:
+        return {"stages": [{"from_epoch_fraction": 0.0, "global_batch": target}],
+                "why": "no ramp: the measured noise scale is not below the chosen batch" if noise_scale
+                else "no ramp: no noise-scale measurement"}  # fmt: skip
+    start = max(smallest_batch, 2 ** int(math.floor(math.log2(noise_scale))))
+    doublings = max(0, int(math.ceil(math.log2(target / start))))
+    doublings = min(doublings, len(RAMP_EPOCH_FRACTIONS) - 1)
+    start = max(1, target // 2**doublings)
+    stages = []
+    for stage, fraction in enumerate(RAMP_EPOCH_FRACTIONS[: doublings + 1]):
+        batch = start * 2**stage
+        devices = chosen["devices"]
+        per_device = max(1, batch // devices)
+        accumulation = max(1, int(math.ceil(per_device / max(1, max_device_batch))))
+        stages.append({
+            "from_epoch_fraction": fraction, "global_batch": batch,
+            "device_batch": per_device // accumulation, "devices": devices, "accumulation": accumulation,
+        })  # fmt: skip
+    return {
+        "stages": stages,
+        "why": f"the noise scale ({noise_scale:.0f} measured early) grows as the loss falls: start near it and double "
+        f"the batch at the stated fractions of training until the chosen {target}",
+    }
+
+
+def variability_at_batch(measured: list[tuple[float, int]], global_batch: int, noise_scale: float | None) -> list[float]:
+    """v(B) = v(b) sqrt((b + B_noise) / (B + B_noise)) for each (v, b) measured (module docstring); as
+    measured when there is no noise scale."""
+    if not noise_scale:
+        return [value for value, _ in measured]
+    return [value * math.sqrt((batch + noise_scale) / (global_batch + noise_scale)) for value, batch in measured]
+
+
+def ags_config(global_batch: int, spec, efficiency: EfficiencyModel, variability: dict[str, Any]) -> dict[str, Any]:
+    """variability: {"values": [(v, batch it was measured at), ...], "source": where they come from}."""
+    noise_scale = efficiency.noise_scale
+    measured = variability.get("values") or []
+    if measured:
+        predicted = variability_at_batch(measured, global_batch, noise_scale)
+        batches = sorted({batch for _, batch in measured})
+        delta = {"value": float(np.median(predicted)), "source": "predicted" if noise_scale else "measured",
+                 "evidence": variability.get("source"),
+                 "why": f"median of {len(measured)} gradient-variability values measured along the {variability.get('source')} "
+                 f"at batch {'/'.join(map(str, batches))}"
+                 + (f", scaled to batch {global_batch} by sqrt((b + B_noise) / (B + B_noise))" if noise_scale else "")
+                 + ": about half the updates are scaled"}  # fmt: skip
+    else:
+        delta = {"value": AGS_DEFAULT_DELTA, "source": "assumed", "why": "no variability measured: the Tula study's 0.5"}
+    k = global_batch / spec.training.reference_batch
+    if noise_scale and k > 1:
+        gain = efficiency.step_gain(global_batch)
+        scale = {"value": min(gain, AGS_MAX_SCALE), "source": "fitted",
+                 "why": f"AdaScale gain {gain:.2f} at k={k:g}, capped at {AGS_MAX_SCALE:g} (too large an s hurts, Tula Fig. 7)"}  # fmt: skip
+    elif k > 1:
+        scale = {"value": min(math.sqrt(k), AGS_MAX_SCALE), "source": "assumed",
+                 "why": f"no noise measurement: sqrt(k) = {math.sqrt(k):.2f}, capped at {AGS_MAX_SCALE:g}"}  # fmt: skip
+    else:
+        scale = {"value": 1.0, "source": "assumed", "why": "batch not larger than the reference: nothing to compensate"}
+    return {"delta": delta, "s": scale, "rule": "scale the update by s when gradient variability < delta"}
+
+
+def runner_ups(rows: list[dict[str, Any]], chosen_index: int, order: np.ndarray, count: int = 3) -> list[dict[str, Any]]:
+    """The next candidates in the objective's order, with time and cost relative to the chosen."""
+    chosen = rows[chosen_index]
+    result = []
+    for index in order:
+        if index == chosen_index:
+            continue
+        row = rows[int(index)]
+        result.append({
+            "device_batch": row["device_batch"], "devices": row["devices"], "accumulation": row["accumulation"],
+            "global_batch": row["global_batch"], "total_time_s": row["total_time_s"]["value"], "cost_usd": row["cost_usd"]["value"],
+            "time_delta_pct": 100 * (row["total_time_s"]["value"] / chosen["total_time_s"]["value"] - 1),
+            "cost_delta_pct": 100 * (row["cost_usd"]["value"] / chosen["cost_usd"]["value"] - 1),
+            "source": row["total_time_s"]["source"], "rel_err": row["total_time_s"].get("rel_err"),
+        })  # fmt: skip
+        if len(result) == count:
+            break
+    return result

@@ -1,0 +1,317 @@
+"""Measurements + spec -> recommendation. A pure function: re-planning needs no new profiling.
+
+Every number in the result carries where it came from:
+- "measured": read from a profiling point as is;
+- "fitted": a model parameter, with its fit quality (R^2, leave-one-out relative error, std. error);
+- "predicted": computed from fitted models (its error is the models' leave-one-out error);
+- "spec": given by the user; "assumed": a stated default in place of a measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tula_service.dispatch.maxbatch import bracket
+from tula_service.dispatch.reliability import assess, quieter
+from tula_service.fit.fitting import FittedModels, fit_models
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, parse_measurement
+from tula_service.plan.advice import ags_config, batch_ramp, lr_rule, runner_ups, warmup
+from tula_service.plan.knee import KNEE_METHODS
+from tula_service.plan.planner import (
+    ACCUMULATION_STEPS,
+    MEMORY_MARGIN,
+    PlanInputs,
+    choose,
+    max_device_batch,
+    ranking,
+    sweep,
+)  # fmt: skip
+from tula_service.spec.job_spec import JobSpec, powers_of_two_between
+from tula_service.units import GIB
+
+
+class NotEnoughMeasurements(ValueError):
+    """Fewer than two usable points: a line cannot be fitted."""
+
+
+Record = TypeVar("Record", bound=dict[str, Any] | Measurement)  # a stored record, or a parsed one
+
+
+def usable_measurements(measurements: list[Record]) -> tuple[list[Record], list[int]]:
+    """Successful compute points (one per batch size: of a re-timed batch the quieter measurement,
+    tula_service.dispatch.reliability) and the batches that ran out of memory. The points are the records it was
+    given: parsed measurements for parsed ones (as `plan` passes them), stored dicts for stored ones."""
+    ok_by_batch: dict[int, tuple[ComputeMeasurement, Record]] = {}
+    oom_batches: set[int] = set()
+    for record in measurements:
+        point = parse_measurement(record)
+        if not isinstance(point, ComputeMeasurement) or point.kind != "compute":
+            continue
+        if point.ok:
+            earlier = ok_by_batch.get(point.batch_size)
+            if earlier is None or quieter(earlier[0], point) is point:
+                ok_by_batch[point.batch_size] = (point, record)
+        elif point.status == "oom":
+            oom_batches.add(point.batch_size)
+    return [ok_by_batch[b][1] for b in sorted(ok_by_batch)], sorted(oom_batches)
+
+
+def fitted_models(
+    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None
+) -> tuple[FittedModels, dict[str, Any]]:
+    """tula_service.fit.fitting.fit_models of parsed points (it reads them as the stored JSON's dicts)."""
+    dumped = [m.model_dump() for m in ok]
+    return fit_models(spec, dumped, comm.model_dump() if comm else None, pilot.model_dump() if pilot else None)
+
+
+def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> np.ndarray:
+    """Powers of two inside the profiled range (and the profiled sizes), below the smallest OOM batch."""
+    low, high = min(ok_batches), max(ok_batches)
+    values = set(powers_of_two_between(low, high)) | set(ok_batches)
+    if oom_batches:
+        values = {v for v in values if v < min(oom_batches)}
+    return np.array(sorted(values))
+
+
+def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement)."""
+    points = [parse_measurement(m) for m in measurements]
+    ok, oom_batches = usable_measurements(points)
+    if len(ok) < 2:
+        raise NotEnoughMeasurements(
+            f"need at least 2 successfully profiled batch sizes, got {len(ok)}"
+            + (f" (out of memory at {oom_batches})" if oom_batches else "")
+        )
+    comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
+    pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
+    models, report = fitted_models(spec, ok, comm, pilot)
+    inputs = PlanInputs(
+        device_batches=candidate_device_batches([m.batch_size for m in ok], oom_batches),
+        total_devices=spec.cluster.total_devices,
+        device_memory_bytes=spec.cluster.device_memory_gib * GIB,
+        num_samples=spec.dataset.num_samples,
+        pricing_kind=spec.pricing.kind,
+        price=spec.pricing.price,
+        gpus_per_node=spec.cluster.gpus_per_node,
+        fixed_overhead_usd=spec.pricing.fixed_overhead_usd,
+    )
+    candidates = sweep(models, inputs)
+    if candidates["global_batch"].size == 0:
+        raise NotEnoughMeasurements(
+            f"no profiled batch fits in {spec.cluster.device_memory_gib} GiB per device "
+            f"(static memory alone is {models.memory.static_bytes_ / GIB:.2f} GiB)"
+        )
+    choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
+    chosen, knee, front = choice.index, choice.knee, choice.front
+    measured = {m.batch_size: m for m in ok}
+    rows = [_candidate_row(candidates, i, front, measured, report) for i in range(candidates["global_batch"].size)]
+    tokens_per_sample = ok[0].model.tokens_per_sample
+    if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
+        for row in rows:
+            row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
+    max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
+    noise_scale = report["efficiency"]["noise_scale"]["value"] if report["efficiency"]["source"] == "fitted" else None
+    variability = measured_variability(spec, ok, pilot)
+    return {
+        "objective": spec.objective,
+        "constraint": choice.constraint,
+        "training_advice": {
+            "lr_rule": lr_rule(spec, rows[chosen]["global_batch"], models.epochs),
+            "warmup": warmup(spec, rows[chosen]),
+            "batch_ramp": batch_ramp(rows[chosen], noise_scale, int(inputs.device_batches.min()), max_batch),
+            "ags": ags_config(rows[chosen]["global_batch"], spec, models.epochs, variability),
+        },
+        "runner_ups": runner_ups(rows, chosen, ranking(candidates, spec.objective, front, rows[chosen]["global_batch"])),
+        "batch_unit": {"unit": "sequences" if tokens_per_sample else "samples", "tokens_per_sample": tokens_per_sample},
+        "chosen": rows[chosen],
+        "knee": None
+        if knee is None
+        else {
+            "global_batch": knee.global_batch,
+            "method": knee.method,
+            "method_explained": KNEE_METHODS[knee.method],
+            "sensitivity": knee.sensitivity,
+            "curve": "pareto front: log2 total time vs log2 global batch",
+            "candidate": chosen,  # its index in candidates: a knee exists only under objective "knee", which picks it
+        },
+        "candidates": rows,
+        "pareto_front": [i for i in range(len(rows)) if front[i]],
+        "pricing": {
+            "kind": spec.pricing.kind,
+            "price": {"value": spec.pricing.price, "source": spec.pricing.price_source},
+            "fixed_overhead_usd": {"value": spec.pricing.fixed_overhead_usd, "source": "spec"},
+        },
+        "device": {
+            "gpu_type": spec.cluster.gpu_type,
+            "memory_gib": {"value": spec.cluster.device_memory_gib, "source": spec.cluster.device_memory_source},
+        },
+        "models": report,
+        "curves": model_curves(models, report, spec, sorted(measured), oom_batches, max_batch, rows),
+        "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(points)),
+        "search_space": {
+            "device_batches": [int(b) for b in inputs.device_batches],
+            "max_device_batch": {"value": max_batch, "source": "predicted"},
+            "memory_margin": {"value": MEMORY_MARGIN, "source": "assumed"},
+            "devices": sorted({int(n) for n in candidates["devices"]}),
+            "accumulation_steps": list(ACCUMULATION_STEPS),
+        },
+        "profiled": {
+            "ok_batches": sorted(measured),
+            "oom_batches": oom_batches,
+            "memory_limit": _measured_limit(sorted(measured), oom_batches),
+            "failed": failed_points or [],
+            "points": [_point_summary(m) for m in ok],
+        },
+    }
+
+
+CURVE_POINTS = 80  # per curve: smooth on a log axis, a few KB of JSON
+CURVE_DIGITS = 4  # significant digits of a curve's batches; the models are evaluated at the rounded batches
+
+
+def log_grid(low: float, high: float, points: int = CURVE_POINTS) -> np.ndarray:
+    """`points` batches evenly spaced in log from low to high (both included), to CURVE_DIGITS digits."""
+    return np.array([float(f"{batch:.{CURVE_DIGITS}g}") for batch in np.geomspace(low, high, points)])
+
+
+def model_curves(
+    models: FittedModels, report: dict[str, Any], spec: JobSpec, ok_batches: list[int], oom_batches: list[int],
+    max_batch: int, rows: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The fitted models evaluated for drawing, by the objects the sweep uses, so a curve cannot drift from the plan.
+
+    Each curve is parallel lists named with their unit, plus where the values come from (as a candidate's):
+    - iter_time: one device, T_iter(b) = T_comp(b) (no communication), and b / T_iter(b), over the profiled
+      batches +- 25%;
+    - memory: M(b) and the upper end of its 95% prediction interval (what the max batch must fit), up to
+      past the max batch and the out-of-memory batches;
+    - epochs: E(B) over the candidates' global batches, the reference and other runs and B_noise, 2x either side.
+    """
+    low, high = min(ok_batches) / 1.25, max(ok_batches) * 1.25
+    device_batch = log_grid(low, high)
+    iter_time_s = models.overlap.combine(models.compute.predict(device_batch), models.network.predict(1))
+    memory_batch = log_grid(low, max(high, 1.5 * max_batch, *(1.25 * b for b in oom_batches)))
+    _, memory_upper_bytes = models.memory.predict_interval(memory_batch)
+    efficiency = report["efficiency"]
+    noise_scale = [efficiency["noise_scale"]["value"]] if efficiency["noise_scale"] else []
+    around = [*(row["global_batch"] for row in rows), spec.training.reference_batch, *noise_scale,
+              *(run.batch for run in spec.training.other_runs)]  # fmt: skip
+    global_batch = log_grid(min(around) / 2, max(around) * 2)
+    return {
+        "iter_time": {
+            "device_batch": device_batch.tolist(),
+            "iter_time_s": iter_time_s.tolist(),
+            "samples_per_s": (device_batch / iter_time_s).tolist(),
+            "devices": 1,
+            "model": report["compute"]["name"],
+            "formula": report["compute"]["formula"],
+            "source": "predicted",
+            "rel_err": report["compute"]["leave_one_out"]["median_rel_err"],
+        },
+        "memory": {
+            "device_batch": memory_batch.tolist(),
+            "memory_bytes": models.memory.predict(memory_batch).tolist(),
+            "memory_upper_bytes": memory_upper_bytes.tolist(),
+            "formula": report["memory"]["formula"],
+            "source": "predicted",
+            "rel_err": report["memory"]["leave_one_out"]["median_rel_err"],
+        },
+        "epochs": {
+            "global_batch": global_batch.tolist(),
+            "epochs": models.epochs.predict(global_batch).tolist(),
+            "formula": efficiency["formula"],
+            "source": "assumed" if efficiency["source"] == "assumed" else "predicted",
+        },
+    }
+
+
+def _retimed_batches(points: list[Measurement]) -> list[int]:
+    """Batches with more than one successful compute measurement: timed again (tula_service.dispatch.reliability)."""
+    batches = [m.batch_size for m in points if isinstance(m, ComputeMeasurement) and m.kind == "compute" and m.ok]
+    return sorted({b for b in batches if batches.count(b) > 1})
+
+
+def measured_variability(
+    spec: JobSpec, ok: list[ComputeMeasurement | dict[str, Any]], pilot: PilotMeasurement | dict[str, Any] | None
+) -> dict[str, Any]:
+    """Gradient variability with the batch it was measured at: along the reference run, else the pilot
+    (both at training.reference_batch, through training), else the profiled points (at initialization).
+    Takes parsed measurements or stored records."""
+    reference = spec.training.reference_run
+    pilot_records = parse_measurement(pilot).trajectory if pilot is not None else []
+    trajectories = (("reference run", list(reference.gradient_stats) if reference else []), ("pilot", pilot_records))
+    for source, records in trajectories:
+        values = [(r.variability, r.batch) for r in records if r.variability is not None]
+        if values:
+            return {"values": values, "source": source}
+    gradients = [m.gradient for m in map(parse_measurement, ok) if m.gradient]
+    values = [(v, gradient.batch) for gradient in gradients for v in gradient.variability_series]
+    return {"values": values, "source": "profiled points (initial weights)"}
+
+
+def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, Any] | None:
+    """The largest batch that ran and the smallest that did not, on the profiling device."""
+    limits = bracket(ok_batches, oom_batches)
+    if limits is None:
+        return None
+    return {"largest_ok_batch": limits[0], "smallest_oom_batch": limits[1], "source": "measured"}
+
+
+def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
+    iter_time, memory, gradient = point.iter_time, point.memory, point.gradient
+    return {
+        "batch_size": point.batch_size,
+        "iter_time_median_s": iter_time.median_s,
+        "iter_time_p10_s": iter_time.p10_s,
+        "iter_time_p90_s": iter_time.p90_s,
+        "iter_time_cv": iter_time.cv,
+        "iter_time_robust_cv": iter_time.robust_cv,
+        "samples": iter_time.count,
+        "peak_bytes": memory.peak_bytes,
+        "activation_bytes": memory.activation_bytes,
+        "noise_scale": gradient.noise_scale if gradient else None,
+        "variability_median": gradient.variability_median if gradient else None,
+        "options": point.options,
+        "host_contended": point.host_contended,
+        "source": "measured",
+    }
+
+
+def _candidate_row(
+    candidates: dict[str, np.ndarray], i: int, front: np.ndarray, measured: dict[int, ComputeMeasurement], report: dict
+) -> dict[str, Any]:
+    b, n, a = (int(candidates[key][i]) for key in ("device_batch", "devices", "accumulation"))
+    point = measured.get(b)
+    time_err = report["compute"]["leave_one_out"]["median_rel_err"]
+    mem_err = report["memory"]["leave_one_out"]["median_rel_err"]
+
+    def predicted(key: str, rel_err: float | None = time_err) -> dict[str, Any]:
+        return {"value": float(candidates[key][i]), "source": "predicted", "rel_err": rel_err}
+
+    memory = (
+        {"value": float(point.memory.peak_bytes), "source": "measured"} if point else predicted("memory_bytes", mem_err)
+    )
+    iter_time = (
+        {"value": float(point.iter_time.median_s), "source": "measured"}
+        if point and n == 1 and a == 1
+        else predicted("iter_time_s")
+    )
+    return {
+        "device_batch": b,
+        "devices": n,
+        "accumulation": a,
+        "global_batch": int(candidates["global_batch"][i]),
+        "memory_bytes": memory,
+        "iter_time_s": iter_time,
+        "step_time_s": predicted("step_time_s"),
+        "epochs": {
+            "value": float(candidates["epochs"][i]),
+            "source": "assumed" if report["efficiency"]["source"] == "assumed" else "predicted",
+        },
+        "epoch_time_s": predicted("epoch_time_s"),
+        "total_time_s": predicted("total_time_s"),
+        "cost_usd": predicted("cost_usd"),
+        "pareto": bool(front[i]),
+    }

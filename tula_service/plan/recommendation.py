@@ -1,0 +1,477 @@
+"""The typed contract of a recommendation (torch-free): what `tula_service.plan.recommend.plan` returns, what
+GET /v1/jobs/{job_id}/recommendation (JobRecommendation) and POST /v1/jobs/{job_id}/plan (WhatIfPlan)
+serve and document in OpenAPI, and what the client checks an answer against.
+
+- The configuration parts (the chosen candidate and every candidate, runner-ups, training advice, the
+  knee, pricing, device, curves, reliability, search space, what was profiled) are typed field by field:
+  a key plan() adds to one needs its field here, or the answer drops it (tests/test_recommendation_contract.py
+  round-trips plan()'s answers to catch that).
+- The fit report (`models`) is detail: each term's named fields are typed, and anything more the fitting
+  reports is kept as it came (`extra="allow"`), so a fit can add detail without a change here.
+- Every number says where it came from: a SourcedValue's `source` (measured, fitted, predicted, assumed,
+  spec, catalog-assumed) is required wherever plan() gives one, with `rel_err` for predicted values.
+
+Fields are declared in plan()'s key order and optional fields are the ones plan() leaves out in some
+cases, so `model_validate(out).model_dump(mode="json", exclude_unset=True)` is `out` key for key: the
+routes serve the recommendation through these models without changing its JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from tula_service.measurement import Source, SourcedValue
+from tula_service.spec.job_spec import Objective, PricingKind
+
+# A number kept as it was written: the profiler writes byte counts as integers and times as floats, and
+# the recommendation passes them on unchanged (a `float` field would turn 1000 into 1000.0).
+Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
+
+
+class _Detail(BaseModel):
+    """A part of the fit report: its named fields typed, any other field it carries kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --- the configurations ----------------------------------------------------------------------------
+
+
+class Candidate(BaseModel):
+    """One configuration of the sweep: per-device batch b, devices n, accumulation steps a (B = b n a)."""
+
+    device_batch: int = Field(description="samples per device per micro-step")
+    devices: int
+    accumulation: int = Field(description="micro-steps per optimizer step")
+    global_batch: int = Field(description="device_batch * devices * accumulation, in batch_unit.unit")
+    memory_bytes: SourcedValue = Field(description="per device: measured at a profiled batch, else predicted")
+    iter_time_s: SourcedValue = Field(description="one micro-step: measured for a profiled batch on one device, else predicted")
+    step_time_s: SourcedValue = Field(description="one optimizer step, (a - 1) T_comp + T_iter")
+    epochs: SourcedValue = Field(description="epochs to the reference run's target at this global batch, E(B)")
+    epoch_time_s: SourcedValue
+    total_time_s: SourcedValue = Field(description="epochs * epoch_time_s")
+    cost_usd: SourcedValue
+    pareto: bool = Field(description="on the (time, cost) Pareto front")
+    global_batch_tokens: int | None = Field(None, description="language models only: global_batch * tokens_per_sample")
+
+
+class RunnerUp(BaseModel):
+    """A next-best candidate for the objective, with its time and cost relative to the chosen one."""
+
+    device_batch: int
+    devices: int
+    accumulation: int
+    global_batch: int
+    total_time_s: float
+    cost_usd: float
+    time_delta_pct: float = Field(description="100 (total_time_s / chosen's - 1)")
+    cost_delta_pct: float = Field(description="100 (cost_usd / chosen's - 1)")
+    source: Source = Field(description="where total_time_s and cost_usd come from (one prediction gives both)")
+    rel_err: float | None = Field(None, description="their relative error (leave-one-out of the step-time model)")
+
+
+class Constraint(BaseModel):
+    """Objective deadline or budget: whether the chosen candidate meets the limit, and by how much it misses."""
+
+    kind: Literal["deadline", "budget"]
+    limit: float = Field(description="hours (deadline) or USD (budget), from the spec")
+    met: bool = Field(description="false: no candidate meets it, and the closest one (fastest or cheapest) is chosen")
+    message: str
+
+
+KneeMethod = Literal["kneedle", "max_distance_fallback", "no_bend_fastest", "fastest_of_few"]  # explained in plan.knee
+
+
+class Knee(BaseModel):
+    """How the knee of the Pareto front was found (objective knee only; tula_service.plan.knee)."""
+
+    global_batch: int
+    method: KneeMethod = Field(description="how the knee was found (method_explained says it in words)")
+    method_explained: str
+    sensitivity: float = Field(description="Kneedle's S")
+    curve: str = Field(description="the curve the knee is of")
+    candidate: int = Field(description="index in candidates of the chosen configuration at the knee")
+
+
+class BatchUnit(BaseModel):
+    unit: Literal["samples", "sequences"] = Field(description="what a batch counts: sequences for language models")
+    tokens_per_sample: int | None
+
+
+# --- how to train at it ------------------------------------------------------------------------------
+
+
+class Multipliers(BaseModel):
+    """The learning-rate multiplier of each rule at k = global batch / reference batch."""
+
+    linear: float = Field(description="k (Goyal et al. 2017)")
+    sqrt: float = Field(description="sqrt(k)")
+    adascale: float | None = Field(None, description="the AdaScale gain (square root for Adam), when the noise scale was measured")
+
+
+class LearningRate(BaseModel):
+    value: float = Field(description="reference_lr times the multiplier, capped at training.max_lr")
+    reference_lr: float
+    source: Source
+    capped_from: float | None = Field(None, description="the rule's LR when it is above training.max_lr")
+    why: str | None = None
+
+
+class LrRule(BaseModel):
+    batch_ratio_k: float = Field(description="global batch / training.reference_batch")
+    optimizer: Literal["sgd", "adam", "adamw"]
+    multipliers: Multipliers
+    recommended: Literal["linear", "sqrt", "adascale"]
+    multiplier: SourcedValue = Field(description="the recommended rule's multiplier")
+    why: str
+    lr: LearningRate | None = Field(None, description="only with training.reference_lr")
+
+
+class Warmup(BaseModel):
+    epochs: float
+    steps: int
+    schedule: str | None = Field(None, description="only when there is a warm-up")
+    why: str
+
+
+class RampStage(BaseModel):
+    from_epoch_fraction: float
+    global_batch: int
+    device_batch: int | None = Field(None, description="absent in the single stage of no ramp")
+    devices: int | None = None
+    accumulation: int | None = None
+
+
+class BatchRamp(BaseModel):
+    stages: list[RampStage] = Field(description="the global batch from each fraction of training on; its last is the chosen")
+    why: str
+
+
+class ExplainedValue(BaseModel):
+    """A number of the advice, where it came from and why."""
+
+    value: float
+    source: Source
+    evidence: str | None = Field(None, description="what the measured values were taken along")
+    why: str
+
+
+class Ags(BaseModel):
+    """Adaptive gradient scaling (Tula): scale the update by s on iterations whose gradient variability is below delta."""
+
+    delta: ExplainedValue
+    s: ExplainedValue
+    rule: str
+
+
+class TrainingAdvice(BaseModel):
+    lr_rule: LrRule
+    warmup: Warmup
+    batch_ramp: BatchRamp
+    ags: Ags
+
+
+# --- the inputs it was planned for -----------------------------------------------------------------
+
+
+class Pricing(BaseModel):
+    kind: PricingKind
+    price: SourcedValue = Field(description="USD per GPU-hour, node-hour or GiB-hour: spec or catalog-assumed")
+    fixed_overhead_usd: SourcedValue
+
+
+class Device(BaseModel):
+    gpu_type: str | None
+    memory_gib: SourcedValue = Field(description="per device: spec or catalog-assumed")
+
+
+class SearchSpace(BaseModel):
+    device_batches: list[int] = Field(description="per-device batches swept (within the profiled range, below any OOM)")
+    max_device_batch: SourcedValue = Field(description="the largest whose predicted memory fits the device")
+    memory_margin: SourcedValue = Field(description="fraction of the device memory kept free")
+    devices: list[int]
+    accumulation_steps: list[int]
+
+
+class MemoryLimit(BaseModel):
+    """Where the profiling device ran out of memory."""
+
+    largest_ok_batch: int
+    smallest_oom_batch: int
+    source: Source
+
+
+class FailedPoint(BaseModel):
+    kind: str
+    batch_size: int | None
+    error: str | None
+    attempts: int
+    attempt_errors: list[str]
+
+
+class PointSummary(BaseModel):
+    """A profiled batch as measured (of a re-timed batch, the quieter measurement)."""
+
+    batch_size: int
+    iter_time_median_s: Number
+    iter_time_p10_s: Number | None
+    iter_time_p90_s: Number | None
+    iter_time_cv: Number | None
+    iter_time_robust_cv: Number | None
+    samples: int | None = Field(description="timed iterations")
+    peak_bytes: Number
+    activation_bytes: Number | None
+    noise_scale: Number | None
+    variability_median: Number | None
+    options: dict[str, Any] | None = Field(description="the options the point ran with (dtype, channels_last, ...)")
+    host_contended: bool | None
+    source: Source
+
+
+class Profiled(BaseModel):
+    ok_batches: list[int]
+    oom_batches: list[int]
+    memory_limit: MemoryLimit | None
+    failed: list[FailedPoint]
+    points: list[PointSummary]
+
+
+# --- what the models say -----------------------------------------------------------------------------
+
+
+class ErrorSummary(BaseModel):
+    """Relative errors of a fit's predictions, per point left out (or in sample); null with too few points."""
+
+    median_rel_err: float | None
+    max_rel_err: float | None
+    points: int
+
+
+class MemoryFit(_Detail):
+    formula: str
+    static_bytes: float
+    act_bytes_per_sample: float
+    r2: float
+    residual_std_bytes: float
+    max_batch_rule: str
+    leave_one_out: ErrorSummary
+    source: Source
+
+
+class ComputeShapeFit(_Detail):
+    formula: str
+    params: dict[str, float]
+    eligible: bool = Field(description="fewer parameters than distinct batches: it predicts, not interpolates")
+    leave_one_out: ErrorSummary
+
+
+class ComputeSelection(_Detail):
+    chosen: str
+    why: str
+    candidates: dict[str, ComputeShapeFit]
+
+
+class ComputeFit(_Detail):
+    name: str
+    formula: str
+    params: dict[str, float]
+    selection: ComputeSelection
+    leave_one_out: ErrorSummary
+    source: Source
+
+
+class MeasuredLink(_Detail):
+    """The all-reduce benchmark's fit, or why it could not be fitted (`error`)."""
+
+    latency_s: float | None = None
+    bandwidth_gbps: float | None = Field(None, description="null when latency-bound: bandwidth unresolved")
+    source: Source | None = None
+    in_sample: ErrorSummary | None = None
+    leave_one_out: ErrorSummary | None = None
+    backend: str | None = None
+    device: str | None = None
+    note: str | None = None
+    error: str | None = None
+
+
+class LinkFit(_Detail):
+    name: str | None
+    bandwidth_gbps: SourcedValue
+    latency_s: SourcedValue
+
+
+class NetworkFit(_Detail):
+    formula: str
+    gradient_bytes: SourcedValue
+    measured_link: MeasuredLink | None = Field(None, description="only when the all-reduce benchmark ran")
+    note: str | None = Field(None, description="why a measured link is reported and not used")
+    intra_node: LinkFit
+    inter_node: LinkFit | None = Field(description="null on one node")
+
+
+class OverlapFit(_Detail):
+    formula: str
+    g: SourcedValue
+
+
+class NoiseEvidence(_Detail):
+    source: str = Field(description="other_runs | reference_run | pilot | initialization")
+    noise_scale: float | None
+    interval: list[float] | None
+    stderr: float | None
+    detail: dict[str, Any]
+    warnings: list[str]
+    weak: bool
+    ratio_to_used: float | None
+
+
+class EvidenceReport(_Detail):
+    used: str | None
+    order: list[str] | None = Field(None, description="the evidence, best first")
+    candidates: list[NoiseEvidence]
+
+
+class NoiseScale(_Detail):
+    value: float = Field(description="B_noise, in samples")
+    interval: list[float] | None
+    stderr: float | None
+    source: Source
+    evidence: str
+
+
+class AssumedEfficiency(_Detail):
+    """No informative noise-scale measurement: epochs constant up to the reference batch, steps beyond it."""
+
+    formula: str
+    noise_scale: None
+    source: Literal["assumed"]
+    evidence: EvidenceReport
+    warnings: list[str]
+    note: str
+
+
+class FittedEfficiency(_Detail):
+    """E(B) = E_min (1 + B / B_noise) with B_noise from the best evidence (tula_service.fit.efficiency_evidence)."""
+
+    formula: str
+    noise_scale: NoiseScale
+    evidence: EvidenceReport
+    max_step_gain: ExplainedValue | None
+    min_epochs: SourcedValue
+    source: Literal["fitted"]
+    warnings: list[str]
+    weak: bool
+    note: str
+
+
+class FitReport(_Detail):
+    """Each model's formula, parameters, fit quality and inputs, each input labelled."""
+
+    memory: MemoryFit
+    compute: ComputeFit
+    network: NetworkFit
+    overlap: OverlapFit
+    efficiency: Annotated[FittedEfficiency | AssumedEfficiency, Field(discriminator="source")]
+
+
+class IterTimeCurve(BaseModel):
+    device_batch: list[float]
+    iter_time_s: list[float]
+    samples_per_s: list[float]
+    devices: int
+    model: str
+    formula: str
+    source: Source
+    rel_err: float | None
+
+
+class MemoryCurve(BaseModel):
+    device_batch: list[float]
+    memory_bytes: list[float]
+    memory_upper_bytes: list[float] = Field(description="the 95% prediction interval's upper end")
+    formula: str
+    source: Source
+    rel_err: float | None
+
+
+class EpochsCurve(BaseModel):
+    global_batch: list[float]
+    epochs: list[float]
+    formula: str
+    source: Source
+
+
+class Curves(BaseModel):
+    """The fitted models evaluated for drawing, by the objects the sweep uses (parallel lists)."""
+
+    iter_time: IterTimeCurve
+    memory: MemoryCurve
+    epochs: EpochsCurve
+
+
+class ReliabilityThresholds(BaseModel):
+    point_cv: float
+    leave_one_out_rel_err: float
+    source: Source
+
+
+class Reliability(BaseModel):
+    """Whether the profile's timings can be trusted (tula_service.dispatch.reliability)."""
+
+    verdict: Literal["reliable", "unreliable"]
+    message: str
+    reasons: list[str]
+    retimed_batches: list[int]
+    thresholds: ReliabilityThresholds
+
+
+# --- the recommendation ------------------------------------------------------------------------------
+
+
+class Recommendation(BaseModel):
+    """The chosen configuration for the objective, how to train at it, and everything it rests on."""
+
+    objective: Objective = Field(description="what the chosen configuration is best at (the spec's objective)")
+    constraint: Constraint | None = Field(description="objective deadline or budget only: met, or missed by how much")
+    training_advice: TrainingAdvice = Field(description="learning rate, warm-up, batch ramp and AGS at the chosen configuration")
+    runner_ups: list[RunnerUp] = Field(description="the next candidates in the objective's order")
+    batch_unit: BatchUnit = Field(description="what a batch counts: samples, or sequences of a language model")
+    chosen: Candidate = Field(description="the recommended configuration (one of candidates)")
+    knee: Knee | None = Field(description="objective knee only: how the knee was found")
+    candidates: list[Candidate] = Field(description="every configuration swept that fits the device memory")
+    pareto_front: list[int] = Field(description="indices in candidates on the (time, cost) Pareto front")
+    pricing: Pricing = Field(description="the price the costs are computed with")
+    device: Device = Field(description="the device planned for")
+    models: FitReport = Field(description="the fitted models: formulas, parameters, fit quality, labelled inputs")
+    curves: Curves = Field(description="the fitted models evaluated for drawing")
+    reliability: Reliability = Field(description="whether the profile's timings can be trusted")
+    search_space: SearchSpace = Field(description="the configurations the sweep considered")
+    profiled: Profiled = Field(description="what was measured: the batches that ran, ran out of memory or failed")
+
+
+# The routes' answers put their own fields first; a base listed last comes first in field order.
+class _OfJob(BaseModel):
+    job_id: str
+
+
+class _WhatIfOfJob(_OfJob):
+    what_if: dict[str, Any] = Field(description="the what-if's fields as given (the request body): what it changed")
+
+
+class StoredKnee(Knee):
+    candidate: int | None = Field(None, description="index in candidates of the chosen configuration at the knee; "
+                                  "absent from a recommendation stored before it was served")  # fmt: skip
+
+
+class JobRecommendation(Recommendation, _OfJob):
+    """A done job's stored recommendation. One stored before the curves were served has neither `curves` nor
+    `knee.candidate`; POST /v1/jobs/{job_id}/plan with {} plans its measurements again with both."""
+
+    knee: StoredKnee | None = Field(description="objective knee only: how the knee was found")
+    curves: Curves | None = Field(None, description="absent from a recommendation stored before the curves were served")
+
+
+class WhatIfPlan(Recommendation, _WhatIfOfJob):
+    """A done job's measurements planned again with the what-if applied."""

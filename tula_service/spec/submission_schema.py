@@ -1,0 +1,232 @@
+"""The request schema of `POST /v1/jobs` ("JobSubmission"): JobSpec's, narrowed to what its validators accept.
+
+pydantic derives JobSpec's JSON Schema from its field types: a model name is "any string", and the rules
+between fields (the model takes the dataset's inputs, a price or a GPU with a catalog price, ...) are
+nowhere. A client, a form generator or schemathesis reading that schema sends specs the API refuses. This
+module publishes, from the catalogs, registry and limits the validators themselves read:
+
+- names: models, datasets, GPU types and interconnects as enums; an allowlisted `package.module:factory`
+  as a pattern per allowed module prefix (none without an allowlist);
+- per catalog dataset: the fields it takes (the others null), the ones it needs, num_samples when it has
+  no size of its own, its largest num_samples; a file dataset only with data roots, its `path` a pattern
+  under them (absolute, no `..`);
+- per catalog model: its model_options (integers in [1, 10^6]) and the datasets of its input kind;
+- cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
+  `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
+  with `reference_lr`; `batch_sizes` as a list of 2 or more, or `{min, max}`.
+
+What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
+comparisons between two numbers of the spec, counting distinct values, and running user code. So is the
+image side each catalog model takes: exact, it would need an alternative per model, and schema tools
+(schemathesis's generator among them) give up on the product of those with the other alternatives.
+The server-set fields (`*_source`, `user_code_check`) are accepted and ignored in a submission
+(tula_service.spec.job_spec), so the schema leaves them as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from typing import Any
+
+from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
+from tula_service.catalogs import load_gpus, load_interconnects
+from tula_service.settings import environment
+from tula_service.spec.job_spec import allowed_model_modules
+from tula_service.spec.spec_limits import max_batch_sizes
+
+COMPONENT = "JobSubmission"
+SUBMIT_PATH = "/v1/jobs"
+
+# The rules of tula_service.spec.job_spec that compare two values or count distinct ones: JSON Schema has no
+# keyword for them. Each is still a 422 naming its field.
+SCHEMA_CANNOT_STATE = (
+    "batch_sizes: at least 2 distinct sizes, at most TULA_MAX_BATCH_SIZES (64) distinct; a range's min below its max",
+    "every batch (batch_sizes, training.reference_batch, training.other_runs[].batch) at most dataset.num_samples",
+    "cluster.nodes x cluster.gpus_per_node at most TULA_MAX_DEVICES (65536)",
+    "training.max_lr at least training.reference_lr",
+    "training.other_runs: one run per batch, none at training.reference_batch",
+    "model_options of gpt: width a multiple of heads",
+    "dataset.image_size (or the dataset's default side) at least the model's min_image_size, a multiple of its "
+    "image_size_multiple (GET /v1/catalog/models)",
+    "a user (package.module:factory) model or dataset: its contract, checked by running it on 2 samples",
+)
+
+_USER_REF_TAIL = r"(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"  # models.registry's "package.module:factory", after the prefix
+_NULL = {"type": "null"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, _NULL]}
+
+
+def _user_ref_patterns(prefixes: list[str]) -> list[dict[str, Any]]:
+    """A pattern per allowlisted module prefix: the prefix, then whole dotted components (models.registry)."""
+    return [{"type": "string", "pattern": "^" + re.escape(p.rstrip(".")) + _USER_REF_TAIL}
+            for p in prefixes if p.rstrip(".")]
+
+
+def _path_pattern(roots: list[str]) -> dict[str, Any]:
+    """models.data_roots.check_submitted_path as a pattern: absolute, no '..' part, under a root."""
+    segment = r"(/(?!\.\.(/|$))[^/]*)"
+    alternatives = ["" if os.path.normpath(r) == "/" else re.escape(os.path.normpath(r)) for r in roots]
+    return {"type": "string", "maxLength": 4096,
+            "pattern": "^(" + "|".join(alternatives) + ")" + segment + "*$"}
+
+
+def _dataset_variant(info: DatasetInfo, base: dict[str, Any], roots: list[str]) -> dict[str, Any] | None:
+    """One catalog dataset's schema; None when it cannot be used here (a file dataset without data roots)."""
+    if "path" in info.fields and not roots:
+        return None
+    properties = copy.deepcopy(base["properties"])
+    properties["name"] = {"const": info.name}
+    properties["options"] = _NULL
+    required = ["name", *info.required]
+    for field in properties:
+        if field in ("name", "num_samples", "options"):
+            continue
+        if field not in info.fields:
+            properties[field] = _NULL
+    if "path" in info.fields:
+        properties["path"] = _path_pattern(roots)
+    samples = {"type": "integer", "minimum": 1, "maximum": base["properties"]["num_samples"]["anyOf"][0]["maximum"]}
+    if info.max_num_samples is not None:
+        samples["maximum"] = min(samples["maximum"], info.max_num_samples)
+    if info.fixed_num_samples is None:
+        properties["num_samples"] = samples
+        required.append("num_samples")
+    else:
+        properties["num_samples"] = _nullable(samples)
+    return {"type": "object", "properties": properties, "required": sorted(set(required)), "additionalProperties": False}
+
+
+def _user_dataset_variants(base: dict[str, Any], prefixes: list[str]) -> list[dict[str, Any]]:
+    """An allowlisted user dataset: any of the fields (its factory receives them) and num_samples."""
+    variants = []
+    for pattern in _user_ref_patterns(prefixes):
+        properties = copy.deepcopy(base["properties"])
+        properties["name"] = pattern
+        properties["num_samples"] = base["properties"]["num_samples"]["anyOf"][0]
+        properties.pop("path", None)  # a user dataset reads its own files: `path` is a catalog file dataset's
+        variants.append({"type": "object", "properties": properties, "required": ["name", "num_samples"],
+                         "additionalProperties": False})
+    return variants
+
+
+def _model_options_schema(model: ModelInfo) -> dict[str, Any]:
+    """models.registry.resolved_model_options: the model's own options, each a size in [1, 10^6]."""
+    option = {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_OPTION_INT}
+    return {"type": "object", "properties": {name: option for name in model.options}, "additionalProperties": False}
+
+
+def _model_groups(dataset_base: dict[str, Any], roots: list[str], prefixes: list[str]) -> list[dict[str, Any]]:
+    """One alternative per set of catalog models that take the same options and inputs:
+    those models, their options, and the datasets (catalog and allowlisted user ones) they can train on."""
+    groups: dict[tuple, list[ModelInfo]] = {}
+    for model in MODELS.values():
+        groups.setdefault((model.input_kind, tuple(sorted(model.options))), []).append(model)
+    user_datasets = _user_dataset_variants(dataset_base, prefixes)
+    alternatives = []
+    for (input_kind, _options), models in groups.items():
+        datasets = [_dataset_variant(info, dataset_base, roots) for info in DATASETS.values()
+                    if info.input_kind == input_kind]
+        datasets = [d for d in datasets if d is not None] + user_datasets
+        if not datasets:
+            continue
+        alternatives.append({
+            "properties": {
+                "model": {"enum": sorted(m.name for m in models)},
+                "model_options": _model_options_schema(models[0]),
+                "dataset": {"anyOf": datasets},
+            },
+        })
+    for pattern in _user_ref_patterns(prefixes):  # a user model may try any dataset (its contract check decides)
+        datasets = [_dataset_variant(info, dataset_base, roots) for info in DATASETS.values()]
+        alternatives.append({"properties": {"model": pattern, "dataset": {"anyOf": [
+            *(d for d in datasets if d is not None), *user_datasets]}}})
+    return alternatives
+
+
+def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
+    """Catalog names as enums; device memory given, or a catalog gpu_type that has it."""
+    gpus = {"type": "string", "enum": sorted(load_gpus())}
+    links = {"type": "string", "enum": sorted(load_interconnects())}
+    cluster = copy.deepcopy(base)
+    cluster["properties"]["gpu_type"] = {**_nullable(gpus), "description": base["properties"]["gpu_type"].get("description", "")}
+    for name in ("intra_node_link", "inter_node_link"):
+        cluster["properties"][name] = {**_nullable(links), "description": base["properties"][name].get("description", "")}
+    cluster["anyOf"] = [
+        {"required": ["gpu_type"], "properties": {"gpu_type": gpus}},
+        {"required": ["device_memory_gib"], "properties": {"device_memory_gib": {"type": "number", "exclusiveMinimum": 0}}},
+    ]
+    return cluster
+
+
+def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
+    """max_lr needs reference_lr (the cap is their ratio)."""
+    training = copy.deepcopy(base)
+    training["anyOf"] = [
+        {"properties": {"max_lr": _NULL}},
+        {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
+    ]
+    return training
+
+
+def _batch_sizes_schema(base: dict[str, Any]) -> dict[str, Any]:
+    size = base["items"]
+    return {
+        "description": base.get("description", ""),
+        "anyOf": [
+            {"type": "array", "items": size, "minItems": 2},
+            {"type": "object", "properties": {"min": size, "max": size}, "required": ["min", "max"],
+             "additionalProperties": False},
+        ],
+    }
+
+
+def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
+    """The JobSubmission schema from the OpenAPI document's components (JobSpec and the ones it names)."""
+    roots, prefixes = environment().data_roots, allowed_model_modules()
+    spec = copy.deepcopy(components["JobSpec"])
+    properties = spec["properties"]
+    gpus = sorted(load_gpus())
+    properties["model"] = {"type": "string", "description": properties["model"].get("description", "")}
+    properties["batch_sizes"] = _batch_sizes_schema(properties["batch_sizes"])
+    properties["cluster"] = _cluster_schema(components["ClusterSpec"])
+    properties["training"] = _training_schema(components["TrainingSpec"])
+    properties["dataset"] = {"type": "object", "description": components["DatasetSpec"].get("description", "")}
+    properties["pricing"] = copy.deepcopy(components["PricingSpec"])
+    limits = "\n".join(f"- {rule}" for rule in SCHEMA_CANNOT_STATE)
+    spec["description"] = (
+        "A job spec as POST /v1/jobs accepts it. Besides this schema, these rules hold (a 422 names the field):\n"
+        + limits + f"\n(at most {max_batch_sizes()} batch sizes on this server)"
+    )
+    spec["title"] = COMPONENT
+    spec["allOf"] = [
+        {"anyOf": _model_groups(components["DatasetSpec"], roots, prefixes)},
+        {"anyOf": [  # a price, or the catalog's per GPU-hour for a known gpu_type
+            {"properties": {"pricing": {"required": ["price"], "properties": {"price": {"type": "number", "exclusiveMinimum": 0}}}}},
+            {"required": ["cluster"], "properties": {
+                "pricing": {"properties": {"kind": {"const": "gpu_hour"}}},
+                "cluster": {"required": ["gpu_type"], "properties": {"gpu_type": {"enum": gpus}}},
+            }},
+        ]},
+        {"anyOf": [  # objectives with a constraint need it
+            {"properties": {"objective": {"enum": ["knee", "min_time", "min_cost"]}}},
+            {"required": ["objective", "deadline_h"], "properties": {
+                "objective": {"const": "deadline"}, "deadline_h": {"type": "number", "exclusiveMinimum": 0}}},
+            {"required": ["objective", "budget_usd"], "properties": {
+                "objective": {"const": "budget"}, "budget_usd": {"type": "number", "exclusiveMinimum": 0}}},
+        ]},
+    ]
+    return spec
+
+
+def publish_job_submission(openapi: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI document with JobSubmission as POST /v1/jobs's request body, in place."""
+    components = openapi["components"]["schemas"]
+    components[COMPONENT] = job_submission_schema(components)
+    body = openapi["paths"][SUBMIT_PATH]["post"]["requestBody"]["content"]["application/json"]
+    body["schema"] = {"$ref": f"#/components/schemas/{COMPONENT}"}
+    return openapi
