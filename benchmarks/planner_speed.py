@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from handmade_measurements import measurement, spec_dict  # noqa: E402
 
 from tula_service.fit.fitting import fit_models  # noqa: E402
+from tula_service.measurement import parse_measurement  # noqa: E402
 from tula_service.plan import recommend  # noqa: E402
 from tula_service.plan.planner import PlanInputs, choose, sweep  # noqa: E402
 from tula_service.spec.job_spec import JobSpec  # noqa: E402
@@ -111,7 +112,8 @@ def time_planner(models, candidates: dict[str, np.ndarray], repeats: int) -> dic
 
 def time_plan(spec: JobSpec, measurements: list[dict], repeats: int) -> None:
     """fit_models alone, then the whole recommend.plan over its own search space and over FULL_SPACE's."""
-    report("fit_models (64 measured points)", len(measurements), timed_ms(lambda: fit_models(spec, measurements), repeats))
+    parsed = [parse_measurement(record) for record in measurements]
+    report("fit_models (64 measured points)", len(measurements), timed_ms(lambda: fit_models(spec, parsed), repeats))
     for label, run in (
         ("recommend.plan, its own search space", lambda: recommend.plan(spec, measurements)),
         ("recommend.plan, 64 x 64 x 8", lambda: wide_plan(spec, measurements)),
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     spec, measurements = handmade_job()
-    models, _ = fit_models(spec, measurements)
+    models, _ = fit_models(spec, [parse_measurement(record) for record in measurements])
     candidates = sweep(models, FULL_SPACE)
     configs = int(candidates["global_batch"].size)
     expected = DEVICE_BATCHES.size * DEVICE_COUNTS.size * len(ACCUMULATION_STEPS)

@@ -16,6 +16,7 @@ from tests.conftest import REPO
 from tests.processes import gone, wait_for
 from tests.test_no_torch import _run as run_with_torch_blocked
 from tula_service.fit.perfmodel.comm_fit import RingAllReduceFit, fit_comm_record
+from tula_service.measurement import parse_measurement
 
 LATENCY_S = 20e-6
 BANDWIDTH_GBPS = 100.0
@@ -67,7 +68,7 @@ def test_fit_rejects_points_it_cannot_use(world_size, message_bytes, time_s, mes
 def test_failed_record_is_not_fitted():
     record = {"kind": "comm", "status": "failed", "error": "RankFailure: rank 1 failed", "points": []}
     with pytest.raises(ValueError, match="rank 1 failed"):
-        fit_comm_record(record)
+        fit_comm_record(parse_measurement(record))
 
 
 def test_comm_fit_imports_without_torch():
@@ -102,7 +103,7 @@ def test_gloo_run_on_two_processes_measures_times_that_fit_the_ring():
     assert all(0 < p["p10_s"] <= p["median_s"] <= p["p90_s"] for p in points)
     # 4 MiB against 256 KiB: a 16x step; p10 because a shared 2-core host adds scheduling noise above it
     assert points[-1]["p10_s"] > points[-3]["p10_s"] and points[-1]["median_s"] > points[0]["median_s"]
-    model = fit_comm_record(record)
+    model = fit_comm_record(parse_measurement(record))
     assert 0 < model.bandwidth_gbps_ < np.inf and model.latency_s_ >= 0
     assert multiprocessing.active_children() == []
 

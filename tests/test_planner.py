@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from tests.handmade import comm_record, measurement, oom, spec_dict
 from tula_service.fit.fitting import fit_models
+from tula_service.measurement import parse_measurement
 from tula_service.plan.planner import pareto_mask
 from tula_service.plan.recommend import NotEnoughMeasurements, plan
 from tula_service.spec.job_spec import JobSpec
@@ -236,7 +237,7 @@ def test_the_recommendation_carries_curves_evaluated_by_the_planners_models():
     spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1, "max_lr": 0.3}))
     points = _saturating_noisy_points()
     curves = plan(spec, points)["curves"]
-    models, report = fit_models(spec, points)
+    models, report = fit_models(spec, [parse_measurement(point) for point in points])
     assert report["compute"]["name"] == "saturating"
     iter_time, memory, epochs = curves["iter_time"], curves["memory"], curves["epochs"]
     device_batch = np.array(iter_time["device_batch"])

@@ -37,6 +37,7 @@ from tests.processes import (  # noqa: E402
 )
 from tula_service.dispatch.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
 from tula_service.fit.perfmodel.comm_fit import fit_comm_record  # noqa: E402
+from tula_service.measurement import parse_measurement  # noqa: E402
 from tula_service.store.job_store import Store  # noqa: E402
 
 FAST_PROFILING = {"time_cap_s": 0.5, "timed_iters": 2, "warmup_iters": 1, "grad_iters": 2}
@@ -84,7 +85,7 @@ def test_the_all_reduce_is_measured_across_ray_actors_and_fits(two_device_job, r
     assert all(len(group["ranks"]) == group["world_size"] for group in record["groups"])
     assert {p["world_size"] for p in record["points"]} == {2, 4}
     assert all(0 < p["p10_s"] <= p["median_s"] <= p["p90_s"] for p in record["points"])
-    model = fit_comm_record(record)
+    model = fit_comm_record(parse_measurement(record))
     assert model.latency_s_ >= 0 and model.bandwidth_gbps_ > 0
     measured = two_device_job.recommendation["models"]["network"]["measured_link"]
     assert measured["backend"] == "gloo" and "error" not in measured

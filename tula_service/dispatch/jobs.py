@@ -8,7 +8,8 @@ from tula_service import lifecycle
 from tula_service.dispatch.maxbatch import next_probe
 from tula_service.dispatch.reliability import points_to_retime
 from tula_service.measurement import ComputeMeasurement, Measurement, parse_measurement
-from tula_service.plan.recommend import NotEnoughMeasurements, fitted_models, plan, usable_measurements
+from tula_service.fit.fitting import fit_models
+from tula_service.plan.recommend import NotEnoughMeasurements, plan, usable_measurements
 from tula_service.settings import environment
 from tula_service.spec.job_spec import JobSpec, allowed_model_modules
 from tula_service.store.db import Job
@@ -88,7 +89,7 @@ def _predicted_max_batch(spec: JobSpec, ok: list[ComputeMeasurement]) -> int | N
     capacity = limit or (min(nvml_totals) if nvml_totals else None)
     if capacity is None or len(ok) < 2:
         return None
-    models, _ = fitted_models(spec, ok)
+    models, _ = fit_models(spec, ok)
     return models.memory.max_device_batch(capacity, margin=0.0)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
 from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, record_arrays
+from tula_service.measurement import ComputeMeasurement, PilotMeasurement
 from tula_service.spec.job_spec import JobSpec
 
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
@@ -116,13 +117,13 @@ def _batch(records: list[Any]) -> int:
     return int(np.median(batches))
 
 
-def from_initialization(points: list[dict[str, Any]]) -> NoiseEvidence | None:
-    with_stats = [m["gradient"] for m in points if m.get("gradient")]
+def from_initialization(points: list[ComputeMeasurement]) -> NoiseEvidence | None:
+    with_stats = [m.gradient for m in points if m.gradient and m.gradient.true_grad_sq_norm is not None and m.gradient.trace_sigma is not None]
     if not with_stats:
         return None
-    noise = NoiseScaleModel().fit([g["true_grad_sq_norm"] for g in with_stats], [g["trace_sigma"] for g in with_stats])
+    noise = NoiseScaleModel().fit([g.true_grad_sq_norm for g in with_stats], [g.trace_sigma for g in with_stats])
     detail = {"points": noise.points_, "true_grad_sq_norm": noise.true_grad_sq_norm_, "trace_sigma": noise.trace_sigma_,
-              "weights": "equal per point", "batches": [int(g["batch"]) for g in with_stats]}  # fmt: skip
+              "weights": "equal per point", "batches": [int(g.batch) for g in with_stats]}  # fmt: skip
     warnings = ["initialization: the noise scale was measured at the initial weights; it grows 10-1000x as the "
                 "loss falls (McCandlish et al. 2018), so larger batches are likely better than predicted: give "
                 "training.reference_run.gradient_stats or other_runs, or enable profiling.pilot"]  # fmt: skip
@@ -148,13 +149,13 @@ def from_runs(spec: JobSpec) -> NoiseEvidence | None:
     return NoiseEvidence("other_runs", fit["noise_scale"], min_epochs=fit["min_epochs"], detail=detail, warnings=warnings)
 
 
-def gather(spec: JobSpec, points: list[dict[str, Any]], pilot: dict[str, Any] | None) -> list[NoiseEvidence]:
+def gather(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurement | None) -> list[NoiseEvidence]:
     """Every piece of evidence available, best first (EVIDENCE_ORDER)."""
     reference = spec.training.reference_run
     found = [
         from_runs(spec),
         from_trajectory("reference_run", list(reference.gradient_stats), spec) if reference else None,
-        from_trajectory("pilot", pilot.get("trajectory") or [], spec) if pilot else None,
+        from_trajectory("pilot", list(pilot.trajectory), spec) if pilot else None,
         from_initialization(points),
     ]
     return [evidence for evidence in found if evidence is not None]
@@ -164,7 +165,7 @@ def choose(evidence: list[NoiseEvidence]) -> NoiseEvidence | None:
     return next((e for e in evidence if e.noise_scale), None)
 
 
-def epoch_model(spec: JobSpec, points: list[dict[str, Any]], pilot: dict[str, Any] | None) -> tuple[EpochModel, dict[str, Any]]:
+def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurement | None) -> tuple[EpochModel, dict[str, Any]]:
     """The epochs model and the efficiency section of the fit report."""
     evidence = gather(spec, points, pilot)
     chosen = choose(evidence)

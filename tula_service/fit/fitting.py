@@ -20,6 +20,7 @@ from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link
 from tula_service.fit.perfmodel.overlap import OverlapModel
 from tula_service.fit.perfmodel.validation import error_summary, leave_one_out_relative_errors
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement
 from tula_service.spec.job_spec import JobSpec
 
 
@@ -34,7 +35,7 @@ class FittedModels:
     overlap: OverlapModel = field(default_factory=OverlapModel)
 
 
-def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link | None:
+def _measured_link(comm: CommMeasurement | None, report: dict[str, Any]) -> Link | None:
     """The intra-node link fitted from the all-reduce benchmark, when it ran on GPUs (NCCL)."""
     if comm is None:
         return None
@@ -43,12 +44,12 @@ def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link 
     except ValueError as error:
         report["measured_link"] = {"error": str(error)}
         return None
-    report["measured_link"] = {**fit.quality(), "backend": comm.get("backend"), "device": comm.get("device")}
+    report["measured_link"] = {**fit.quality(), "backend": comm.backend, "device": comm.device}
     if not np.isfinite(fit.bandwidth_gbps_):
         report["measured_link"]["bandwidth_gbps"] = None
         report["measured_link"]["note"] = "time did not grow with message size: latency-bound, bandwidth unresolved"
         return None
-    if comm.get("backend") != "nccl":
+    if comm.backend != "nccl":
         report["note"] = (
             "the all-reduce benchmark ran with gloo on CPU processes of the profiling host: it measures that "
             "host's memory copies and loopback, not the cluster's GPU interconnect, so it is reported, not used"
@@ -57,7 +58,7 @@ def _measured_link(comm: dict[str, Any] | None, report: dict[str, Any]) -> Link 
     return Link(latency_s=fit.latency_s_, bandwidth_gbps=fit.bandwidth_gbps_, source="fitted", name="measured (nccl)")
 
 
-def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
+def _network(spec: JobSpec, gradient_bytes: int, comm: CommMeasurement | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
     """Hierarchical ring all-reduce over the links tula_service.fit.links picks: the intra-node link measured
     (NCCL benchmark) when possible, else the spec's or the catalog's; the inter-node link the spec's or
     the catalog's."""
@@ -75,16 +76,18 @@ def _network(spec: JobSpec, gradient_bytes: int, comm: dict[str, Any] | None) ->
 
 
 def fit_models(
-    spec: JobSpec, ok: list[dict[str, Any]], comm: dict[str, Any] | None = None, pilot: dict[str, Any] | None = None
+    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None
 ) -> tuple[FittedModels, dict[str, Any]]:
-    batch = np.array([m["batch_size"] for m in ok], dtype=float)
-    peak_bytes = np.array([m["memory"]["peak_bytes"] for m in ok], dtype=float)
-    iter_time_s = np.array([m["iter_time"]["median_s"] for m in ok], dtype=float)
+    """Every term of the performance model fitted to a job's measurements (parsed: tula_service.measurement):
+    the successful compute points, the all-reduce benchmark and the pilot, when there are ones."""
+    batch = np.array([m.batch_size for m in ok], dtype=float)
+    peak_bytes = np.array([m.memory.peak_bytes for m in ok], dtype=float)
+    iter_time_s = np.array([m.iter_time.median_s for m in ok], dtype=float)
 
     memory = MemoryModel().fit(batch, peak_bytes)
     compute, compute_report = select_compute_model(batch, iter_time_s)
     chosen_compute = type(compute)
-    gradient_bytes = ok[0]["model"]["gradient_bytes"]
+    gradient_bytes = ok[0].model.gradient_bytes
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
     epochs, efficiency_report = epoch_model(spec, ok, pilot)

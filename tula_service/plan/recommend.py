@@ -58,14 +58,6 @@ def usable_measurements(measurements: list[Record]) -> tuple[list[Record], list[
     return [ok_by_batch[b][1] for b in sorted(ok_by_batch)], sorted(oom_batches)
 
 
-def fitted_models(
-    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None
-) -> tuple[FittedModels, dict[str, Any]]:
-    """tula_service.fit.fitting.fit_models of parsed points (it reads them as the stored JSON's dicts)."""
-    dumped = [m.model_dump() for m in ok]
-    return fit_models(spec, dumped, comm.model_dump() if comm else None, pilot.model_dump() if pilot else None)
-
-
 def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> np.ndarray:
     """Powers of two inside the profiled range (and the profiled sizes), below the smallest OOM batch."""
     low, high = min(ok_batches), max(ok_batches)
@@ -86,7 +78,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         )
     comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
     pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
-    models, report = fitted_models(spec, ok, comm, pilot)
+    models, report = fit_models(spec, ok, comm, pilot)
     inputs = PlanInputs(
         device_batches=candidate_device_batches([m.batch_size for m in ok], oom_batches),
         total_devices=spec.cluster.total_devices,

@@ -27,6 +27,7 @@ from scipy.optimize import nnls
 
 from tula_service.fit.perfmodel.network import RingAllReduce
 from tula_service.fit.perfmodel.validation import error_summary
+from tula_service.measurement import CommMeasurement
 
 MIN_POINTS = 3
 
@@ -89,16 +90,15 @@ class RingAllReduceFit:
         )
 
 
-def fit_comm_record(record: dict[str, Any]) -> RingAllReduceFit:
-    """Fit the median times of one `profiler.comm` record; a failed record is an error, not a fit."""
-    if record.get("kind") != "comm":
-        raise ValueError(f"expected a 'comm' record, got kind={record.get('kind')!r}")
-    if record.get("status") != "ok":
-        raise ValueError(f"the comm record has status {record.get('status')!r}: {record.get('error')}")
-    points = record["points"]
-    return RingAllReduceFit().fit(
-        [p["world_size"] for p in points], [p["message_bytes"] for p in points], [p["median_s"] for p in points]
-    )
+def fit_comm_record(record: CommMeasurement) -> RingAllReduceFit:
+    """Fit the median times of one `profiler.comm` record (tula_service.measurement.parse_measurement of it);
+    a failed record is an error, not a fit."""
+    if not isinstance(record, CommMeasurement):
+        raise ValueError(f"expected a 'comm' measurement, got {type(record).__name__}")
+    if record.status != "ok":
+        raise ValueError(f"the comm record has status {record.status!r}: {record.error}")
+    points = record.points
+    return RingAllReduceFit().fit([p.world_size for p in points], [p.message_bytes for p in points], [p.median_s for p in points])
 
 
 def _validated(world_size, message_bytes, time_s) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
