@@ -1,8 +1,9 @@
 """How long does planning take over a large search space?
 
 Times `tula_service.plan.planner.sweep` followed by `choose` (objective "knee") over 64 per-device batch
-sizes x 64 device counts (1..64, every count, not only powers of two) x 8 accumulation options
-(1..8): 32,768 configurations, from performance models fitted the way `recommend.plan` fits them
+sizes x 64 device counts (1..64, every count, not only powers of two) on every placement the planner sweeps
+over the 8 nodes x 8 GPUs (packed, spread, and even over 2 and 4 nodes: 145 placements of the 64 counts)
+x 8 accumulation options (1..8): 74,240 configurations, from performance models fitted the way `recommend.plan` fits them
 (`tula_service.fit.fitting.fit_models`) on hand-made measurements with known lines
 (`benchmarks/handmade_measurements.py`, noise scale 2048). Also timed, for reference: `sweep` and
 `choose` alone, `fit_models`, and the whole `recommend.plan` (fitting, sweep, choice, one
@@ -36,7 +37,7 @@ from handmade_measurements import measurement, spec_dict  # noqa: E402
 from tula_service.fit.fitting import fit_models  # noqa: E402
 from tula_service.measurement import parse_measurement  # noqa: E402
 from tula_service.plan import recommend  # noqa: E402
-from tula_service.plan.planner import PlanInputs, choose, sweep  # noqa: E402
+from tula_service.plan.planner import PlanInputs, choose, placements, sweep  # noqa: E402
 from tula_service.spec.job_spec import JobSpec  # noqa: E402
 from tula_service.units import GIB  # noqa: E402
 
@@ -72,6 +73,7 @@ FULL_SPACE = PlanInputs(  # the same cluster and pricing as the spec, over the f
     pricing_kind="gpu_hour",
     price=PRICE_PER_GPU_HOUR,
     gpus_per_node=GPUS_PER_NODE,
+    nodes=NODES,
     device_counts=DEVICE_COUNTS,
     accumulation_steps=ACCUMULATION_STEPS,
 )
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     models, _ = fit_models(spec, [parse_measurement(record) for record in measurements])
     candidates = sweep(models, FULL_SPACE)
     configs = int(candidates["global_batch"].size)
-    expected = DEVICE_BATCHES.size * DEVICE_COUNTS.size * len(ACCUMULATION_STEPS)
+    expected = DEVICE_BATCHES.size * placements(DEVICE_COUNTS, NODES, GPUS_PER_NODE)[0].size * len(ACCUMULATION_STEPS)
     if configs != expected:
         raise SystemExit(f"the sweep kept {configs} of {expected} configurations (memory limit too small?)")
 

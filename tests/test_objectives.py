@@ -60,10 +60,14 @@ def test_deadline_objective_needs_its_limit():
         JobSpec.model_validate(spec_dict(objective="deadline"))
 
 
-def test_node_hour_pricing_bills_whole_nodes():
+def test_node_hour_pricing_bills_the_nodes_of_the_placement():
     rec = _plan(pricing={"kind": "node_hour", "price": 10.0})
+    kinds = {row["placement_kind"] for row in rec["candidates"]}
+    assert kinds == {"packed", "spread"}  # both are swept on a cluster of several nodes
     for row in rec["candidates"]:
-        nodes = -(-row["devices"] // 8)
+        nodes = len(row["placement"])
+        if row["placement_kind"] == "packed":
+            assert nodes == -(-row["devices"] // 8)
         assert row["cost_usd"]["value"] == pytest.approx(_time_h(row) * nodes * 10.0)
 
 

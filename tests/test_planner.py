@@ -49,7 +49,11 @@ def test_known_noise_scale_gives_the_known_knee():
 
 def test_every_candidate_has_time_cost_and_source_labels():
     rec = _plan({"cluster": {"nodes": 2, "gpus_per_node": 4}})
-    assert len(rec["candidates"]) == len(rec["search_space"]["device_batches"]) * 4 * 4
+    # 1, 2, 4 and 8 devices packed, and 2 and 4 spread over both nodes (8 fills both either way)
+    placements = {(tuple(row["placement"]), row["placement_kind"]) for row in rec["candidates"]}
+    assert placements == {((1,), "packed"), ((2,), "packed"), ((4,), "packed"), ((4, 4), "packed"),
+                          ((1, 1), "spread"), ((2, 2), "spread")}  # fmt: skip
+    assert len(rec["candidates"]) == len(rec["search_space"]["device_batches"]) * len(placements) * 4
     for row in rec["candidates"]:
         for key in ("memory_bytes", "iter_time_s", "total_time_s", "cost_usd", "epochs"):
             assert row[key]["value"] > 0

@@ -12,6 +12,7 @@ from tula_service.spec.job_spec import PricingKind
 from tula_service.units import GIB
 
 DEVICES = np.array([1, 8, 9, 16])
+NODES = np.array([1, 1, 2, 2])  # packed on nodes of 8
 
 
 def test_the_specs_pricing_kinds_are_the_registrys():
@@ -25,16 +26,18 @@ def test_every_rule_is_written_in_the_module_docstring():
 
 
 def test_gpu_hour_bills_every_device():
-    assert pricing_rule("gpu_hour").billed_units(DEVICES, 8, np.full(4, GIB)).tolist() == [1, 8, 9, 16]
+    assert pricing_rule("gpu_hour").billed_units(DEVICES, NODES, np.full(4, GIB)).tolist() == [1, 8, 9, 16]
 
 
-def test_node_hour_bills_whole_nodes():
-    assert pricing_rule("node_hour").billed_units(DEVICES, 8, np.full(4, GIB)).tolist() == [1, 1, 2, 2]
+def test_node_hour_bills_the_nodes_the_placement_uses():
+    assert pricing_rule("node_hour").billed_units(DEVICES, NODES, np.full(4, GIB)).tolist() == [1, 1, 2, 2]
+    spread = np.array([1, 4, 4, 4])  # the same devices dealt out over up to 4 nodes
+    assert pricing_rule("node_hour").billed_units(DEVICES, spread, np.full(4, GIB)).tolist() == [1, 4, 4, 4]
 
 
 def test_memory_gb_hour_bills_the_memory_used():
     memory_bytes = np.array([0.5, 2.0, 3.0, 1.0]) * GIB
-    billed = pricing_rule("memory_gb_hour").billed_units(DEVICES, 8, memory_bytes)
+    billed = pricing_rule("memory_gb_hour").billed_units(DEVICES, NODES, memory_bytes)
     assert billed.tolist() == [0.5, 16.0, 27.0, 16.0]
 
 
@@ -50,10 +53,10 @@ def _inputs(kind: str) -> PlanInputs:
 def test_cost_is_overhead_plus_hours_times_billed_units_times_price():
     hours = np.array([2.0, 2.0, 2.0, 2.0])
     memory_bytes = np.full(4, 4 * GIB)
-    assert cost_usd(_inputs("node_hour"), hours, DEVICES, memory_bytes).tolist() == [23.0, 23.0, 43.0, 43.0]
-    assert cost_usd(_inputs("memory_gb_hour"), hours, DEVICES, memory_bytes).tolist() == [83.0, 643.0, 723.0, 1283.0]
+    assert cost_usd(_inputs("node_hour"), hours, DEVICES, NODES, memory_bytes).tolist() == [23.0, 23.0, 43.0, 43.0]
+    assert cost_usd(_inputs("memory_gb_hour"), hours, DEVICES, NODES, memory_bytes).tolist() == [83.0, 643.0, 723.0, 1283.0]
 
 
 def test_cost_of_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="pricing kind 'spot' is unknown"):
-        cost_usd(_inputs("spot"), np.ones(4), DEVICES, np.full(4, GIB))
+        cost_usd(_inputs("spot"), np.ones(4), DEVICES, NODES, np.full(4, GIB))

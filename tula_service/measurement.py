@@ -12,6 +12,8 @@ shown to users as measured, so the profiler can add detail without a change here
 - CommMeasurement (kind "comm"): all-reduce times per world size and message size.
 - PilotMeasurement (kind "pilot"): training at the reference batch, with gradient-statistics records
   along the way (the contract of `training.reference_run.gradient_stats`, GradientStatsRecord).
+- StepMeasurement (kind "step"): one training step measured on a placement of GPUs over nodes, with the
+  per-GPU batch, the step's seconds and the all-reduce's (from a user's trainer, a trace or a CSV).
 
 SourcedValue is how the recommendation says where a number came from: measured, fitted (with its
 error), predicted (from fitted models, with their error), assumed, or given in the spec.
@@ -161,6 +163,38 @@ class PilotMeasurement(_Record):
         return self.status == "ok"
 
 
+class StepMeasurement(_Record):
+    """One training step measured on a placement: the GPUs used on each node (Pollux's "22" is [2, 2]), the
+    per-GPU batch, the step's seconds and, where the trainer timed it, the all-reduce's (the part of the
+    step spent synchronizing gradients). From the profiler's multi-device step, a user's trainer or a trace
+    (CSV: tula_service.measurement_csv). A step at placement [1] is a single-device compute step."""
+
+    schema_version: int = 1
+    kind: Literal["step"]
+    status: Literal["ok"] = "ok"
+    placement: list[int] = Field(min_length=1, description="GPUs used on each node, e.g. [2, 2]")
+    device_batch: int = Field(ge=1, description="samples per GPU per step (local_bsz)")
+    step_time_s: float = Field(gt=0)
+    sync_time_s: float | None = Field(None, ge=0, description="seconds of the step spent in the gradient all-reduce")
+    origin: str | None = Field(None, description="where the row comes from: profiler, trainer, csv, trace")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StepMeasurement:
+        if min(self.placement) < 1:
+            raise ValueError(f"placement lists the GPUs used on each node, each >= 1, got {self.placement}")
+        if self.sync_time_s is not None and self.sync_time_s >= self.step_time_s:
+            raise ValueError(f"sync_time_s ({self.sync_time_s}) must be below step_time_s ({self.step_time_s})")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+    @property
+    def devices(self) -> int:
+        return sum(self.placement)
+
+
 def _kind(record: Any) -> str:
     """A record without a kind is a compute point (schema version 1 records had none)."""
     if isinstance(record, dict):
@@ -168,15 +202,16 @@ def _kind(record: Any) -> str:
     return getattr(record, "kind", "compute")
 
 
-Measurement = ComputeMeasurement | CommMeasurement | PilotMeasurement
+Measurement = ComputeMeasurement | CommMeasurement | PilotMeasurement | StepMeasurement
 _ADAPTERS = {"compute": TypeAdapter(ComputeMeasurement), "retime": TypeAdapter(ComputeMeasurement),
-             "comm": TypeAdapter(CommMeasurement), "pilot": TypeAdapter(PilotMeasurement)}  # fmt: skip
+             "comm": TypeAdapter(CommMeasurement), "pilot": TypeAdapter(PilotMeasurement),
+             "step": TypeAdapter(StepMeasurement)}  # fmt: skip
 
 
 def parse_measurement(record: Any) -> Measurement:
     """The typed measurement of one stored record (a parsed one is returned as it is). Raises
     pydantic's ValidationError for a record that breaks the contract, ValueError for an unknown kind."""
-    if isinstance(record, ComputeMeasurement | CommMeasurement | PilotMeasurement):
+    if isinstance(record, ComputeMeasurement | CommMeasurement | PilotMeasurement | StepMeasurement):
         return record
     kind = _kind(record)
     if kind not in _ADAPTERS:

@@ -20,7 +20,8 @@ from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link
 from tula_service.fit.perfmodel.overlap import OverlapModel
 from tula_service.fit.perfmodel.validation import error_summary, leave_one_out_relative_errors
-from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement
+from tula_service.fit.step_time import AnalyticStepTime, MeasuredStepTime, StepTimeModel, fit_step_time, single_device_rows
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement, StepMeasurement
 from tula_service.spec.job_spec import JobSpec
 
 
@@ -33,6 +34,10 @@ class FittedModels:
     network: object  # anything with predict(devices) -> seconds (RingAllReduce, HierarchicalAllReduce)
     epochs: EfficiencyModel  # EpochModel: predict epochs, step gain, LR multiplier
     overlap: OverlapModel = field(default_factory=OverlapModel)
+    step: StepTimeModel | None = None  # seconds per step on a placement; None: AnalyticStepTime of the above
+
+    def step_time(self) -> StepTimeModel:
+        return self.step or AnalyticStepTime(self.compute, self.network, self.overlap)
 
 
 def _measured_link(comm: CommMeasurement | None, report: dict[str, Any]) -> Link | None:
@@ -76,10 +81,12 @@ def _network(spec: JobSpec, gradient_bytes: int, comm: CommMeasurement | None) -
 
 
 def fit_models(
-    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None
+    spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None,
+    steps: list[StepMeasurement] | None = None,
 ) -> tuple[FittedModels, dict[str, Any]]:
     """Every term of the performance model fitted to a job's measurements (parsed: tula_service.measurement):
-    the successful compute points, the all-reduce benchmark and the pilot, when there are ones."""
+    the successful compute points, the all-reduce benchmark, the pilot and measured multi-device steps, when
+    there are ones."""
     batch = np.array([m.batch_size for m in ok], dtype=float)
     peak_bytes = np.array([m.memory.peak_bytes for m in ok], dtype=float)
     iter_time_s = np.array([m.iter_time.median_s for m in ok], dtype=float)
@@ -91,6 +98,7 @@ def fit_models(
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
     epochs, efficiency_report = epoch_model(spec, ok, pilot)
+    step = fit_step_time(single_device_rows(ok), steps or [], compute, network, overlap, gradient_bytes)
 
     report = {
         "memory": {
@@ -115,6 +123,14 @@ def fit_models(
             "g": {"value": overlap.g_, "source": overlap.source_,
                   "note": "no multi-device iteration measured: no compute/communication overlap assumed (conservative)"},
         },
+        "step_time": step.describe(),
         "efficiency": efficiency_report,
     }
-    return FittedModels(memory, compute, network, epochs, overlap), report
+    if isinstance(step, MeasuredStepTime):
+        gamma = step.model.params_()["gamma"]
+        report["overlap"] = {
+            "formula": report["overlap"]["formula"],
+            "g": {"value": gamma["value"], "source": "fitted" if step.model.shape_.overlap else "assumed", "note": gamma["source"]},
+            "from": "step_time: fitted with the placement model to the measured multi-device steps",
+        }  # fmt: skip
+    return FittedModels(memory, compute, network, epochs, overlap, step), report

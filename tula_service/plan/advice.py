@@ -155,7 +155,7 @@ def runner_ups(rows: list[dict[str, Any]], chosen_index: int, order: np.ndarray,
             continue
         row = rows[int(index)]
         result.append({
-            "device_batch": row["device_batch"], "devices": row["devices"], "accumulation": row["accumulation"],
+            "device_batch": row["device_batch"], "devices": row["devices"], "placement": row["placement"], "accumulation": row["accumulation"],
             "global_batch": row["global_batch"], "total_time_s": row["total_time_s"]["value"], "cost_usd": row["cost_usd"]["value"],
             "time_delta_pct": 100 * (row["total_time_s"]["value"] / chosen["total_time_s"]["value"] - 1),
             "cost_delta_pct": 100 * (row["cost_usd"]["value"] / chosen["cost_usd"]["value"] - 1),

@@ -1,11 +1,17 @@
-"""Sweep (per-device batch x devices x accumulation), predict time and cost, pick a configuration.
+"""Sweep (per-device batch x devices on a placement x accumulation), predict time and cost, pick a configuration.
 
-Per candidate (per-device batch b, devices n, accumulation steps a; global batch B = b n a):
+Per candidate (per-device batch b, n devices placed g on the busiest of m nodes, accumulation steps a;
+global batch B = b n a). Placements (`placements`): packed (g = min(n, gpus_per_node), m = ceil(n /
+gpus_per_node)) and, on a cluster of several nodes, spread (m = min(n, nodes), g = ceil(n / m)) and even
+over the power-of-two node counts between: GPUs that share a node share its NIC and host, so spreading can
+be faster, and under node-hour pricing it costs more nodes.
 
-    T_iter  = (T_comp(b)^g + T_net(n)^g)^(1/g)   (overlap; g = 1 is no overlap, the conservative default)
-    T_step  = (a - 1) T_comp(b) + T_iter          (design.md; AdaptDL's goodput model)
+    T_iter  = the step-time model's micro-step with its all-reduce (tula_service.fit.step_time):
+              (T_comp(b)^g + T_net(placement)^g)^(1/g) from the links, or the placement model fitted to
+              measured multi-device steps
+    T_step  = (a - 1) T_micro(b) + T_iter         (design.md; AdaptDL's goodput model)
     epoch   = floor(D / B) T_step + T_last        (a loader without drop_last: the last step holds r = D mod B)
-    T_last  = (k - 1) T_comp(b) + (T_comp(l)^g + T_net(n)^g)^(1/g)  when r > 0 (else 0), where each device
+    T_last  = (k - 1) T_micro(b) + T_iter(l)  when r > 0 (else 0), where each device
               gets ceil(r / n) samples in k = ceil(ceil(r / n) / b) micro-batches, the last of l samples
     time    = E(B) * epoch
     cost    = overhead + time_h * billed_units * price   (billed_units per pricing kind: tula_service.plan.pricing)
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tula_service.fit.fitting import FittedModels
+from tula_service.fit.step_time import StepTimeModel
 from tula_service.fit.perfmodel import MemoryModel
 from tula_service.plan.knee import Knee, find_knee
 from tula_service.plan.pricing import pricing_rule
@@ -38,6 +45,7 @@ class PlanInputs:
     price: float
     gpus_per_node: int = 1
     fixed_overhead_usd: float = 0.0
+    nodes: int = 1
     device_counts: np.ndarray | None = None  # default: powers of two up to the cluster, and the cluster
     accumulation_steps: tuple[int, ...] = ACCUMULATION_STEPS
 
@@ -57,18 +65,47 @@ def device_counts(total_devices: int) -> np.ndarray:
     return np.array(sorted(counts))
 
 
-def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
+PACKED, EVEN, SPREAD = 0, 1, 2
+PLACEMENT_KINDS = ("packed", "even", "spread")
+
+
+def placements(counts: np.ndarray, nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(n, g, m, kind) of the placements swept for each device count n: packed on the fewest nodes
+    (m = ceil(n / gpus_per_node), nodes filled in turn), spread over as many as can hold one
+    (m = min(n, nodes)), and, between them, evenly over each power-of-two node count; g = GPUs on the
+    busiest node (ceil(n / m) when dealt evenly)."""
+    rows = []
+    for n in (int(count) for count in np.asarray(counts)):
+        fewest, most = -(-n // gpus_per_node), min(n, nodes)
+        rows.append((n, min(n, gpus_per_node), fewest, PACKED))
+        between = [2**k for k in range(1, most.bit_length()) if fewest < 2**k < most]
+        rows += [(n, -(-n // m), m, EVEN) for m in between]
+        if most > fewest:
+            rows.append((n, -(-n // most), most, SPREAD))
+    n, g, m, kind = (np.array(column, dtype=float) for column in zip(*rows))
+    return n, g, m, kind.astype(int)
+
+
+def gpus_on_nodes(devices: int, nodes: int, per_node: int, kind: int) -> list[int]:
+    """The GPUs used on each node: packed fills nodes of per_node in turn; even and spread deal them out."""
+    if kind == PACKED:
+        return [per_node] * (devices // per_node) + ([devices % per_node] if devices % per_node else [])
+    return [devices // nodes + (1 if i < devices % nodes else 0) for i in range(nodes)]
+
+
+def cost_usd(inputs: PlanInputs, hours: np.ndarray, devices: np.ndarray, nodes: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
     """USD per candidate: fixed_overhead_usd + hours * billed_units * price, billed by the rule of
     inputs.pricing_kind (tula_service.plan.pricing); ValueError naming the known kinds for another."""
-    billed_units = pricing_rule(inputs.pricing_kind).billed_units(devices, inputs.gpus_per_node, memory_bytes)
+    billed_units = pricing_rule(inputs.pricing_kind).billed_units(devices, nodes, memory_bytes)
     return inputs.fixed_overhead_usd + hours * billed_units * inputs.price
 
 
 def epoch_seconds(
-    models: FittedModels, num_samples: int, b: np.ndarray, n: np.ndarray, a: np.ndarray, compute_s: np.ndarray, step_time_s: np.ndarray
+    step: StepTimeModel, num_samples: int, b: np.ndarray, n: np.ndarray, a: np.ndarray, g: np.ndarray, m: np.ndarray,
+    micro_s: np.ndarray, step_time_s: np.ndarray,
 ) -> np.ndarray:
-    """Seconds per epoch of D samples at per-device batch b, n devices, a accumulation steps (formula above);
-    compute_s = T_comp(b) and step_time_s = T_step as the sweep computed them.
+    """Seconds per epoch of D samples at per-device batch b, n devices (g on the busiest of m nodes), a
+    accumulation steps (formula above); micro_s = T_micro(b) and step_time_s = T_step as the sweep computed them.
 
     The last step of an epoch holds the r = D mod B samples left over, as a DataLoader (or DistributedSampler)
     without drop_last delivers them; counting it as a full step, ceil(D / B) T_step, overstates an epoch
@@ -80,9 +117,7 @@ def epoch_seconds(
     per_device = np.ceil(left_over / n)
     micro_steps = np.maximum(1.0, np.ceil(per_device / b))
     last_micro = np.maximum(1.0, per_device - (micro_steps - 1) * b)
-    last_step_s = (micro_steps - 1) * compute_s + models.overlap.combine(
-        models.compute.predict(last_micro), models.network.predict(n)
-    )
+    last_step_s = (micro_steps - 1) * micro_s + step.iter_s(last_micro, g, m, n)
     return full_steps * step_time_s + np.where(left_over > 0, last_step_s, 0.0)
 
 
@@ -90,21 +125,27 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
     max_batch = max_device_batch(models.memory, inputs.device_memory_bytes)
     batches = inputs.device_batches[inputs.device_batches <= max_batch]
     counts = device_counts(inputs.total_devices) if inputs.device_counts is None else inputs.device_counts
-    b, n, a = (
+    place_n, place_g, place_m, place_kind = placements(counts, inputs.nodes, inputs.gpus_per_node)
+    b, index, a = (
         grid.ravel()
-        for grid in np.meshgrid(batches, counts, np.array(inputs.accumulation_steps), indexing="ij")
+        for grid in np.meshgrid(batches, np.arange(place_n.size), np.array(inputs.accumulation_steps), indexing="ij")
     )
+    n, g, m = place_n[index], place_g[index], place_m[index]
     global_batch = b * n * a
     memory_bytes = models.memory.predict(b)
-    compute_s = models.compute.predict(b)
-    iter_time_s = models.overlap.combine(compute_s, models.network.predict(n))
-    step_time_s = (a - 1) * compute_s + iter_time_s
+    step = models.step_time()
+    micro_s = step.micro_s(b, g)
+    iter_time_s = step.iter_s(b, g, m, n)
+    step_time_s = (a - 1) * micro_s + iter_time_s
     epochs = models.epochs.predict(global_batch)
-    epoch_time_s = epoch_seconds(models, inputs.num_samples, b, n, a, compute_s, step_time_s)
+    epoch_time_s = epoch_seconds(step, inputs.num_samples, b, n, a, g, m, micro_s, step_time_s)
     total_time_s = epochs * epoch_time_s
     return {
         "device_batch": b,
         "devices": n,
+        "nodes": m,
+        "per_node": g,
+        "placement_kind": place_kind[index],
         "accumulation": a,
         "global_batch": global_batch,
         "memory_bytes": memory_bytes,
@@ -113,7 +154,7 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
         "epochs": epochs,
         "epoch_time_s": epoch_time_s,
         "total_time_s": total_time_s,
-        "cost_usd": cost_usd(inputs, total_time_s / 3600.0, n, memory_bytes),
+        "cost_usd": cost_usd(inputs, total_time_s / 3600.0, n, m, memory_bytes),
     }
 
 

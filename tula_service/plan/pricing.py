@@ -1,12 +1,14 @@
 """What a plan costs: one PricingRule per pricing kind (the spec's `pricing.kind`), all in PRICING_RULES.
 
-Per candidate of the planner's sweep (n devices at per-device batch b, M(b) the predicted memory per
-device, time_h its predicted hours to train):
+Per candidate of the planner's sweep (n devices on m nodes at per-device batch b, M(b) the predicted memory
+per device, time_h its predicted hours to train):
 
     cost = fixed_overhead_usd + time_h * billed_units * price
 
     billed_units = n                        gpu_hour:        per GPU-hour
-                 = ceil(n / gpus_per_node)  node_hour:       per node-hour (whole nodes are rented)
+                 = m                        node_hour:       per node-hour (whole nodes are rented: the
+                                                             nodes the placement uses, ceil(n / gpus_per_node)
+                                                             when packed)
                  = n * M(b) / GiB           memory_gb_hour:  per GiB-hour of device memory actually used
 """
 
@@ -28,8 +30,9 @@ class PricingRule(Protocol):
     unit: str  # what one price is for, e.g. "GPU-hour"
     formula: str  # billed_units as the module docstring writes it
 
-    def billed_units(self, devices: np.ndarray, gpus_per_node: int, memory_bytes: np.ndarray) -> np.ndarray:
-        """Units billed per hour for n = `devices` each using `memory_bytes`, vectorized over candidates."""
+    def billed_units(self, devices: np.ndarray, nodes: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
+        """Units billed per hour for n = `devices` on `nodes` nodes each using `memory_bytes`, vectorized over
+        candidates."""
         ...
 
 
@@ -38,17 +41,17 @@ class GpuHour:
     unit = "GPU-hour"
     formula = "n"
 
-    def billed_units(self, devices: np.ndarray, gpus_per_node: int, memory_bytes: np.ndarray) -> np.ndarray:
+    def billed_units(self, devices: np.ndarray, nodes: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
         return np.asarray(devices)
 
 
 class NodeHour:
     kind = "node_hour"
     unit = "node-hour"
-    formula = "ceil(n / gpus_per_node)"
+    formula = "m"
 
-    def billed_units(self, devices: np.ndarray, gpus_per_node: int, memory_bytes: np.ndarray) -> np.ndarray:
-        return np.ceil(devices / gpus_per_node)
+    def billed_units(self, devices: np.ndarray, nodes: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
+        return np.asarray(nodes)
 
 
 class MemoryGbHour:
@@ -56,7 +59,7 @@ class MemoryGbHour:
     unit = "GiB-hour of device memory used"
     formula = "n * M(b) / GiB"
 
-    def billed_units(self, devices: np.ndarray, gpus_per_node: int, memory_bytes: np.ndarray) -> np.ndarray:
+    def billed_units(self, devices: np.ndarray, nodes: np.ndarray, memory_bytes: np.ndarray) -> np.ndarray:
         return devices * memory_bytes / GIB
 
 

@@ -16,14 +16,18 @@ import numpy as np
 from tula_service.dispatch.maxbatch import bracket
 from tula_service.dispatch.reliability import assess, quieter
 from tula_service.fit.fitting import FittedModels, fit_models
-from tula_service.measurement import CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, parse_measurement
+from tula_service.measurement import (
+    CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, StepMeasurement, parse_measurement,
+)  # fmt: skip
 from tula_service.plan.advice import ags_config, batch_ramp, lr_rule, runner_ups, warmup
 from tula_service.plan.knee import KNEE_METHODS
 from tula_service.plan.planner import (
     ACCUMULATION_STEPS,
     MEMORY_MARGIN,
+    PLACEMENT_KINDS,
     PlanInputs,
     choose,
+    gpus_on_nodes,
     max_device_batch,
     ranking,
     sweep,
@@ -78,7 +82,8 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         )
     comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
     pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
-    models, report = fit_models(spec, ok, comm, pilot)
+    steps = [m for m in points if isinstance(m, StepMeasurement)]
+    models, report = fit_models(spec, ok, comm, pilot, steps)
     inputs = PlanInputs(
         device_batches=candidate_device_batches([m.batch_size for m in ok], oom_batches),
         total_devices=spec.cluster.total_devices,
@@ -88,6 +93,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         price=spec.pricing.price,
         gpus_per_node=spec.cluster.gpus_per_node,
         fixed_overhead_usd=spec.pricing.fixed_overhead_usd,
+        nodes=spec.cluster.nodes,
     )
     candidates = sweep(models, inputs)
     if candidates["global_batch"].size == 0:
@@ -98,7 +104,9 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
     chosen, knee, front = choice.index, choice.knee, choice.front
     measured = {m.batch_size: m for m in ok}
-    rows = [_candidate_row(candidates, i, front, measured, report) for i in range(candidates["global_batch"].size)]
+    step_err = models.step_time().describe().get("held_out_median_rel_err")
+    measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
+    rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
     tokens_per_sample = ok[0].model.tokens_per_sample
     if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
         for row in rows:
@@ -272,11 +280,19 @@ def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
 
 
 def _candidate_row(
-    candidates: dict[str, np.ndarray], i: int, front: np.ndarray, measured: dict[int, ComputeMeasurement], report: dict
+    candidates: dict[str, np.ndarray], i: int, front: np.ndarray, measured: dict[int, ComputeMeasurement], report: dict,
+    step_err: float | None = None, measured_steps: dict[tuple[tuple[int, ...], int], float] | None = None,
 ) -> dict[str, Any]:
+    """One candidate as the recommendation gives it. step_err: the held-out error of the step-time model fitted
+    to measured multi-device steps (the multi-device rows' error; the compute model's where None);
+    measured_steps: step seconds measured at (placement, device batch)."""
     b, n, a = (int(candidates[key][i]) for key in ("device_batch", "devices", "accumulation"))
+    kind = int(candidates["placement_kind"][i])
+    placement = gpus_on_nodes(n, int(candidates["nodes"][i]), int(candidates["per_node"][i]), kind)
     point = measured.get(b)
     time_err = report["compute"]["leave_one_out"]["median_rel_err"]
+    if n > 1 and step_err is not None:
+        time_err = step_err
     mem_err = report["memory"]["leave_one_out"]["median_rel_err"]
 
     def predicted(key: str, rel_err: float | None = time_err) -> dict[str, Any]:
@@ -290,14 +306,17 @@ def _candidate_row(
         if point and n == 1 and a == 1
         else predicted("iter_time_s")
     )
+    step_measured = (measured_steps or {}).get((tuple(placement), b)) if a == 1 and n > 1 else None
     return {
         "device_batch": b,
         "devices": n,
+        "placement": placement,
+        "placement_kind": PLACEMENT_KINDS[kind],
         "accumulation": a,
         "global_batch": int(candidates["global_batch"][i]),
         "memory_bytes": memory,
         "iter_time_s": iter_time,
-        "step_time_s": predicted("step_time_s"),
+        "step_time_s": {"value": step_measured, "source": "measured"} if step_measured else predicted("step_time_s"),
         "epochs": {
             "value": float(candidates["epochs"][i]),
             "source": "assumed" if report["efficiency"]["source"] == "assumed" else "predicted",

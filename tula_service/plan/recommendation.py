@@ -44,11 +44,16 @@ class Candidate(BaseModel):
 
     device_batch: int = Field(description="samples per device per micro-step")
     devices: int
+    placement: list[int] = Field(description="the GPUs used on each node, e.g. [4, 4]")
+    placement_kind: Literal["packed", "even", "spread"] = Field(
+        description="packed: the fewest nodes, filled in turn; spread: one GPU per node where the nodes allow; "
+        "even: the GPUs dealt out evenly over a power-of-two number of nodes between the two"
+    )
     accumulation: int = Field(description="micro-steps per optimizer step")
     global_batch: int = Field(description="device_batch * devices * accumulation, in batch_unit.unit")
     memory_bytes: SourcedValue = Field(description="per device: measured at a profiled batch, else predicted")
     iter_time_s: SourcedValue = Field(description="one micro-step: measured for a profiled batch on one device, else predicted")
-    step_time_s: SourcedValue = Field(description="one optimizer step, (a - 1) T_comp + T_iter")
+    step_time_s: SourcedValue = Field(description="one optimizer step, (a - 1) T_micro + T_iter: measured where a step was measured on this placement and batch")
     epochs: SourcedValue = Field(description="epochs to the reference run's target at this global batch, E(B)")
     epoch_time_s: SourcedValue
     total_time_s: SourcedValue = Field(description="epochs * epoch_time_s")
@@ -62,6 +67,7 @@ class RunnerUp(BaseModel):
 
     device_batch: int
     devices: int
+    placement: list[int] = Field(description="the GPUs used on each node")
     accumulation: int
     global_batch: int
     total_time_s: float
@@ -316,6 +322,14 @@ class OverlapFit(_Detail):
     g: SourcedValue
 
 
+class StepTimeFit(_Detail):
+    """How a step's seconds on several devices are predicted (tula_service.fit.step_time)."""
+
+    model: Literal["analytic", "placement"] = Field(description="analytic: links and overlap; placement: fitted to measured steps")
+    formula: str
+    multi_device_steps: int = Field(description="measured steps on two or more devices the model was fitted to")
+
+
 class NoiseEvidence(_Detail):
     source: str = Field(description="other_runs | reference_run | pilot | initialization")
     noise_scale: float | None
@@ -373,6 +387,7 @@ class FitReport(_Detail):
     compute: ComputeFit
     network: NetworkFit
     overlap: OverlapFit
+    step_time: StepTimeFit
     efficiency: Annotated[FittedEfficiency | AssumedEfficiency, Field(discriminator="source")]
 
 

@@ -79,8 +79,11 @@ class HierarchicalAllReduce:
     def predict(self, devices: np.ndarray | int) -> np.ndarray:
         """Seconds per all-reduce over n devices placed on ceil(n / gpus_per_node) nodes (formula above)."""
         n = np.asarray(devices, dtype=float)
-        per_node = np.minimum(n, self.gpus_per_node)
-        nodes = np.ceil(n / self.gpus_per_node)
+        return self.predict_placement(np.minimum(n, self.gpus_per_node), np.ceil(n / self.gpus_per_node))
+
+    def predict_placement(self, per_node: np.ndarray | int, nodes: np.ndarray | int) -> np.ndarray:
+        """Seconds per all-reduce with `per_node` GPUs on the busiest of `nodes` nodes (formula above)."""
+        per_node, nodes = (np.asarray(v, dtype=float) for v in (per_node, nodes))
         intra_s = ring_seconds(per_node, self.gradient_bytes, self.intra.latency_s, self.intra.bandwidth_gbps)
         shard_bytes = self.gradient_bytes / np.maximum(per_node, 1.0)
         inter_s = ring_seconds(nodes, shard_bytes, self.inter.latency_s, self.inter.bandwidth_gbps)
