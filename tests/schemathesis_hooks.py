@@ -23,19 +23,52 @@ from tula_service.spec.job_spec import MAX_BATCH, powers_of_two_between
 from tula_service.spec.spec_limits import max_batch_sizes, max_devices
 
 
-@schemathesis.hook.apply_to(method="POST", path="/v1/jobs")  # on the other operations a case hook costs seconds a case
+VALID_CSV = "placement,local_bsz,step_time,sync_time\n1,8,0.02,\n1,32,0.05,\n2,32,0.06,0.01\n"
+
+
+# on the other operations a case hook costs seconds a case
+@schemathesis.hook.apply_to(method="POST", path=["/v1/jobs", "/v1/plan"])
 def map_case(context, case):
+    """POST /v1/jobs's body is a spec; POST /v1/plan's holds one at "spec", with the same repairs, and its
+    `measurements_csv`, whose CSV grammar JSON Schema cannot state, becomes a readable table (VALID_CSV). The
+    plan's records are left as drawn: valid ones that cannot be planned from are a 409, which the positive
+    check allows."""
     if case.meta is None or not case.meta.generation.mode.is_positive:
         return case
-    if isinstance(case.body, dict):
+    plan = case.operation.path == "/v1/plan"
+    spec = case.body.get("spec") if plan and isinstance(case.body, dict) else case.body
+    if isinstance(spec, dict):
         try:
-            case.body = meeting_the_rules(copy.deepcopy(case.body))
+            repaired = meeting_the_rules(copy.deepcopy(spec))
         except (KeyError, TypeError, AttributeError):
-            pass  # a "positive" body the schema does not allow after all (the generator can miss a keyword): sent as drawn
+            repaired = spec  # a "positive" body the schema does not allow after all (the generator can miss a keyword): sent as drawn
+        if plan:
+            case.body["spec"] = repaired
+            if isinstance(case.body.get("measurements_csv"), str):
+                case.body["measurements_csv"] = VALID_CSV
+            if isinstance(case.body.get("measurements"), list):
+                case.body["measurements"] = [_record_meeting_the_rules(r) for r in case.body["measurements"]]
+        else:
+            case.body = repaired
     for name in list(case.headers or {}):
         if name.lower() == "idempotency-key":
             case.headers[name] = uuid.uuid4().hex
     return case
+
+
+def _record_meeting_the_rules(record: Any) -> Any:
+    """A measurement record changed to meet the two rules between its fields (tula_service.measurement): a
+    step's sync_time_s below its step_time_s, and an "ok" compute point with iter_time, memory and model."""
+    if not isinstance(record, dict):
+        return record
+    record = dict(record)
+    sync, step = record.get("sync_time_s"), record.get("step_time_s")
+    if record.get("kind") == "step" and isinstance(sync, int | float) and isinstance(step, int | float) and sync >= step:
+        record["sync_time_s"] = None
+    if record.get("kind", "compute") in ("compute", "retime") and record.get("status") == "ok":
+        if any(record.get(field) is None for field in ("iter_time", "memory", "model")):
+            record["status"] = "failed"
+    return record
 
 
 def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:

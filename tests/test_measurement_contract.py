@@ -44,8 +44,10 @@ def test_a_record_that_breaks_the_contract_is_refused_by_field():
     wrong["memory"]["peak_bytes"] = "a lot"
     with pytest.raises(ValidationError, match="peak_bytes"):
         parse_measurement(wrong)
-    with pytest.raises(ValueError, match="unknown measurement kind 'step'"):
-        parse_measurement({"kind": "step", "status": "ok"})
+    with pytest.raises(ValueError, match="unknown measurement kind 'epoch'"):
+        parse_measurement({"kind": "epoch", "status": "ok"})
+    with pytest.raises(ValidationError, match="step_time_s"):
+        parse_measurement({"kind": "step", "status": "ok", "placement": [2], "device_batch": 8})
 
 
 def test_a_record_keeps_the_detail_the_contract_does_not_name():

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
-from tula_service.plan.recommendation import JobRecommendation, WhatIfPlan
+from tula_service.plan.recommendation import JobRecommendation, StatelessPlan, WhatIfPlan
 from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
 from tula_service.settings import environment
 from tula_service.store.states import TERMINAL_JOB_STATES
@@ -75,6 +75,9 @@ def _raise_for_problem(response: httpx.Response) -> httpx.Response:
         message, problem = explain(response)
         raise TulaError(response.status_code, message, problem)
     return response
+
+
+PLAN_TIMEOUT_S = 300.0  # POST /v1/plan: the placement model's fit over thousands of steps
 
 
 def _checked(model: type[BaseModel], answer: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +195,17 @@ class TulaClient:
         """Re-plan a done job's measurements: {cluster: {...}, pricing: {...}, objective, deadline_h, budget_usd};
         the answer is checked against WhatIfPlan."""
         return _checked(WhatIfPlan, self._json("POST", self._job_path(job_id, "plan"), json=dict(what_if or {})))
+
+    def plan_measurements(
+        self, spec: Mapping[str, Any], measurements: Iterable[Mapping[str, Any]] = (), measurements_csv: str | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/plan: a spec planned from measurements taken anywhere (Measurement records and/or a CSV
+        of measured steps), nothing stored; the answer is checked against StatelessPlan."""
+        body: dict[str, Any] = {"spec": dict(spec), "measurements": [dict(m) for m in measurements]}
+        if measurements_csv is not None:
+            body["measurements_csv"] = measurements_csv
+        # fitting the placement model to many steps takes seconds; a retry would fit them again
+        return _checked(StatelessPlan, self._json("POST", "/v1/plan", json=body, retry=False, timeout=PLAN_TIMEOUT_S))
 
     def plan_model(self, job_id: str, what_if: Mapping[str, Any] | None = None) -> WhatIfPlan:
         return WhatIfPlan.model_validate(self._json("POST", self._job_path(job_id, "plan"), json=dict(what_if or {})))

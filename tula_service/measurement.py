@@ -21,11 +21,12 @@ error), predicted (from fitted models, with their error), assumed, or given in t
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from tula_service.spec.job_spec import GradientStatsRecord
+from tula_service.spec.spec_limits import MAX_BATCH
 
 Source = Literal["measured", "fitted", "predicted", "assumed", "spec", "catalog-assumed"]
 
@@ -163,6 +164,10 @@ class PilotMeasurement(_Record):
         return self.status == "ok"
 
 
+MAX_STEP_S = 86_400.0  # a step of more than a day is no measurement of a training step
+MAX_NODES, MAX_GPUS_PER_NODE = 4096, 64
+
+
 class StepMeasurement(_Record):
     """One training step measured on a placement: the GPUs used on each node (Pollux's "22" is [2, 2]), the
     per-GPU batch, the step's seconds and, where the trainer timed it, the all-reduce's (the part of the
@@ -172,10 +177,12 @@ class StepMeasurement(_Record):
     schema_version: int = 1
     kind: Literal["step"]
     status: Literal["ok"] = "ok"
-    placement: list[int] = Field(min_length=1, description="GPUs used on each node, e.g. [2, 2]")
-    device_batch: int = Field(ge=1, description="samples per GPU per step (local_bsz)")
-    step_time_s: float = Field(gt=0)
-    sync_time_s: float | None = Field(None, ge=0, description="seconds of the step spent in the gradient all-reduce")
+    placement: list[Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]] = Field(
+        min_length=1, max_length=MAX_NODES, description="GPUs used on each node, e.g. [2, 2]"
+    )
+    device_batch: int = Field(ge=1, le=MAX_BATCH, description="samples per GPU per step (local_bsz)")
+    step_time_s: float = Field(gt=0, le=MAX_STEP_S)
+    sync_time_s: float | None = Field(None, ge=0, le=MAX_STEP_S, description="seconds of the step spent in the gradient all-reduce")
     origin: str | None = Field(None, description="where the row comes from: profiler, trainer, csv, trace")
 
     @model_validator(mode="after")

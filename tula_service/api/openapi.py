@@ -1,5 +1,6 @@
 """The OpenAPI document as the API publishes it: JSON Schema's names for numeric bounds, and the request
-schema of POST /v1/jobs narrowed to what its validators accept (tula_service.spec.submission_schema)."""
+schema of POST /v1/jobs narrowed to what its validators accept (tula_service.spec.submission_schema), and
+POST /v1/plan's request stating its spec and measurement records (tula_service.api.plan)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from tula_service.api.plan import publish_plan_request
 from tula_service.spec.submission_schema import publish_job_submission
 
 PYDANTIC_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
@@ -21,7 +23,7 @@ def standard_bounds(schema: Any) -> Any:
         for item in schema:
             standard_bounds(item)
     elif isinstance(schema, dict):
-        if schema.get("type") in ("integer", "number"):
+        if schema.get("type") in ("integer", "number") or "anyOf" in schema:  # a bound on `int | float` sits by its anyOf
             for pydantic_name, json_schema_name in PYDANTIC_BOUNDS.items():
                 if pydantic_name in schema:
                     schema.setdefault(json_schema_name, schema.pop(pydantic_name))
@@ -32,4 +34,4 @@ def standard_bounds(schema: Any) -> Any:
 
 def install_openapi(app: FastAPI) -> None:
     """app.openapi() as published (FastAPI caches the document it builds; both steps are idempotent)."""
-    app.openapi = lambda: publish_job_submission(standard_bounds(FastAPI.openapi(app)))  # type: ignore[method-assign]
+    app.openapi = lambda: standard_bounds(publish_plan_request(publish_job_submission(standard_bounds(FastAPI.openapi(app)))))  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 import httpx
@@ -332,8 +333,66 @@ def _show(args: argparse.Namespace) -> int:
     return EXIT_JOB_NOT_DONE if job.state == "failed" else 0
 
 
+WHAT_IF_FLAGS = ("gpus", "nodes", "gpus_per_node", "gpu_type", "device_memory_gib", "price", "pricing_kind", "objective",
+                 "deadline_h", "budget", "reference_epochs", "reference_lr", "max_lr")  # fmt: skip
+
+
+def _measurement_files(paths: list[str]) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of --measurements files: a CSV table of steps (at most one; the server reads its rows),
+    JSONL (a record a line), or JSON (a list of records, or GET /v1/jobs/{id}/measurements's answer)."""
+    records, csv_text = [], None
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise CliError(f"cannot read measurements {path}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise CliError(f"{path} is not text: measurements are JSON, JSONL or CSV") from None
+        if path.lower().endswith(".csv"):
+            if csv_text is not None:
+                raise CliError("give at most one CSV of steps (--measurements); the other measurements as JSON or JSONL")
+            csv_text = text
+            continue
+        records += _json_records(path, text)
+    return records, csv_text
+
+
+def _json_records(path: str, text: str) -> list[dict[str, Any]]:
+    try:
+        if path.lower().endswith(".jsonl"):
+            loaded = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            loaded = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CliError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+    if isinstance(loaded, dict) and isinstance(loaded.get("points"), list):  # GET /v1/jobs/{id}/measurements
+        loaded = [point["measurement"] for point in loaded["points"] if isinstance(point, dict) and point.get("measurement")]
+    if not isinstance(loaded, list) or not all(isinstance(record, dict) for record in loaded):
+        raise CliError(f"{path}: expected a list of measurement records (objects), one per line in JSONL")
+    return loaded
+
+
+@talks_to_the_server
+def _plan_measurements(args: argparse.Namespace) -> int:
+    """`tula plan --spec FILE --measurements FILE ...`: POST /v1/plan, nothing stored."""
+    given = [flag for flag in WHAT_IF_FLAGS if getattr(args, flag) is not None]
+    if args.job_id or not args.spec or given:
+        raise CliError("tula plan --measurements plans a spec file: give --spec FILE and no job id"
+                       + (f" (and edit the spec rather than --{given[0].replace('_', '-')})" if given else ""))  # fmt: skip
+    spec = _validated_spec(args.spec)
+    records, csv_text = _measurement_files(args.measurements)
+    with _client(args) as client:
+        result = client.plan_measurements(spec, records, csv_text)
+    print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
+    return 0
+
+
 @talks_to_the_server
 def _plan(args: argparse.Namespace) -> int:
+    if args.measurements:
+        return _plan_measurements(args)
+    if not args.job_id:
+        raise CliError("tula plan needs a job id (a what-if of a done job) or --spec FILE --measurements FILE")
     with _client(args) as client:
         job = client.job(args.job_id)
         what_if, changes, unchanged = build_what_if(args, job.spec)
@@ -422,8 +481,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--json", action="store_true", help='print {"job": ..., "recommendation": ...}')
     show.set_defaults(func=_show)
 
-    plan = sub.add_parser("plan", parents=[client_options], help="re-plan a done job for another cluster, price, objective or reference run")
-    plan.add_argument("job_id")
+    plan = sub.add_parser("plan", parents=[client_options], help="re-plan a done job for another cluster, price, objective or "
+                          "reference run; or plan a spec from measurements taken anywhere (--spec, --measurements)")
+    plan.add_argument("job_id", nargs="?")
+    plan.add_argument("--spec", metavar="FILE", help="with --measurements: the job spec (YAML or JSON) to plan")
+    plan.add_argument("--measurements", metavar="FILE", action="append",
+                      help="measurements to plan --spec from, nothing stored (repeatable): JSON or JSONL Measurement records, "
+                      "or a CSV of steps with the header placement,local_bsz,step_time,sync_time or "
+                      "num_nodes,num_replicas,local_bsz,step_time,sync_time")
     plan.add_argument("--gpus", type=positive_int, help="total devices (nodes x the job's GPUs per node)")
     plan.add_argument("--nodes", type=positive_int)
     plan.add_argument("--gpus-per-node", type=positive_int)

@@ -54,9 +54,9 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f"objective: {rec['objective']}"
         + (f"  (knee by {rec['knee']['method']}, S={rec['knee']['sensitivity']}, on {rec['knee']['curve']})" if rec.get("knee") else ""),
         f"chosen: global batch {chosen['global_batch']} = device batch {chosen['device_batch']}"
-        f" x {chosen['devices']} devices x {chosen['accumulation']} accumulation",
+        f" x {_devices(chosen)} devices x {chosen['accumulation']} accumulation",
         f"  predicted total time {human_duration(chosen['total_time_s']['value'])},"
-        f" cost {human_usd(chosen['cost_usd']['value'])}, memory {human_bytes(chosen['memory_bytes']['value'])}"
+        f" cost {human_usd(chosen['cost_usd']['value'])}, memory {_memory(chosen)}"
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
     knee = rec.get("knee") or {}
@@ -76,13 +76,24 @@ def format_recommendation(rec: dict[str, Any]) -> str:
             lines.append("  batch ramp: " + ", ".join(f"{st['global_batch']} from {st['from_epoch_fraction']:.0%}" for st in ramp["stages"]))
     front = sorted((c for c in rec["candidates"] if c["pareto"]), key=lambda c: c["global_batch"])
     rows = [
-        [c["global_batch"], c["device_batch"], c["devices"], c["accumulation"], human_bytes(c["memory_bytes"]["value"]),
+        [c["global_batch"], c["device_batch"], _devices(c), c["accumulation"], _memory(c),
          human_duration(c["iter_time_s"]["value"]), human_duration(c["total_time_s"]["value"]), human_usd(c["cost_usd"]["value"])]
         for c in front
     ]  # fmt: skip
     lines += ["", table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"], rows, align=">")]
     lines.append(f"({len(rec['candidates'])} candidates in all; Pareto front shown; --json for everything)")
     return "\n".join(lines)
+
+
+def _devices(candidate: dict[str, Any]) -> str:
+    """4 devices on one node: "4"; on several: "4 (2+2)", the GPUs used on each node."""
+    placement = candidate.get("placement") or [candidate["devices"]]
+    return str(candidate["devices"]) + (f" ({'+'.join(map(str, placement))})" if len(placement) > 1 else "")
+
+
+def _memory(candidate: dict[str, Any]) -> str:
+    value = candidate["memory_bytes"]["value"]
+    return "not measured" if value is None else human_bytes(value)
 
 
 def compare_with_stored(before: dict[str, Any], after: dict[str, Any]) -> str:

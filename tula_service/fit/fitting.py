@@ -14,15 +14,22 @@ import numpy as np
 from tula_service.fit.efficiency_evidence import epoch_model
 from tula_service.fit.links import cluster_links, link_report
 from tula_service.fit.perfmodel import MemoryModel
+from tula_service.fit.perfmodel.memory import UnmeasuredMemory
 from tula_service.fit.perfmodel.comm_fit import fit_comm_record
 from tula_service.fit.perfmodel.compute import ComputeModel, select_compute_model
 from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link
 from tula_service.fit.perfmodel.overlap import OverlapModel
 from tula_service.fit.perfmodel.validation import error_summary, leave_one_out_relative_errors
-from tula_service.fit.step_time import AnalyticStepTime, MeasuredStepTime, StepTimeModel, fit_step_time, single_device_rows
+from tula_service.fit.step_time import (
+    AnalyticStepTime, MeasuredStepTime, StepTimeModel, fit_step_time, single_device_rows, step_rows,
+)  # fmt: skip
 from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement, StepMeasurement
 from tula_service.spec.job_spec import JobSpec
+
+
+class NotEnoughSteps(ValueError):
+    """Steps alone that cannot predict the all-reduce (the gradient's size unknown and too few placements)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ def _measured_link(comm: CommMeasurement | None, report: dict[str, Any]) -> Link
     return Link(latency_s=fit.latency_s_, bandwidth_gbps=fit.bandwidth_gbps_, source="fitted", name="measured (nccl)")
 
 
-def _network(spec: JobSpec, gradient_bytes: int, comm: CommMeasurement | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
+def _network(spec: JobSpec, gradient_bytes: int | None, comm: CommMeasurement | None) -> tuple[HierarchicalAllReduce, dict[str, Any]]:
     """Hierarchical ring all-reduce over the links tula_service.fit.links picks: the intra-node link measured
     (NCCL benchmark) when possible, else the spec's or the catalog's; the inter-node link the spec's or
     the catalog's."""
@@ -72,12 +79,26 @@ def _network(spec: JobSpec, gradient_bytes: int, comm: CommMeasurement | None) -
         "formula": "ring over g = min(n, gpus_per_node) devices on the intra-node link, then over the m nodes "
         "on the inter-node link with S/g bytes: T = ring(g, S, intra) + ring(m, S/g, inter); "
         "ring(n, S, link) = 2(n-1) latency_s + 2(n-1)/n S / bandwidth",
-        "gradient_bytes": {"value": gradient_bytes, "source": "measured"},
+        "gradient_bytes": {"value": gradient_bytes, "source": "measured"} if gradient_bytes is not None else
+        {"value": None, "source": "assumed", "note": "unknown: no profiled compute point gave the model's size"},
     }
     intra, inter = cluster_links(cluster, _measured_link(comm, report))
     report["intra_node"] = link_report(intra)
     report["inter_node"] = link_report(inter) if cluster.nodes > 1 else None
-    return HierarchicalAllReduce(gradient_bytes, cluster.gpus_per_node, intra, inter), report
+    size = float(gradient_bytes) if gradient_bytes is not None else float("nan")
+    return HierarchicalAllReduce(size, cluster.gpus_per_node, intra, inter), report
+
+
+def _check_links_fitted(spec: JobSpec, step: StepTimeModel) -> None:
+    """With the gradient's size unknown, the links the sweep will use must be fitted to measured steps."""
+    used = [link for link, used in (("intra", spec.cluster.gpus_per_node > 1), ("inter", spec.cluster.nodes > 1)) if used]
+    unfitted = used if not isinstance(step, MeasuredStepTime) else [link for link in used if step.model.sources_[link] == "assumed"]
+    if unfitted:
+        raise NotEnoughSteps(
+            "without a profiled compute point the gradient's size is unknown, so the all-reduce over the "
+            f"{' and '.join(f'{link}-node' for link in unfitted)} link cannot be predicted from the links: give steps measured "
+            "on two or more GPUs, at 3 or more placements that use that link (or compute measurements)"
+        )
 
 
 def fit_models(
@@ -86,31 +107,45 @@ def fit_models(
 ) -> tuple[FittedModels, dict[str, Any]]:
     """Every term of the performance model fitted to a job's measurements (parsed: tula_service.measurement):
     the successful compute points, the all-reduce benchmark, the pilot and measured multi-device steps, when
-    there are ones."""
-    batch = np.array([m.batch_size for m in ok], dtype=float)
-    peak_bytes = np.array([m.memory.peak_bytes for m in ok], dtype=float)
-    iter_time_s = np.array([m.iter_time.median_s for m in ok], dtype=float)
+    there are ones.
 
-    memory = MemoryModel().fit(batch, peak_bytes)
+    Without compute points (steps from a trainer, a trace or a CSV only), the single-device steps time the
+    compute model, memory is not measured (UnmeasuredMemory: no batch above the largest that ran), the
+    gradient's size is unknown, and so multi-device steps must be measured on enough placements to fit
+    the step-time model (NotEnoughSteps otherwise)."""
+    steps = steps or []
+    single = single_device_rows(ok) + [r for r in step_rows(steps) if sum(r.placement) == 1]
+    batch = np.array([r.device_batch for r in single], dtype=float)
+    iter_time_s = np.array([r.step_time_s for r in single], dtype=float)
     compute, compute_report = select_compute_model(batch, iter_time_s)
     chosen_compute = type(compute)
-    gradient_bytes = ok[0].model.gradient_bytes
-    network, network_report = _network(spec, gradient_bytes, comm)
-    overlap = OverlapModel()
-    epochs, efficiency_report = epoch_model(spec, ok, pilot)
-    step = fit_step_time(single_device_rows(ok), steps or [], compute, network, overlap, gradient_bytes)
-
-    report = {
-        "memory": {
+    if ok:
+        memory_batch = np.array([m.batch_size for m in ok], dtype=float)
+        peak_bytes = np.array([m.memory.peak_bytes for m in ok], dtype=float)
+        memory = MemoryModel().fit(memory_batch, peak_bytes)
+        memory_report = {
             "formula": "M(b) = static_bytes + act_bytes_per_sample * b",
             "static_bytes": float(memory.static_bytes_),
             "act_bytes_per_sample": float(memory.act_bytes_per_sample_),
             "r2": memory.r2_,
             "residual_std_bytes": memory.residual_std_bytes_,
             "max_batch_rule": "the 95% prediction interval's upper bound must fit the device (with the margin)",
-            "leave_one_out": error_summary(leave_one_out_relative_errors(MemoryModel, batch, peak_bytes)),
+            "leave_one_out": error_summary(leave_one_out_relative_errors(MemoryModel, memory_batch, peak_bytes)),
             "source": "fitted",
-        },
+        }
+    else:
+        memory = UnmeasuredMemory(int(batch.max()))
+        memory_report = memory.report()
+    gradient_bytes = ok[0].model.gradient_bytes if ok else None
+    network, network_report = _network(spec, gradient_bytes, comm)
+    overlap = OverlapModel()
+    epochs, efficiency_report = epoch_model(spec, ok, pilot)
+    step = fit_step_time(single_device_rows(ok), steps, compute, network, overlap, gradient_bytes)
+    if gradient_bytes is None:
+        _check_links_fitted(spec, step)
+
+    report = {
+        "memory": memory_report,
         "compute": {
             **compute.describe(),
             "selection": compute_report,

@@ -15,7 +15,7 @@ import numpy as np
 
 from tula_service.dispatch.maxbatch import bracket
 from tula_service.dispatch.reliability import assess, quieter
-from tula_service.fit.fitting import FittedModels, fit_models
+from tula_service.fit.fitting import FittedModels, NotEnoughSteps, fit_models
 from tula_service.measurement import (
     CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, StepMeasurement, parse_measurement,
 )  # fmt: skip
@@ -75,17 +75,25 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement)."""
     points = [parse_measurement(m) for m in measurements]
     ok, oom_batches = usable_measurements(points)
-    if len(ok) < 2:
+    steps = [m for m in points if isinstance(m, StepMeasurement)]
+    single_step_batches = sorted({s.device_batch for s in steps if s.devices == 1})
+    if len(ok) < 2 and (ok or len(single_step_batches) < 2):
         raise NotEnoughMeasurements(
             f"need at least 2 successfully profiled batch sizes, got {len(ok)}"
             + (f" (out of memory at {oom_batches})" if oom_batches else "")
+            + ("" if ok else f", or steps on one GPU at 2 or more batches, got {len(single_step_batches)}")
         )
+    if not ok and spec.pricing.kind == "memory_gb_hour":
+        raise NotEnoughMeasurements("memory_gb_hour pricing bills the memory used, and steps alone do not measure it: give compute measurements")
     comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
     pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
-    steps = [m for m in points if isinstance(m, StepMeasurement)]
-    models, report = fit_models(spec, ok, comm, pilot, steps)
+    try:
+        models, report = fit_models(spec, ok, comm, pilot, steps)
+    except NotEnoughSteps as error:
+        raise NotEnoughMeasurements(str(error)) from None
+    timed_batches = [m.batch_size for m in ok] or single_step_batches
     inputs = PlanInputs(
-        device_batches=candidate_device_batches([m.batch_size for m in ok], oom_batches),
+        device_batches=candidate_device_batches(timed_batches, oom_batches),
         total_devices=spec.cluster.total_devices,
         device_memory_bytes=spec.cluster.device_memory_gib * GIB,
         num_samples=spec.dataset.num_samples,
@@ -99,7 +107,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     if candidates["global_batch"].size == 0:
         raise NotEnoughMeasurements(
             f"no profiled batch fits in {spec.cluster.device_memory_gib} GiB per device "
-            f"(static memory alone is {models.memory.static_bytes_ / GIB:.2f} GiB)"
+            f"(static memory alone is {getattr(models.memory, 'static_bytes_', float('nan')) / GIB:.2f} GiB)"
         )
     choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
     chosen, knee, front = choice.index, choice.knee, choice.front
@@ -107,7 +115,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     step_err = models.step_time().describe().get("held_out_median_rel_err")
     measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
-    tokens_per_sample = ok[0].model.tokens_per_sample
+    tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
     if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
         for row in rows:
             row["global_batch_tokens"] = row["global_batch"] * tokens_per_sample
@@ -148,19 +156,19 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "memory_gib": {"value": spec.cluster.device_memory_gib, "source": spec.cluster.device_memory_source},
         },
         "models": report,
-        "curves": model_curves(models, report, spec, sorted(measured), oom_batches, max_batch, rows),
+        "curves": model_curves(models, report, spec, timed_batches, oom_batches, max_batch, rows),
         "reliability": assess(ok, report["compute"]["leave_one_out"], _retimed_batches(points)),
         "search_space": {
             "device_batches": [int(b) for b in inputs.device_batches],
-            "max_device_batch": {"value": max_batch, "source": "predicted"},
+            "max_device_batch": {"value": max_batch, "source": "predicted" if ok else "assumed"},
             "memory_margin": {"value": MEMORY_MARGIN, "source": "assumed"},
             "devices": sorted({int(n) for n in candidates["devices"]}),
             "accumulation_steps": list(ACCUMULATION_STEPS),
         },
         "profiled": {
-            "ok_batches": sorted(measured),
+            "ok_batches": sorted(timed_batches),
             "oom_batches": oom_batches,
-            "memory_limit": _measured_limit(sorted(measured), oom_batches),
+            "memory_limit": _measured_limit(sorted(timed_batches), oom_batches),
             "failed": failed_points or [],
             "points": [_point_summary(m) for m in ok],
         },
@@ -193,7 +201,7 @@ def model_curves(
     device_batch = log_grid(low, high)
     iter_time_s = models.overlap.combine(models.compute.predict(device_batch), models.network.predict(1))
     memory_batch = log_grid(low, max(high, 1.5 * max_batch, *(1.25 * b for b in oom_batches)))
-    _, memory_upper_bytes = models.memory.predict_interval(memory_batch)
+    memory_bytes, memory_upper_bytes = models.memory.predict(memory_batch), models.memory.predict_interval(memory_batch)[1]
     efficiency = report["efficiency"]
     noise_scale = [efficiency["noise_scale"]["value"]] if efficiency["noise_scale"] else []
     around = [*(row["global_batch"] for row in rows), spec.training.reference_batch, *noise_scale,
@@ -210,9 +218,11 @@ def model_curves(
             "source": "predicted",
             "rel_err": report["compute"]["leave_one_out"]["median_rel_err"],
         },
-        "memory": {
+        "memory": None
+        if report["memory"]["source"] == "assumed"
+        else {
             "device_batch": memory_batch.tolist(),
-            "memory_bytes": models.memory.predict(memory_batch).tolist(),
+            "memory_bytes": memory_bytes.tolist(),
             "memory_upper_bytes": memory_upper_bytes.tolist(),
             "formula": report["memory"]["formula"],
             "source": "predicted",
@@ -298,9 +308,12 @@ def _candidate_row(
     def predicted(key: str, rel_err: float | None = time_err) -> dict[str, Any]:
         return {"value": float(candidates[key][i]), "source": "predicted", "rel_err": rel_err}
 
-    memory = (
-        {"value": float(point.memory.peak_bytes), "source": "measured"} if point else predicted("memory_bytes", mem_err)
-    )
+    if point:
+        memory = {"value": float(point.memory.peak_bytes), "source": "measured"}
+    elif report["memory"]["source"] == "assumed":
+        memory = {"value": None, "source": "assumed"}  # not measured (steps only): the batches that ran are taken to fit
+    else:
+        memory = predicted("memory_bytes", mem_err)
     iter_time = (
         {"value": float(point.iter_time.median_s), "source": "measured"}
         if point and n == 1 and a == 1

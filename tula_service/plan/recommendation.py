@@ -256,11 +256,13 @@ class ErrorSummary(BaseModel):
 
 
 class MemoryFit(_Detail):
+    """M(b) fitted to the profiled points; null parameters (source assumed) when only steps were given."""
+
     formula: str
-    static_bytes: float
-    act_bytes_per_sample: float
-    r2: float
-    residual_std_bytes: float
+    static_bytes: float | None
+    act_bytes_per_sample: float | None
+    r2: float | None
+    residual_std_bytes: float | None
     max_batch_rule: str
     leave_one_out: ErrorSummary
     source: Source
@@ -422,7 +424,7 @@ class Curves(BaseModel):
     """The fitted models evaluated for drawing, by the objects the sweep uses (parallel lists)."""
 
     iter_time: IterTimeCurve
-    memory: MemoryCurve
+    memory: MemoryCurve | None = Field(description="null when no memory was measured (steps only)")
     epochs: EpochsCurve
 
 
@@ -490,3 +492,9 @@ class JobRecommendation(Recommendation, _OfJob):
 
 class WhatIfPlan(Recommendation, _WhatIfOfJob):
     """A done job's measurements planned again with the what-if applied."""
+
+
+class StatelessPlan(Recommendation):
+    """POST /v1/plan: the recommendation of the measurements given, planned and not stored."""
+
+    measurements: dict[str, int] = Field(description="how many measurements of each kind were planned from")

@@ -80,3 +80,30 @@ class MemoryModel:
             middle = (low + high) // 2
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
+
+
+class UnmeasuredMemory:
+    """No memory was measured: the steps came from a trainer, a trace or a CSV, not from a profiling point.
+    The per-device batches that ran are taken to fit and no larger one is offered (an assumption the
+    report states); memory itself is unknown (NaN), so nothing is billed or plotted by it."""
+
+    def __init__(self, largest_batch_that_ran: int):
+        self.largest_batch_that_ran = int(largest_batch_that_ran)
+
+    def predict(self, device_batch: np.ndarray | float) -> np.ndarray:
+        return np.full(np.shape(device_batch), np.nan)
+
+    def predict_interval(self, device_batch: np.ndarray | float, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+        return self.predict(device_batch), self.predict(device_batch)
+
+    def max_device_batch(self, capacity_bytes: float, margin: float = 0.05, upper: bool = False, level: float = 0.95) -> int:
+        return self.largest_batch_that_ran
+
+    def report(self) -> dict:
+        return {
+            "formula": "not measured: the batches that ran are taken to fit",
+            "static_bytes": None, "act_bytes_per_sample": None, "r2": None, "residual_std_bytes": None,
+            "max_batch_rule": f"no per-device batch above the largest that ran ({self.largest_batch_that_ran})",
+            "leave_one_out": {"median_rel_err": None, "max_rel_err": None, "points": 0},
+            "source": "assumed",
+        }  # fmt: skip
