@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tula_service.fit.fitting import FittedModels
-from tula_service.fit.step_time import StepTimeModel
 from tula_service.fit.perfmodel import MemoryModel
+from tula_service.fit.step_time import StepTimeModel
 from tula_service.plan.knee import Knee, find_knee
 from tula_service.plan.pricing import pricing_rule
 
