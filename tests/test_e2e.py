@@ -75,7 +75,9 @@ def test_knee_lies_inside_the_profiled_range_and_on_the_front(finished_job):
 
 def test_every_candidate_has_a_time_and_a_cost(finished_job):
     _, rec, _ = finished_job
-    assert len(rec["candidates"]) == 5 * 4 * 4  # device batches x device counts (1,2,4,8) x accumulation
+    # device batches x placements of the 2 x 4 cluster (1, 2, 4, 8 packed; 2 and 4 spread over both nodes) x accumulation
+    assert len(rec["candidates"]) == 5 * 6 * 4
+    assert {tuple(row["placement"]) for row in rec["candidates"]} == {(1,), (2,), (4,), (4, 4), (1, 1), (2, 2)}
     for row in rec["candidates"]:
         assert row["total_time_s"]["value"] > 0 and row["cost_usd"]["value"] > 0
 

@@ -4,6 +4,7 @@ recommendation out, nothing stored; bad records and rows are 422s naming where t
 import httpx
 import pytest
 
+from tests.conftest import REPO
 from tests.handmade import measurement, spec_dict
 from tests.test_step_time import BATCHES, CLUSTER, MEASURED_PLACEMENTS, step, true_step_s
 from tula_service.measurement_csv import CsvRowError, dealt_evenly, parse_placement, steps_from_csv
@@ -119,3 +120,32 @@ def test_tula_plan_sends_a_spec_and_measurement_files_and_prints_the_plan(api_on
     assert refused.returncode != 0 and "row 2, column 'local_bsz'" in refused.stderr
     mixed = tula("plan", "job-1", "--measurements", str(steps))
     assert mixed.returncode == 2 and "--spec FILE and no job id" in mixed.stderr
+
+
+TRACES = REPO / ".." / "shared" / "data" / "pollux-traces"
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/pollux-traces is not beside this checkout")
+def test_real_gpu_traces_in_both_csv_layouts_plan_through_the_api(api_only):
+    """The Pollux testbed's measured steps (4 nodes x 4 T4, PCIe 3.0, 50 GbE) as a user would send them."""
+    spec = spec_dict(
+        name="pollux-imagenet", batch_sizes=[32, 64],
+        cluster={"nodes": 4, "gpus_per_node": 4, "device_memory_gib": 16, "interconnect_gbps": None,
+                 "intra_node_link": "pcie3_x16", "inter_node_link": "ethernet_50g"},
+        training={"reference_batch": 200, "reference_epochs": 65},
+    )  # fmt: skip
+    placements = (TRACES / "imagenet" / "placements.csv").read_text()
+    response = _post(api_only, {"spec": spec, "measurements_csv": placements})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    step_time = body["models"]["step_time"]
+    assert step_time["model"] == "placement" and step_time["multi_device_steps"] > 500
+    assert step_time["held_out_median_rel_err"] < 0.15  # leave-placement-out over the trace's own placements
+    assert body["chosen"]["step_time_s"]["source"] in ("measured", "predicted")
+    scalability = (TRACES / "imagenet" / "scalability.csv").read_text()  # num_nodes,num_replicas,... rows
+    single = "\n".join(line for line in placements.splitlines() if line.startswith(("placement", "1,")))
+    lines = ["num_nodes,num_replicas,local_bsz,step_time,sync_time", *scalability.splitlines()[1:]]
+    lines += [f"1,1,{row.split(',', 1)[1]}" for row in single.splitlines()[1:]]
+    response = _post(api_only, {"spec": spec, "measurements_csv": "\n".join(lines) + "\n"})
+    assert response.status_code == 200, response.text
+    assert response.json()["models"]["step_time"]["model"] == "placement"
