@@ -21,9 +21,7 @@ from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 from tula_service.fit.perfmodel.network import HierarchicalAllReduce, Link
 from tula_service.fit.perfmodel.overlap import OverlapModel
 from tula_service.fit.perfmodel.validation import error_summary, leave_one_out_relative_errors
-from tula_service.fit.step_time import (
-    AnalyticStepTime, MeasuredStepTime, StepTimeModel, fit_step_time, single_device_rows, step_rows,
-)  # fmt: skip
+from tula_service.fit.step_time import MeasuredStepTime, StepTimeModel, fit_step_time, single_device_rows, step_rows
 from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement, StepMeasurement
 from tula_service.spec.job_spec import JobSpec
 
@@ -40,11 +38,8 @@ class FittedModels:
     compute: ComputeModel
     network: object  # anything with predict(devices) -> seconds (RingAllReduce, HierarchicalAllReduce)
     epochs: EfficiencyModel  # EpochModel: predict epochs, step gain, LR multiplier
+    step: StepTimeModel  # seconds per step on a placement (tula_service.fit.step_time)
     overlap: OverlapModel = field(default_factory=OverlapModel)
-    step: StepTimeModel | None = None  # seconds per step on a placement; None: AnalyticStepTime of the above
-
-    def step_time(self) -> StepTimeModel:
-        return self.step or AnalyticStepTime(self.compute, self.network, self.overlap)
 
 
 def _measured_link(comm: CommMeasurement | None, report: dict[str, Any]) -> Link | None:
@@ -140,7 +135,7 @@ def fit_models(
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
     epochs, efficiency_report = epoch_model(spec, ok, pilot)
-    step = fit_step_time(single_device_rows(ok), steps, compute, network, overlap, gradient_bytes)
+    step = fit_step_time(single, steps, compute, network, overlap, gradient_bytes)
     if gradient_bytes is None:
         _check_links_fitted(spec, step)
 
@@ -168,4 +163,4 @@ def fit_models(
             "g": {"value": gamma["value"], "source": "fitted" if step.model.shape_.overlap else "assumed", "note": gamma["source"]},
             "from": "step_time: fitted with the placement model to the measured multi-device steps",
         }  # fmt: skip
-    return FittedModels(memory, compute, network, epochs, overlap, step), report
+    return FittedModels(memory, compute, network, epochs, step, overlap), report

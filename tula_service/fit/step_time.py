@@ -112,14 +112,14 @@ def step_rows(steps: list[StepMeasurement]) -> list[StepRow]:
 
 
 def fit_step_time(
-    single: list[StepRow], steps: list[StepMeasurement], compute: ComputeModel, network: HierarchicalAllReduce,
+    one_device: list[StepRow], steps: list[StepMeasurement], compute: ComputeModel, network: HierarchicalAllReduce,
     overlap: OverlapModel, gradient_bytes: float | None,
 ) -> StepTimeModel:
-    """MeasuredStepTime when steps on two or more devices were measured, else AnalyticStepTime."""
+    """MeasuredStepTime when steps on two or more devices were measured, else AnalyticStepTime. one_device: every
+    single-device timing (the compute points and the steps on one GPU), which time T_c(b)."""
     multi = [s for s in steps if s.devices > 1]
     if not multi:
         return AnalyticStepTime(compute, network, overlap)
-    one_device = single + [row for row in step_rows(steps) if sum(row.placement) == 1]
     model = PlacementStepModel(intra=network.intra, inter=network.inter, gradient_bytes=gradient_bytes)
     model.fit(one_device + step_rows(multi))
     placements = sorted({"".join(map(str, s.placement)) for s in multi})

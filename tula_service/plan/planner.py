@@ -133,7 +133,7 @@ def sweep(models: FittedModels, inputs: PlanInputs) -> dict[str, np.ndarray]:
     n, g, m = place_n[index], place_g[index], place_m[index]
     global_batch = b * n * a
     memory_bytes = models.memory.predict(b)
-    step = models.step_time()
+    step = models.step
     micro_s = step.micro_s(b, g)
     iter_time_s = step.iter_s(b, g, m, n)
     step_time_s = (a - 1) * micro_s + iter_time_s

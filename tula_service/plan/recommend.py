@@ -112,7 +112,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     choice = choose(candidates, spec.objective, spec.deadline_h, spec.budget_usd)
     chosen, knee, front = choice.index, choice.knee, choice.front
     measured = {m.batch_size: m for m in ok}
-    step_err = models.step_time().describe().get("held_out_median_rel_err")
+    step_err = report["step_time"].get("held_out_median_rel_err")
     measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
     tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
