@@ -1,4 +1,5 @@
-"""Does the momentum-smoothed gradient explain the noise scale the SGD-with-momentum tasks miss? (issue 13)
+"""Does the momentum-smoothed gradient, or the Hessian-weighted noise scale, explain the noise scale the tasks
+miss? (issue 13)
 
 On the CPU tasks of benchmarks/efficiency_tasks.py the service's noise scale (the progress-weighted mean of
 B_simple = tr(Sigma) / |G|^2 over the second half of the reference run) is 1.6-3.4x below the best single
@@ -27,9 +28,29 @@ B_smoothed is further from the best B_noise than B_simple on every task (median 
 0.80). The service does not use it. (A one-off variant, the cross term G . e_t, gave 8-16x on three SGD
 tasks: no better.)
 
+The second hypothesis is McCandlish et al.'s own definition (2018, eq. 2.7): the critical batch follows
+the Hessian-weighted noise scale, not B_simple,
+
+    B_hessian = tr(H Sigma) / (G^T H G),
+
+which B_simple equals only when the Hessian is a multiple of the identity. Its two-batch estimate is the
+same as B_simple's with the quadratic form q(v) = v^T H v in place of |v|^2 (E q(g_b) = q(G) + tr(H Sigma) / b),
+with H v a Hessian-vector product (double backward) of the loss on an independent batch of HESSIAN_BATCH
+training samples, at the weights before the step. For Adam/AdamW the update is P g, so q(v) = (P v)^T H (P v)
+(P from the optimizer state before the step; the first step has none and is skipped).
+
+Measured 2026-12-02 (full run; 4 tasks, the GPT's CPU attention kernel has no double backward), both read
+with the service's progress-weighted mean over the second half: B_hessian / B_simple is 0.63
+(mnist1d_cnn1d_adam, needs 3.44), 0.69 (mnist1d_mlp_sgd, needs 2.95), 1.11 (digits_mlp_sgd, needs 1.62) and
+1.15 (digits_cnn_sgd, needs 0.95): its order is the reverse of the needed factor's (rank correlation -1.00),
+nearer the best B_noise than B_simple on 1 task of 4 (median |log error| 0.83 against 0.80 for B_simple). (A
+one-off variant, the sums of each over the second half divided, gave 0.04-0.53: no better.) The tasks that
+need a larger noise scale have their noise in flatter directions, not steeper. The service does not use it.
+
 Run:  .venv/bin/python benchmarks/momentum_signal.py [--quick] [--tasks NAME ...]
-(--quick: digits_mlp_sgd and digits_cnn_sgd only, about 20 s; nothing is written.)
+(--quick: digits_mlp_sgd and digits_cnn_sgd only, about 60 s; the full run about 4 min; nothing is written.)
 Last line:  momentum_signal: tasks=N rank_correlation=R smoothed_nearer_best=K simple_median_abs_log_err=X smoothed_median_abs_log_err=Y
+            hessian_rank_correlation=R2 hessian_nearer_best=K2 hessian_median_abs_log_err=Z
 """
 
 from __future__ import annotations
@@ -50,10 +71,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import efficiency_tasks as et  # noqa: E402
 import statistical_efficiency as se  # noqa: E402
 
+from profiler.gradstats import two_batch_estimates  # noqa: E402
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs  # noqa: E402
 from tula_service.fit.perfmodel.noise_trajectory import progress_weighted_ratio  # noqa: E402
 
 QUICK_TASKS = ("digits_mlp_sgd", "digits_cnn_sgd")
+HESSIAN_BATCH = 512  # samples of the independent batch whose loss the Hessian-vector products differentiate
+DOUBLE_BACKWARD_MODELS = ("mlp1d", "small_cnn", "cnn1d")  # the GPT's CPU attention kernel has no double backward
 
 
 def ema_noise_share(beta: float, steps: int) -> float:
@@ -66,9 +90,33 @@ def optimizer_beta(optimizer: torch.optim.Optimizer) -> float:
     return float(group["betas"][0]) if "betas" in group else float(group.get("momentum", 0.0))
 
 
-def reference_run_statistics(name: str, truth: dict[str, Any]) -> list[dict[str, float]]:
+def hessian_estimates(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], inputs: torch.Tensor,
+    targets: torch.Tensor, hessian_rows: torch.Tensor, data: dict[str, torch.Tensor],
+) -> tuple[float, float] | None:
+    """Two-batch estimates of G^T H G and tr(H Sigma) (of P g for Adam/AdamW) at the current weights; None for
+    Adam's first step (no preconditioner yet). See the module docstring."""
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if adam and not optimizer.state:
+        return None
+    batch, k = len(targets), et.micro_batches(len(targets))
+    micro = torch.stack([
+        et.flat(torch.autograd.grad(et.mean_loss(model(x), y), params)) for x, y in zip(inputs.chunk(k), targets.chunk(k))
+    ])  # fmt: skip
+    if adam:
+        micro = micro * et.adam_preconditioner(optimizer, params)
+    hessian_loss = et.mean_loss(model(data["train_x"][hessian_rows]), data["train_y"][hessian_rows])
+    gradient = et.flat(torch.autograd.grad(hessian_loss, params, create_graph=True))
+    hessian_products = torch.stack([et.flat(torch.autograd.grad(gradient, params, grad_outputs=v, retain_graph=True)) for v in micro])
+    micro_forms = (micro * hessian_products).sum(1).tolist()
+    full_form = float(micro.mean(0) @ hessian_products.mean(0))  # q(mean) by linearity of H
+    return two_batch_estimates(micro_forms, full_form, batch // k, batch)
+
+
+def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = False) -> list[dict[str, float]]:
     """Per step of the reference run retrained to the target: the two-batch |G|^2 and tr(Sigma) (raw, and
-    preconditioned for Adam) and the squared norm of the bias-corrected EMA of the full-batch gradient."""
+    preconditioned for Adam), the squared norm of the bias-corrected EMA of the full-batch gradient and, with
+    `hessian`, the Hessian-weighted estimates (hessian_estimates)."""
     torch.set_num_threads(1)
     task, row = et.TASKS[name], truth["batches"][str(et.TASKS[name].reference_batch)]
     batch, lr = task.reference_batch, float(row["lr"])
@@ -79,10 +127,15 @@ def reference_run_statistics(name: str, truth: dict[str, Any]) -> list[dict[str,
     eval_every = max(1, round(task.train_samples / batch / et.EVALS_PER_EPOCH))
     beta, ema, steps = optimizer_beta(optimizer), None, []
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    hessian_rows = torch.Generator().manual_seed(20_000)
     for step in range(math.ceil(task.max_epochs * task.train_samples / batch)):
         rows = stream.next(batch)
         for group in optimizer.param_groups:
             group["lr"] = et.scheduled_lr(task, batch, lr, step)
+        forms = None
+        if hessian:
+            drawn = torch.randint(task.train_samples, (min(HESSIAN_BATCH, task.train_samples),), generator=hessian_rows)
+            forms = hessian_estimates(model, optimizer, params, data["train_x"][rows], data["train_y"][rows], drawn, data)
         stats = et.accumulation_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
         if stats is None:
             raise RuntimeError(f"{name}: the reference run diverged at step {step}")
@@ -90,6 +143,8 @@ def reference_run_statistics(name: str, truth: dict[str, Any]) -> list[dict[str,
         ema = (1 - beta) * full if ema is None else beta * ema + (1 - beta) * full
         smoothed = ema / (1 - beta ** (step + 1))
         record = {**stats, "ema_sqr": float(smoothed @ smoothed), "share": ema_noise_share(beta, step + 1)}
+        if forms is not None:
+            record["hessian_grad_sqr"], record["hessian_trace_sigma"] = forms
         if adam:
             preconditioned = smoothed * et.adam_preconditioner(optimizer, params)
             record["precond_ema_sqr"] = float(preconditioned @ preconditioned)
@@ -101,7 +156,9 @@ def reference_run_statistics(name: str, truth: dict[str, Any]) -> list[dict[str,
 
 def second_half_noise_scale(steps: list[dict[str, float]], batch: int, signal: str, prefix: str = "") -> float | None:
     """The service's progress-weighted mean over the second half of the steps, with |G|^2 replaced by the
-    smoothed signal when signal == "ema"."""
+    smoothed signal when signal == "ema"; of the Hessian-weighted estimates when signal == "hessian"."""
+    if signal == "hessian":
+        prefix, steps = "hessian_", [s for s in steps if "hessian_grad_sqr" in s]
     half = steps[len(steps) // 2 :]
     trace = np.array([s[f"{prefix}trace_sigma"] for s in half])
     grad_sqr = np.array([s[f"{prefix}grad_sqr"] for s in half])
@@ -112,16 +169,19 @@ def second_half_noise_scale(steps: list[dict[str, float]], batch: int, signal: s
 
 
 def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
-    steps = reference_run_statistics(name, truth)
+    hessian = et.TASKS[name].model in DOUBLE_BACKWARD_MODELS
+    steps = reference_run_statistics(name, truth, hessian)
     batch = task.reference_batch
     prefix = "precond_" if task.optimizer in ("adam", "adamw") else ""
     simple, smoothed = (second_half_noise_scale(steps, batch, signal, prefix) for signal in ("raw", "ema"))
+    hessian_scale = second_half_noise_scale(steps, batch, "hessian") if hessian else None
     service = se.evaluate(task)
     best = se.truth_floor(task, fit_epochs_to_runs(list(task.epochs), list(task.epochs.values())))["best_noise_scale"]
     return {
         "task": name, "optimizer": task.optimizer, "steps": len(steps), "service_noise_scale": service["noise_scale"],
         "best_noise_scale": best, "needed_factor": best / service["noise_scale"], "simple": simple, "smoothed": smoothed,
-        "smoothed_over_simple": smoothed / simple if simple and smoothed else None,
+        "smoothed_over_simple": smoothed / simple if simple and smoothed else None, "hessian": hessian_scale,
+        "hessian_over_simple": hessian_scale / simple if simple and hessian_scale else None,
     }  # fmt: skip
 
 
@@ -139,17 +199,26 @@ def main(argv: list[str] | None = None) -> int:
     truth = et.load_ground_truth()["tasks"]
     tasks = {t.name: t for t in se.cpu_tasks(et.DEFAULT_PATH)}
     rows = [evaluate(name, truth[name], tasks[name]) for name in names]
-    print("| task | optimizer | steps | service B_noise | best B_noise (needed x) | B_simple here | B_smoothed | smoothed / simple |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| task | optimizer | steps | service B_noise | best B_noise (needed x) | B_simple here | B_smoothed | smoothed / simple "
+          "| B_hessian | hessian / simple |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    shown = lambda value: "-" if value is None else f"{value:.4g}"  # noqa: E731
     for r in rows:
         print(f"| {r['task']} | {r['optimizer']} | {r['steps']} | {r['service_noise_scale']:.4g} | {r['best_noise_scale']:.4g} "
-              f"({r['needed_factor']:.2f}) | {r['simple']:.4g} | {r['smoothed']:.4g} | {r['smoothed_over_simple']:.2f} |")  # fmt: skip
+              f"({r['needed_factor']:.2f}) | {r['simple']:.4g} | {r['smoothed']:.4g} | {r['smoothed_over_simple']:.2f} "
+              f"| {shown(r['hessian'])} | {shown(r['hessian_over_simple'])} |")  # fmt: skip
     valid = [r for r in rows if r["smoothed_over_simple"]]
     log_err = lambda key: float(np.median([abs(math.log(r[key] / r["best_noise_scale"])) for r in valid]))  # noqa: E731
     nearer = sum(abs(math.log(r["smoothed"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in valid)
     correlation = rank_correlation([r["smoothed_over_simple"] for r in valid], [r["needed_factor"] for r in valid])
+    weighted = [r for r in valid if r["hessian_over_simple"]]
+    hessian_nearer = sum(abs(math.log(r["hessian"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in weighted)
+    hessian_correlation = rank_correlation([r["hessian_over_simple"] for r in weighted], [r["needed_factor"] for r in weighted])
+    hessian_err = float(np.median([abs(math.log(r["hessian"] / r["best_noise_scale"])) for r in weighted])) if weighted else float("nan")
     print(f"momentum_signal: tasks={len(valid)} rank_correlation={correlation:.2f} smoothed_nearer_best={nearer} "
-          f"simple_median_abs_log_err={log_err('simple'):.2f} smoothed_median_abs_log_err={log_err('smoothed'):.2f}")  # fmt: skip
+          f"simple_median_abs_log_err={log_err('simple'):.2f} smoothed_median_abs_log_err={log_err('smoothed'):.2f} "
+          f"hessian_rank_correlation={hessian_correlation:.2f} hessian_nearer_best={hessian_nearer} "
+          f"hessian_median_abs_log_err={hessian_err:.2f}")  # fmt: skip
     return 0
 
 

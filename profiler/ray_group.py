@@ -1,4 +1,5 @@
-"""The all-reduce benchmark of `profiler.comm`, run across a group of Ray actors.
+"""The all-reduce benchmark of `profiler.comm`, and the data-parallel step of `profiler.ddp_step`, run across a
+group of Ray actors.
 
 The Ray executor (`tula_service.dispatch.ray_executor`) measures a job's communication here instead of in
 one `python -m profiler.comm` process tree, so the ranks can sit on the cluster's devices:
@@ -23,8 +24,14 @@ The record has the JSON shape of `python -m profiler.comm --out` (so `comm_fit` 
 treat it the same), plus `"launcher": "ray_actors"`, the `node_ids` of the ranks and, per world size,
 a `groups` entry (rendezvous address, node and device of every rank).
 
+The step (`measure_step_on_actors`, a step point whose placement spans nodes): a bundle per node of the
+placement holding that node's ranks, strategy STRICT_SPREAD (every bundle on a node of its own), the same
+actors, rendezvous and NCCL device set-up; each rank runs `profiler.ddp_step.rank_step`, so the record is
+the one-node step's (kind "step") with launcher "ray_actors", the ranks' `node_ids` and the `group`.
+
 Failures: a rank that raises (forming the group, or in a collective) makes a "failed" record: the
-point's own error, as in `profiler.comm`. An actor that dies, a placement group the cluster has no
+point's own error, as in `profiler.comm` (a step raises comm.RankFailure, or gives status "oom" when a rank
+ran out of memory). An actor that dies, a placement group the cluster has no
 room for within PLACEMENT_TIMEOUT_S, or a run past its deadline raises `GroupLost`: the attempt is
 lost and the executor retries the point. The actors are killed and the placement group removed in
 every case.
@@ -32,6 +39,7 @@ every case.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -45,7 +53,8 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from profiler import comm
+from profiler import comm, ddp_step
+from profiler.measure import is_out_of_memory
 
 LAUNCHER = "ray_actors"
 CPU_PER_RANK = 0.45  # gloo ranks mostly wait on sockets: 4 ranks and the coordinator fit on 2 CPUs
@@ -89,6 +98,24 @@ class CommRank:
         self, backend: str, host: str, port: int, rank: int, world_size: int, local_device: int,
         sizes: list[int], policy: comm.CommPolicy, timeout_s: float,
     ) -> dict[str, Any]:  # fmt: skip
+        with self._joined(backend, host, port, rank, world_size, local_device, timeout_s) as device:
+            points = comm.all_reduce_sweep(rank, world_size, device, sizes, policy)
+        return {"points": points, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+    def run_step(
+        self, backend: str, host: str, port: int, rank: int, world_size: int, local_device: int,
+        request: dict[str, Any], remaining_s: float, timeout_s: float,
+    ) -> dict[str, Any]:  # fmt: skip
+        """This rank's part of a data-parallel step (`profiler.ddp_step.rank_step`); the time cap counts on this
+        actor's own clock (nodes' monotonic clocks differ)."""
+        deadline_s = time.monotonic() + remaining_s
+        warmup_iters, wanted_iters, _ = ddp_step.timed_iterations(request)
+        with self._joined(backend, host, port, rank, world_size, local_device, timeout_s) as device:
+            return ddp_step.rank_step(rank, world_size, device, request, warmup_iters, wanted_iters, deadline_s)
+
+    @contextlib.contextmanager
+    def _joined(self, backend: str, host: str, port: int, rank: int, world_size: int, local_device: int, timeout_s: float):
+        """This actor in the group's process group (rank 0 serving the store it hosts), left on the way out."""
         self._use_sockets_for(host)
         torch.set_num_threads(1)  # ranks may share a node's cores; no intra-op threads on top
         device = torch.device("cuda", local_device) if backend == "nccl" else torch.device("cpu")
@@ -101,12 +128,11 @@ class CommRank:
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )  # fmt: skip
-            points = comm.all_reduce_sweep(rank, world_size, device, sizes, policy)
+            yield device
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._store = None
-        return {"points": points, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
     def _use_sockets_for(self, host: str) -> None:
         """Loopback for a one-node group (as profiler.comm); the cluster's own settings otherwise."""
@@ -187,13 +213,60 @@ def measure_on_actors(
     return record
 
 
+def measure_step_on_actors(
+    request: dict[str, Any],
+    timeout_s: float,
+    placement_group_name: str = "",
+    cpu_per_rank: float = CPU_PER_RANK,
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """A data-parallel training step on request["placement"] (the GPUs used on each node, e.g. [2, 2]) across Ray
+    actors: one per GPU with NCCL when the cluster has GPUs (and the request's device is not "cpu"), else gloo CPU
+    actors of `cpu_per_rank`; a bundle per node, each on a node of its own (STRICT_SPREAD), so [1, 1] is measured
+    across two nodes. Each rank runs `profiler.ddp_step.rank_step`, the code of the one-node step; the time cap
+    counts from when the group has formed.
+
+    Call it inside a Ray task. Returns the step record (`profiler.ddp_step`'s fields, launcher "ray_actors", the
+    ranks' `node_ids` and the `group`): "ok", or "oom" when a rank ran out of memory. A rank's other failure raises
+    comm.RankFailure; a lost actor, no room for the bundles or the deadline raise GroupLost."""
+    started = time.monotonic()
+    placement = [int(gpus) for gpus in request["placement"]]
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    backend = "nccl" if gpus and request.get("device", "auto") != "cpu" else "gloo"
+    base = ddp_step.record_base(placement, int(request["batch_size"]), backend, LAUNCHER)
+    _, _, time_cap_s = ddp_step.timed_iterations(request)
+    group = _ActorGroup(sum(placement), backend, cpu_per_rank, placement_group_name, nodes=placement)
+    try:
+        group.start(placement_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        group.locate(deadline, timeout_s)
+        ranks = group.run_step(request, time_cap_s, deadline, timeout_s)
+    except comm.RankFailure as error:
+        if not is_out_of_memory(error):
+            raise
+        return {**base, "status": "oom", "error": ddp_step.last_line(error), "elapsed_s": time.monotonic() - started}
+    finally:
+        group.close()
+    record = ddp_step.finished_record(base, ranks[0], request, time.monotonic() - started)
+    return {**record, "node_ids": sorted({place["node_id"] for place in group.places}), "group": group.group}
+
+
 class _ActorGroup:
     """The placement group and its actors, one per rank; `close` kills them whatever happened."""
 
-    def __init__(self, size: int, backend: str, cpu_per_rank: float, name: str):
+    def __init__(self, size: int, backend: str, cpu_per_rank: float, name: str, nodes: list[int] | None = None):
+        """`size` ranks packed onto as few nodes as the cluster allows (a bundle each); or, with `nodes` (the ranks
+        on each node, e.g. [2, 2]), a bundle per node holding that node's ranks, each bundle on its own node."""
         self.size, self.backend, self.cpu_per_rank = size, backend, cpu_per_rank
         self.bundle = {"GPU": 1} if backend == "nccl" else {"CPU": cpu_per_rank}
-        self.placement = placement_group([self.bundle] * size, strategy="PACK", name=name)
+        if nodes is None:
+            bundles, strategy, self.bundle_of_rank = [self.bundle] * size, "PACK", list(range(size))
+        else:
+            bundles = [{key: value * ranks for key, value in self.bundle.items()} for ranks in nodes]
+            strategy = "STRICT_SPREAD" if len(nodes) > 1 else "PACK"
+            self.bundle_of_rank = [node for node, ranks in enumerate(nodes) for _ in range(ranks)]
+        self.bundles = bundles
+        self.placement = placement_group(bundles, strategy=strategy, name=name)
         self.actors: list = []
         self.places: list[dict[str, Any]] = []
         self.local_devices = [0] * size
@@ -202,13 +275,13 @@ class _ActorGroup:
         """Wait for the cluster to reserve every rank's bundle, then start one actor per bundle."""
         ready, _ = ray.wait([self.placement.ready()], timeout=placement_timeout_s)
         if not ready:
-            raise GroupLost(f"the cluster had no room for {self.size} ranks of {self.bundle} within {placement_timeout_s:g} s")
+            raise GroupLost(f"the cluster had no room for the bundles {self.bundles} within {placement_timeout_s:g} s")
         nccl = self.backend == "nccl"
         self.actors = [
             CommRank.options(
                 num_cpus=0 if nccl else self.cpu_per_rank,
                 num_gpus=1 if nccl else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=self.bundle_of_rank[index]),
             ).remote()
             for index in range(self.size)
         ]  # fmt: skip
@@ -230,12 +303,37 @@ class _ActorGroup:
                 calls.append(actor.see_devices.remote(",".join(ids)))
         _gather(calls, deadline, timeout_s, "device set-up")
 
+    def rendezvous(self, world_size: int, deadline: float, timeout_s: float) -> tuple[str, int]:
+        """(host, port) of the store rank 0 serves: loopback when the first `world_size` ranks share a node."""
+        one_node = len({place["node_id"] for place in self.places[:world_size]}) == 1
+        host = comm.LOOPBACK_HOST if one_node else self.places[0]["ip"]
+        [port] = _gather([self.actors[0].host_store.remote(host, world_size, timeout_s)], deadline, timeout_s, "rendezvous")
+        return host, port
+
+    def describe(self, world_size: int, host: str, port: int, devices: list[str]) -> dict[str, Any]:
+        return {
+            "world_size": world_size,
+            "rendezvous": f"tcp://{host}:{port}",
+            "ranks": [
+                {"rank": rank, "node_id": self.places[rank]["node_id"], "hostname": self.places[rank]["hostname"], "device": devices[rank]}
+                for rank in range(world_size)
+            ],
+        }  # fmt: skip
+
+    def run_step(self, request: dict[str, Any], remaining_s: float, deadline: float, timeout_s: float) -> list[dict[str, Any]]:
+        """Every rank's `ddp_step.rank_step` timings, in rank order."""
+        host, port = self.rendezvous(self.size, deadline, timeout_s)
+        calls = [
+            actor.run_step.remote(self.backend, host, port, rank, self.size, self.local_devices[rank], request, remaining_s, timeout_s)
+            for rank, actor in enumerate(self.actors)
+        ]  # fmt: skip
+        results = _gather(calls, deadline, timeout_s, "the step")
+        self.group = self.describe(self.size, host, port, [result["device"] for result in results])
+        return results
+
     def run(self, world_size: int, sizes: list[int], policy: comm.CommPolicy, deadline: float, timeout_s: float) -> dict:
         ranks = range(world_size)
-        places = self.places[:world_size]
-        one_node = len({place["node_id"] for place in places}) == 1
-        host = comm.LOOPBACK_HOST if one_node else places[0]["ip"]
-        [port] = _gather([self.actors[0].host_store.remote(host, world_size, timeout_s)], deadline, timeout_s, "rendezvous")
+        host, port = self.rendezvous(world_size, deadline, timeout_s)
         results = _gather(
             [
                 self.actors[rank].run.remote(
@@ -245,15 +343,7 @@ class _ActorGroup:
             ],
             deadline, timeout_s, f"world size {world_size}",
         )  # fmt: skip
-        group = {
-            "world_size": world_size,
-            "rendezvous": f"tcp://{host}:{port}",
-            "ranks": [
-                {"rank": rank, "node_id": places[rank]["node_id"], "hostname": places[rank]["hostname"],
-                 "device": results[rank]["device"]}
-                for rank in ranks
-            ],
-        }  # fmt: skip
+        group = self.describe(world_size, host, port, [result["device"] for result in results])
         return {"points": results[0]["points"], "device": results[0]["device"], "group": group}
 
     def close(self) -> None:

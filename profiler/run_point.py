@@ -1,7 +1,8 @@
 """Child-process entry point: `python -m profiler.run_point --request JSON --out FILE`.
 
-Writes one JSON measurement to FILE: a compute point (`profiler.measure.profile_point`), or the pilot
-(`profiler.pilot.run_pilot`) when the request's "kind" is "pilot". Exit code 0 means FILE holds a
+Writes one JSON measurement to FILE: a compute point (`profiler.measure.profile_point`), the pilot
+(`profiler.pilot.run_pilot`) when the request's "kind" is "pilot", or a data-parallel step on this
+host's devices (`profiler.ddp_step.measure_step`) when it is "step". Exit code 0 means FILE holds a
 record: status "ok", "oom", or "failed" when the point itself raised (a bad dataset path, a model
 that does not build), with the error and the traceback's tail; such a point would fail again, so it
 is not retried. Any other exit (a signal, a crash before the record is written) means the worker
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = request.get("kind", "compute")
     if kind == "pilot":  # imports torch; after argument parsing
         from profiler.pilot import run_pilot as measure
+    elif kind == "step":
+        from profiler.ddp_step import measure_step as measure
     else:
         from profiler.measure import profile_point as measure
     try:
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             "error": f"{type(error).__name__}: {error}",
             "traceback_tail": traceback.format_exc()[-TRACEBACK_TAIL_CHARS:],
         }
+        if kind == "step":  # a step record names where it ran (tula_service.measurement.StepMeasurement)
+            measurement |= {"placement": request.get("placement"), "device_batch": request.get("batch_size")}
     tmp = args.out.with_suffix(".partial")
     tmp.write_text(json.dumps(measurement))
     tmp.replace(args.out)

@@ -22,20 +22,20 @@ from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_p
 from tula_service.spec.job_spec import MAX_BATCH, powers_of_two_between
 from tula_service.spec.spec_limits import max_batch_sizes, max_devices
 
-
 VALID_CSV = "placement,local_bsz,step_time,sync_time\n1,8,0.02,\n1,32,0.05,\n2,32,0.06,0.01\n"
 
 
 # on the other operations a case hook costs seconds a case
-@schemathesis.hook.apply_to(method="POST", path=["/v1/jobs", "/v1/plan"])
+@schemathesis.hook.apply_to(method="POST", path=["/v1/jobs", "/v1/plan", "/v1/jobs/from-measurements"])
 def map_case(context, case):
-    """POST /v1/jobs's body is a spec; POST /v1/plan's holds one at "spec", with the same repairs, and its
-    `measurements_csv`, whose CSV grammar JSON Schema cannot state, becomes a readable table (VALID_CSV). The
-    plan's records are left as drawn: valid ones that cannot be planned from are a 409, which the positive
-    check allows."""
+    """POST /v1/jobs's body is a spec; POST /v1/plan's and POST /v1/jobs/from-measurements's hold one at "spec",
+    with the same repairs, and their `measurements_csv`, whose CSV grammar JSON Schema cannot state, becomes a
+    readable table (VALID_CSV); a job from measurements with neither records nor a table gets the table (it
+    needs some). The records are left as drawn, bar the rules between their fields: valid ones that cannot be
+    planned from are a 409, which the positive check allows."""
     if case.meta is None or not case.meta.generation.mode.is_positive:
         return case
-    plan = case.operation.path == "/v1/plan"
+    plan = case.operation.path in ("/v1/plan", "/v1/jobs/from-measurements")
     spec = case.body.get("spec") if plan and isinstance(case.body, dict) else case.body
     if isinstance(spec, dict):
         try:
@@ -48,6 +48,9 @@ def map_case(context, case):
                 case.body["measurements_csv"] = VALID_CSV
             if isinstance(case.body.get("measurements"), list):
                 case.body["measurements"] = [_record_meeting_the_rules(r) for r in case.body["measurements"]]
+            job = case.operation.path == "/v1/jobs/from-measurements"
+            if job and not case.body.get("measurements") and not case.body.get("measurements_csv"):
+                case.body["measurements_csv"] = VALID_CSV
         else:
             case.body = repaired
     for name in list(case.headers or {}):
@@ -57,14 +60,17 @@ def map_case(context, case):
 
 
 def _record_meeting_the_rules(record: Any) -> Any:
-    """A measurement record changed to meet the two rules between its fields (tula_service.measurement): a
-    step's sync_time_s below its step_time_s, and an "ok" compute point with iter_time, memory and model."""
+    """A measurement record changed to meet the rules between its fields (tula_service.measurement): a step's
+    sync_time_s below its step_time_s, an "ok" step with a step_time_s, and an "ok" compute point with
+    iter_time, memory and model."""
     if not isinstance(record, dict):
         return record
     record = dict(record)
     sync, step = record.get("sync_time_s"), record.get("step_time_s")
     if record.get("kind") == "step" and isinstance(sync, int | float) and isinstance(step, int | float) and sync >= step:
         record["sync_time_s"] = None
+    if record.get("kind") == "step" and record.get("status", "ok") == "ok" and record.get("step_time_s") is None:
+        record["status"] = "failed"
     if record.get("kind", "compute") in ("compute", "retime") and record.get("status") == "ok":
         if any(record.get(field) is None for field in ("iter_time", "memory", "model")):
             record["status"] = "failed"
@@ -80,6 +86,7 @@ def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:
     _one_other_run_per_batch(spec)
     _width_splits_into_heads(spec)
     _image_side_the_model_takes(spec)
+    _step_placements_that_fit(spec)
     return spec
 
 
@@ -136,6 +143,17 @@ def _devices_within_the_limit(spec: dict[str, Any]) -> None:
     cluster["gpus_per_node"] = min(cluster.get("gpus_per_node", 1), limit // nodes)
 
 
+def _step_placements_that_fit(spec: dict[str, Any]) -> None:
+    """Each step placement cut to the cluster's nodes and GPUs per node; one of fewer than 2 devices dropped."""
+    placements = (spec.get("profiling") or {}).get("step_placements")
+    if not placements:
+        return
+    cluster = spec["cluster"]
+    nodes, per_node = cluster.get("nodes", 1), cluster.get("gpus_per_node", 1)
+    cut = [[min(gpus, per_node) for gpus in placement[:nodes]] for placement in placements]
+    spec["profiling"]["step_placements"] = [placement for placement in cut if sum(placement) >= 2]
+
+
 def _max_lr_above_reference(spec: dict[str, Any]) -> None:
     training = spec["training"]
     if training.get("max_lr") is not None and training["max_lr"] < training["reference_lr"]:
@@ -164,6 +182,8 @@ def _image_side_the_model_takes(spec: dict[str, Any]) -> None:
     """The smallest side, from the dataset's (given or default) up, that the model takes."""
     dataset, info = spec["dataset"], DATASETS[spec["dataset"]["name"]]
     side = dataset.get("image_size") or info.fields.get("image_size")
+    if isinstance(side, float) and side.is_integer():  # JSON's 4.0 is the integer 4 to the spec
+        side = int(side)
     if not isinstance(side, int):
         return
     while image_size_problem(spec["model"], side) is not None:

@@ -10,6 +10,7 @@ import pytest
 from tests.api_fixtures import finished_job, store_for
 from tests.handmade import spec_dict
 from tula_service.store.db import make_engine, make_session_factory
+from tula_service.store.migrate import head_revision
 from tula_service.store.states import JOB_STATES
 from tula_service.store.tokens import create_token
 
@@ -194,7 +195,7 @@ def test_what_if_before_the_job_is_done_is_a_409(api):
 def test_readiness_reports_the_database_and_the_schema(api):
     ready = api.get("/readyz")
     assert ready.status_code == 200
-    assert ready.json()["checks"]["database"] == "ok" and ready.json()["checks"]["schema"] == "0002"
+    assert ready.json()["checks"]["database"] == "ok" and ready.json()["checks"]["schema"] == head_revision()
 
 
 def test_metrics_count_jobs_by_state_and_the_queue(api):

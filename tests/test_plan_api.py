@@ -37,6 +37,17 @@ def test_records_plan_to_a_recommendation_and_nothing_is_stored(api_only):
     assert httpx.get(f"{api_only.url}/v1/jobs", timeout=10).json()["total"] == 0  # stateless
 
 
+def test_placements_beyond_the_measured_steps_are_labelled_extrapolated(api_only):
+    records = [measurement(b) for b in BATCHES] + [step(p, b) for p in ([2], [1, 1], [2, 2]) for b in (16, 64)]
+    response = _post(api_only, {"spec": _spec(), "measurements": records})
+    assert response.status_code == 200, response.text
+    by_placement = {tuple(c["placement"]): c["extrapolated"] for c in response.json()["candidates"]}
+    assert by_placement[(1,)] == [] and by_placement[(2, 2)] == [] and by_placement[(1, 1)] == []
+    assert by_placement[(4, 4, 4, 4)] == ["devices", "nodes", "gpus_per_node"]
+    assert by_placement[(1, 1, 1, 1)] == ["nodes"]  # 4 devices were measured ([2, 2]), on 2 nodes at most
+    assert by_placement[(4,)] == ["gpus_per_node"]
+
+
 def test_a_csv_of_steps_alone_plans_with_memory_assumed(api_only):
     rows = [([1], b) for b in (8, 16, 32, 64, 128)] + [(p, b) for p in MEASURED_PLACEMENTS for b in (16, 64)]
     response = _post(api_only, {"spec": _spec(), "measurements_csv": _csv(rows)})

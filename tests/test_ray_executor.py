@@ -35,7 +35,7 @@ from tests.processes import (  # noqa: E402
     wait_for,
     wait_for_job_over_http,
 )
-from tula_service.dispatch.ray_executor import RayExecutor, measure_comm_on_actors  # noqa: E402
+from tula_service.dispatch.ray_executor import RayExecutor, measure_comm_on_actors, measure_step_on_actors  # noqa: E402
 from tula_service.fit.perfmodel.comm_fit import fit_comm_record  # noqa: E402
 from tula_service.measurement import parse_measurement  # noqa: E402
 from tula_service.store.job_store import Store  # noqa: E402
@@ -89,6 +89,32 @@ def test_the_all_reduce_is_measured_across_ray_actors_and_fits(two_device_job, r
     assert model.latency_s_ >= 0 and model.bandwidth_gbps_ > 0
     measured = two_device_job.recommendation["models"]["network"]["measured_link"]
     assert measured["backend"] == "gloo" and "error" not in measured
+
+
+STEP_REQUEST = {
+    "kind": "step", "model": "small_cnn", "dataset": {"name": "synthetic_images", "channels": 3, "image_size": 32, "num_classes": 10},
+    "batch_size": 8, "warmup_iters": 1, "timed_iters": 3, "time_cap_s": 10, "device": "cpu",
+}  # fmt: skip
+
+
+def test_a_step_runs_across_ray_actors_as_the_one_node_step_does(ray_cluster):
+    task = ray.remote(num_cpus=0, max_retries=0)(measure_step_on_actors)
+    outcome = ray.get(task.remote({**STEP_REQUEST, "placement": [2]}, 120.0, "tula-test-step"), timeout=180)
+    assert outcome["state"] == "done" and outcome["worker"] == f"ray:{ray_cluster}", outcome["error"]
+    record = outcome["measurement"]
+    step = parse_measurement(record)
+    assert step.kind == "step" and step.placement == [2] and step.device_batch == 8 and 0 <= step.sync_time_s < step.step_time_s
+    assert (record["launcher"], record["backend"], record["node_ids"]) == ("ray_actors", "gloo", [ray_cluster])
+    assert len(record["group"]["ranks"]) == 2 and record["timed_iters"] == 3
+
+
+def test_a_step_over_more_nodes_than_the_cluster_has_is_a_lost_group(ray_cluster):
+    from profiler.ray_group import GroupLost
+    from profiler.ray_group import measure_step_on_actors as on_actors
+
+    with pytest.raises(GroupLost, match="no room for the bundles"):
+        on_actors({**STEP_REQUEST, "placement": [1, 1]}, 60.0, "tula-test-two-nodes", placement_timeout_s=2.0)
+    assert not [g for g in ray.util.placement_group_table().values() if g["name"] == "tula-test-two-nodes" and g["state"] != "REMOVED"]
 
 
 def test_a_group_that_cannot_form_is_a_failed_record_not_a_lost_attempt(ray_cluster):

@@ -74,3 +74,13 @@ def test_max_lr_needs_a_reference_lr_at_or_below_it():
     assert "needs reference_lr" in _errors(spec_dict(training={"max_lr": 0.4}))[("training",)]
     assert "below reference_lr" in _errors(spec_dict(training={"reference_lr": 0.1, "max_lr": 0.05}))[("training",)]
     assert JobSpec.model_validate(spec_dict(training={"reference_lr": 0.1, "max_lr": 0.4})).training.max_lr == 0.4
+
+
+def test_step_placements_are_multi_device_placements_that_fit_the_cluster():
+    cluster = {"nodes": 2, "gpus_per_node": 4}
+    spec = JobSpec.model_validate(spec_dict(cluster=cluster, profiling={"step_placements": [[2, 2], [4], [2, 2]]}))
+    assert spec.profiling.step_placements == [[2, 2], [4]]  # distinct, in order
+    too_big = _errors(spec_dict(cluster=cluster, profiling={"step_placements": [[4], [1, 1, 1]]}))
+    assert list(too_big) == [("profiling", "step_placements", 0)] and "does not fit the cluster's 2 nodes of 4 GPUs" in too_big[("profiling", "step_placements", 0)]
+    one_device = _errors(spec_dict(cluster=cluster, profiling={"step_placements": [[1]]}))
+    assert "2 or more devices" in next(iter(one_device.values()))

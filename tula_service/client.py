@@ -145,6 +145,19 @@ class TulaClient:
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
         return JobView.model_validate(self._json("POST", "/v1/jobs", json=body, headers=headers))
 
+    def submit_with_measurements(
+        self, spec: Mapping[str, Any], measurements: Iterable[Mapping[str, Any]] = (), measurements_csv: str | None = None,
+        profile: str = "missing", idempotency_key: str | None = None,
+    ) -> JobView:
+        """POST /v1/jobs/from-measurements: a job that starts from measurements taken anywhere and profiles only
+        what they miss (profile "missing"), or nothing ("none": planned at once, or a 409)."""
+        body: dict[str, Any] = {"spec": dict(spec), "measurements": [dict(m) for m in measurements], "profile": profile}
+        if measurements_csv is not None:
+            body["measurements_csv"] = measurements_csv
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        path = "/v1/jobs/from-measurements"
+        return JobView.model_validate(self._json("POST", path, json=body, headers=headers, timeout=PLAN_TIMEOUT_S))
+
     def job(self, job_id: str) -> JobView:
         return JobView.model_validate(self._json("GET", self._job_path(job_id)))
 

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from tula_service.spec.job_spec import GradientStatsRecord
-from tula_service.spec.spec_limits import MAX_BATCH
+from tula_service.spec.spec_limits import MAX_BATCH, MAX_GPUS_PER_NODE, MAX_NODES
 
 Source = Literal["measured", "fitted", "predicted", "assumed", "spec", "catalog-assumed"]
 
@@ -165,7 +165,6 @@ class PilotMeasurement(_Record):
 
 
 MAX_STEP_S = 86_400.0  # a step of more than a day is no measurement of a training step
-MAX_NODES, MAX_GPUS_PER_NODE = 4096, 64
 
 
 class StepMeasurement(_Record):
@@ -176,26 +175,29 @@ class StepMeasurement(_Record):
 
     schema_version: int = 1
     kind: Literal["step"]
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "oom", "failed"] = Field("ok", description="a step that ran out of memory or failed has no times")
     placement: list[Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]] = Field(
         min_length=1, max_length=MAX_NODES, description="GPUs used on each node, e.g. [2, 2]"
     )
     device_batch: int = Field(ge=1, le=MAX_BATCH, description="samples per GPU per step (local_bsz)")
-    step_time_s: float = Field(gt=0, le=MAX_STEP_S)
+    step_time_s: float | None = Field(None, gt=0, le=MAX_STEP_S, description="required when status is ok")
     sync_time_s: float | None = Field(None, ge=0, le=MAX_STEP_S, description="seconds of the step spent in the gradient all-reduce")
     origin: str | None = Field(None, description="where the row comes from: profiler, trainer, csv, trace")
+    error: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StepMeasurement:
         if min(self.placement) < 1:
             raise ValueError(f"placement lists the GPUs used on each node, each >= 1, got {self.placement}")
-        if self.sync_time_s is not None and self.sync_time_s >= self.step_time_s:
+        if self.status == "ok" and self.step_time_s is None:
+            raise ValueError("a step with status ok needs step_time_s")
+        if self.sync_time_s is not None and self.step_time_s is not None and self.sync_time_s >= self.step_time_s:
             raise ValueError(f"sync_time_s ({self.sync_time_s}) must be below step_time_s ({self.step_time_s})")
         return self
 
     @property
     def ok(self) -> bool:
-        return True
+        return self.status == "ok"
 
     @property
     def devices(self) -> int:

@@ -38,8 +38,9 @@ class Progress(BaseModel):
 
 class PointView(BaseModel):
     id: int
-    kind: str = Field(description="grid | search | retime (a noisy point timed again) | comm | pilot")
+    kind: str = Field(description="grid | search | retime (a noisy point timed again) | comm | pilot | step (a data-parallel step) | given (a supplied measurement)")
     batch_size: int | None
+    placement: list[int] | None = Field(None, description="a step point's GPUs used on each node")
     state: str = Field(description="queued | running | done | oom | failed | cancelled")
     attempts: int = Field(description="times a worker started this point")
     duration_s: float | None = Field(None, description="wall time of the last attempt, measured")
@@ -52,14 +53,15 @@ class PointView(BaseModel):
     @classmethod
     def of(cls, point: Point) -> PointView:
         return cls(
-            id=point.id, kind=point.kind, batch_size=point.batch_size, state=point.state, attempts=point.attempts,
+            id=point.id, kind=point.kind, batch_size=point.batch_size, placement=point.placement, state=point.state, attempts=point.attempts,
             duration_s=point.duration_s, error=point.error, worker=point.worker,
             attempt_errors=point.attempt_errors or [], started_at=utc(point.started_at), finished_at=utc(point.finished_at),
         )  # fmt: skip
 
 
 def _point_noun(kind: str, batch_size: int | None) -> str:
-    nouns = {"comm": "all-reduce", "pilot": f"pilot training at batch {batch_size}", "retime": f"batch {batch_size} again"}
+    nouns = {"comm": "all-reduce", "pilot": f"pilot training at batch {batch_size}", "retime": f"batch {batch_size} again",
+             "step": f"a data-parallel step at batch {batch_size}"}  # fmt: skip
     return nouns.get(kind, f"batch {batch_size}")
 
 

@@ -30,14 +30,13 @@ JSON_CONTENT_TYPE = re.compile(r"application/([\w.+-]+\+)?json\s*(;.*)?", re.IGN
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """Every method the request's path has a route for: a 405's Allow header (RFC 9110, 15.5.6)."""
-    methods: set[str] = set()
+    """Every method the request's path has a route for: a 405's Allow header (RFC 9110, 15.5.6). A path that a
+    route names literally is that resource alone (OpenAPI lists /v1/jobs/from-measurements apart from
+    /v1/jobs/{job_id}), so templated routes that also match it do not count."""
     routes = [*request.app.router.routes, *(r for router in request.app.state.routers for r in router.routes)]
-    for route in routes:  # the routers' own: FastAPI includes a router as one opaque route
-        match, _ = route.matches(request.scope)
-        if match is not Match.NONE:
-            methods.update(getattr(route, "methods", None) or ())
-    return sorted(methods)
+    matching = [r for r in routes if r.matches(request.scope)[0] is not Match.NONE]  # the routers' own: FastAPI
+    literal = [r for r in matching if not getattr(r, "param_convertors", None)]  # includes a router as one route
+    return sorted({method for route in (literal or matching) for method in getattr(route, "methods", None) or ()})
 
 
 def _json_position(document: str, position: int) -> str:

@@ -1,5 +1,6 @@
-"""The jobs: submit, list, read (with or without points, the points a page at a time, the measurements,
-the recommendation), cancel, delete, and re-plan (what-if) without profiling again."""
+"""The jobs: submit (or create from measurements taken anywhere, profiling only what they miss), list, read
+(with or without points, the points a page at a time, the measurements, the recommendation), cancel,
+delete, and re-plan (what-if) without profiling again."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from tula_service import lifecycle
 from tula_service.api.deps import ExecutorDep, StoreDep
 from tula_service.api.errors import what_if_conflict
+from tula_service.api.plan import JobFromMeasurements, parsed_measurements, plan_or_conflict
 from tula_service.dispatch.jobs import plan_inputs
 from tula_service.plan.recommend import NotEnoughMeasurements, plan
 from tula_service.plan.recommendation import JobRecommendation, WhatIfPlan
@@ -28,6 +31,7 @@ from tula_service.schemas import (
     next_offset,
 )
 from tula_service.spec.job_spec import JobSpec, allowed_model_modules
+from tula_service.spec.points_wanted import Profile, points_wanted
 from tula_service.spec.user_code_check import checked_submission, client_submission
 from tula_service.store.db import Job
 from tula_service.store.job_store import IdempotencyConflict, Store
@@ -60,21 +64,73 @@ def submit_job(
 ) -> JobView:
     """Submit a job. With an `Idempotency-Key` header, a retried submission returns the same job
     (200, `Idempotent-Replayed: true`); the same key with a different spec is a 422."""
-    try:  # user code is checked here, in this worker thread, not while the event loop validated the body
-        spec = checked_submission(spec, allowed_model_modules())
+    spec = _checked_spec(spec, ("body",))
+    job, created = _create(store, spec, idempotency_key)
+    if created:
+        executor.notify()
+    return _accepted(job, created, response)
+
+
+@router.post("/from-measurements", status_code=status.HTTP_202_ACCEPTED, response_model=JobView,
+             responses={200: {"model": JobView, "description": "a retried submission: the job made the first time"},
+                        409: {"description": "nothing was left to profile and the measurements cannot be planned from: what is missing"}},
+             dependencies=[Depends(client_submission)])  # fmt: skip
+def submit_job_from_measurements(
+    request: JobFromMeasurements,
+    response: Response,
+    store: StoreDep,
+    executor: ExecutorDep,
+    idempotency_key: Annotated[str | None, Header(max_length=IDEMPOTENCY_KEY_MAX_CHARS, min_length=1)] = None,
+) -> JobView:
+    """Create a job from measurements taken anywhere (records and/or a CSV of steps, as POST /v1/plan takes
+    them); they become the job's points of kind "given". With `profile` "missing" (the default) the job
+    profiles only what they do not cover (tula_service.spec.points_wanted); with "none", nothing.
+    When nothing is left to profile the job is planned now and comes back done, or, when the measurements
+    cannot be planned from, nothing is stored and the answer is a 409 saying what is missing.
+    `Idempotency-Key` as for POST /v1/jobs."""
+    spec = _checked_spec(request.spec, ("body", "spec"))
+    measurements = parsed_measurements(request)
+    if not measurements:
+        raise RequestValidationError([{
+            "loc": ("body", "measurements"), "type": "value_error",
+            "msg": "no measurements supplied (records or measurements_csv): POST /v1/jobs profiles a job from scratch",
+        }])  # fmt: skip
+    nothing_to_profile = not points_wanted(spec, measurements, request.profile)
+    planned = plan_or_conflict(spec, measurements) if nothing_to_profile else None
+    job, created = _create(store, spec, idempotency_key, measurements, request.profile)
+    if created and planned is not None:
+        store.set_job_state(job.id, "done", recommendation=planned)
+        job = store.get_job(job.id)
+        lifecycle.job_finished(job)
+    elif created:
+        executor.notify()
+    return _accepted(job, created, response)
+
+
+def _checked_spec(spec: JobSpec, loc: tuple[str, ...]) -> JobSpec:
+    """The spec with its user code checked (here, in this worker thread, not while the event loop validated
+    the body); a 422 at `loc` + the field otherwise."""
+    try:
+        return checked_submission(spec, allowed_model_modules())
     except ValidationError as error:
         raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
+            [{**e, "loc": (*loc, *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
         ) from None
+
+
+def _create(
+    store: Store, spec: JobSpec, idempotency_key: str | None, supplied: list[Any] | None = None, profile: Profile = "missing"
+) -> tuple[Job, bool]:
     try:
-        job, created = store.create_job(spec, idempotency_key)
+        return store.create_job(spec, idempotency_key, supplied or (), profile)
     except IdempotencyConflict as error:
         raise RequestValidationError(
             [{"loc": ("header", "Idempotency-Key"), "msg": str(error), "type": "idempotency_key_reused"}]
         ) from None
-    if created:
-        executor.notify()
-    else:
+
+
+def _accepted(job: Job, created: bool, response: Response) -> JobView:
+    if not created:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/jobs/{job.id}"

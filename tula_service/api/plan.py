@@ -30,6 +30,7 @@ from tula_service.measurement_csv import LAYOUTS, CsvRowError, steps_from_csv
 from tula_service.plan.recommend import NotEnoughMeasurements, plan
 from tula_service.plan.recommendation import StatelessPlan
 from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.points_wanted import Profile
 from tula_service.spec.submission_schema import COMPONENT as JOB_SUBMISSION
 from tula_service.spec.user_code_check import client_submission
 
@@ -52,6 +53,15 @@ class PlanRequest(BaseModel):
         None, description="measured steps as a CSV table with the header " + " or ".join(",".join(c) for c in LAYOUTS.values())
         + " (the table's grammar is beyond JSON Schema: a row that cannot be read is a 422 naming the row and the column)",
     )
+
+
+class JobFromMeasurements(PlanRequest):
+    """POST /v1/jobs/from-measurements: a job spec, the measurements it starts from, and what to profile besides."""
+
+    profile: Profile = Field(
+        "missing", description="'missing': profile what the measurements do not cover (tula_service.spec.points_wanted); "
+        "'none': plan from them alone",
+    )  # fmt: skip
 
 
 def parsed_measurements(request: PlanRequest) -> list[Any]:
@@ -82,18 +92,24 @@ def plan_measurements(request: PlanRequest) -> dict[str, Any]:
     """Plan a spec from measurements taken anywhere (this service's profiler, a trainer, a trace), with no
     profiling and nothing stored. Measured multi-device steps fit the placement-aware step-time model."""
     measurements = parsed_measurements(request)
+    kinds: dict[str, int] = {}
+    for measurement in measurements:
+        kinds[measurement.kind] = kinds.get(measurement.kind, 0) + 1
+    return {**plan_or_conflict(request.spec, measurements), "measurements": kinds}
+
+
+def plan_or_conflict(spec: JobSpec, measurements: list[Any]) -> dict[str, Any]:
+    """The recommendation of parsed measurements; HTTP 409 saying what is missing when they cannot be
+    planned from, or what broke when their fit does."""
     try:
-        planned = plan(request.spec, measurements)
+        planned = plan(spec, measurements)
     except NotEnoughMeasurements as error:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"cannot plan these measurements: {error}") from None
     except (ValueError, ArithmeticError) as error:  # numbers so extreme that a fit breaks down
         raise HTTPException(status.HTTP_409_CONFLICT, detail=f"cannot fit these measurements: {error}") from None
     if not all_finite(planned):
         raise HTTPException(status.HTTP_409_CONFLICT, detail="cannot fit these measurements: the fitted models predict non-finite numbers")
-    kinds: dict[str, int] = {}
-    for measurement in measurements:
-        kinds[measurement.kind] = kinds.get(measurement.kind, 0) + 1
-    return {**planned, "measurements": kinds}
+    return planned
 
 
 def all_finite(value: Any) -> bool:
@@ -108,20 +124,23 @@ def all_finite(value: Any) -> bool:
 
 
 PLAN_PATH = "/v1/plan"
+JOB_FROM_MEASUREMENTS_PATH = "/v1/jobs/from-measurements"
 RECORD_KINDS = (ComputeMeasurement, CommMeasurement, PilotMeasurement, StepMeasurement)
 
 
 def publish_plan_request(openapi: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAPI document with POST /v1/plan's request stating what it accepts, in place: `spec` as
-    POST /v1/jobs's JobSubmission, and each measurement record as one of the Measurement kinds."""
+    """The OpenAPI document with the requests of POST /v1/plan and POST /v1/jobs/from-measurements stating what
+    they accept, in place: `spec` as POST /v1/jobs's JobSubmission, and each measurement record as one of the
+    Measurement kinds."""
     components = openapi["components"]["schemas"]
-    body = openapi["paths"][PLAN_PATH]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    request = components[body["$ref"].rsplit("/", 1)[-1]]
-    request["properties"]["spec"] = {"$ref": f"#/components/schemas/{JOB_SUBMISSION}"}
     records = TypeAdapter(list[ComputeMeasurement | CommMeasurement | PilotMeasurement | StepMeasurement]).json_schema(
         ref_template="#/components/schemas/{model}"
     )
     for name, schema in records.pop("$defs", {}).items():
         components.setdefault(name, schema)
-    request["properties"]["measurements"]["items"] = records["items"]
+    for path in (PLAN_PATH, JOB_FROM_MEASUREMENTS_PATH):
+        body = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        request = components[body["$ref"].rsplit("/", 1)[-1]]
+        request["properties"]["spec"] = {"$ref": f"#/components/schemas/{JOB_SUBMISSION}"}
+        request["properties"]["measurements"]["items"] = records["items"]
     return openapi

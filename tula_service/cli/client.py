@@ -264,6 +264,8 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
 
 @talks_to_the_server
 def _submit(args: argparse.Namespace) -> int:
+    if args.profile is not None and not args.measurements:
+        raise CliError("--profile chooses what to profile beyond --measurements: give --measurements FILE")
     spec = _validated_spec(args.spec, args.reference_stats)
     # With --json, stdout is one JSON document; the narration goes to stderr.
     narration = sys.stderr if args.json else sys.stdout
@@ -271,8 +273,15 @@ def _submit(args: argparse.Namespace) -> int:
         records = spec["training"]["reference_run"]["gradient_stats"]
         print(f"reference run: {len(records)} gradient-statistics records from {args.reference_stats}", file=narration, flush=True)
     with _client(args) as client:
-        job = client.submit(spec, idempotency_key=args.idempotency_key)
-        print(f"submitted job {job.id} ({job.progress.points_total} points)", file=narration, flush=True)
+        if args.measurements:
+            records, csv_text = _measurement_files(args.measurements)
+            job = client.submit_with_measurements(spec, records, csv_text, args.profile or "missing", args.idempotency_key)
+            to_profile = job.progress.points_total - job.progress.points_done
+            print(f"submitted job {job.id} from measurements: {job.progress.points_done} supplied, {to_profile} points to profile"
+                  + (f" ({job.state})" if job.state == "done" else ""), file=narration, flush=True)  # fmt: skip
+        else:
+            job = client.submit(spec, idempotency_key=args.idempotency_key)
+            print(f"submitted job {job.id} ({job.progress.points_total} points)", file=narration, flush=True)
         if not args.wait:
             if args.json:
                 print(job.model_dump_json(indent=2))
@@ -466,6 +475,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--reference-stats", metavar="FILE",
                         help="gradient statistics of the reference run (JSONL of profiler.reference_logger, or a JSON list): "
                         "sent as training.reference_run.gradient_stats")
+    submit.add_argument("--measurements", metavar="FILE", action="append",
+                        help="measurements taken anywhere to start the job from (repeatable; JSON, JSONL or a CSV of steps, "
+                        "as for tula plan): POST /v1/jobs/from-measurements profiles only what they miss")
+    submit.add_argument("--profile", choices=("missing", "none"),
+                        help="with --measurements: profile what they miss (default), or nothing")
     submit.add_argument("--poll-s", type=positive_float, default=1.0)
     submit.add_argument("--timeout-s", type=positive_float, default=None)
     submit.set_defaults(func=_submit)

@@ -59,6 +59,8 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f" cost {human_usd(chosen['cost_usd']['value'])}, memory {_memory(chosen)}"
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
+    if chosen.get("extrapolated"):
+        lines.append(f"  step time extrapolated: {', '.join(chosen['extrapolated'])} beyond every multi-device measurement")
     knee = rec.get("knee") or {}
     if knee.get("method_explained") and rec["objective"] == "knee":
         lines.append(f"  {knee['method']}: {knee['method_explained']}")

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tula_service import lifecycle
-from tula_service.dispatch.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request
+from tula_service.dispatch.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request, step_request
 from tula_service.measurement import parse_measurement
 from tula_service.store.db import Job, Point
 from tula_service.store.job_store import Store
@@ -76,7 +76,12 @@ def point_command(python: str, job: Job, point: Point) -> list[str]:
     if point.kind == "comm":
         return [python, "-m", "profiler.comm", *comm_command_args(job)]
     spec = job.parsed_spec
-    request = pilot_request(spec) if point.kind == "pilot" else point_request(spec, point.batch_size)
+    if point.kind == "pilot":
+        request = pilot_request(spec)
+    elif point.kind == "step":
+        request = step_request(spec, point.placement, point.batch_size)
+    else:
+        request = point_request(spec, point.batch_size)
     return [python, "-m", "profiler.run_point", "--request", json.dumps(request)]
 
 

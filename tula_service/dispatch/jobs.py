@@ -7,11 +7,12 @@ import logging
 from tula_service import lifecycle
 from tula_service.dispatch.maxbatch import next_probe
 from tula_service.dispatch.reliability import points_to_retime
-from tula_service.measurement import ComputeMeasurement, Measurement, parse_measurement
 from tula_service.fit.fitting import fit_models
+from tula_service.measurement import ComputeMeasurement, Measurement, parse_measurement
 from tula_service.plan.recommend import NotEnoughMeasurements, plan, usable_measurements
 from tula_service.settings import environment
 from tula_service.spec.job_spec import JobSpec, allowed_model_modules
+from tula_service.spec.points_wanted import steps_due
 from tula_service.store.db import Job
 from tula_service.store.job_store import Store
 from tula_service.store.states import ACTIVE_JOB_STATES
@@ -20,7 +21,8 @@ from tula_service.units import GIB
 log = logging.getLogger(__name__)
 
 MIN_COMM_MAX_BYTES = 4 * 2**20  # below this, small models' all-reduces are latency-bound: bandwidth unresolved
-# One batch size timed and sized ("retime": once more, when the first was noisy); "pilot" trains, "comm" all-reduces.
+# One batch size timed and sized ("retime": once more, when the first was noisy); "pilot" trains, "comm" all-reduces,
+# "step" times a data-parallel step on several devices, "given" holds a supplied measurement (never run).
 COMPUTE_POINT_KINDS = ("grid", "search", "retime")
 DEFAULT_LR = 0.01  # the LR points train with when the spec gives no training.reference_lr
 
@@ -68,6 +70,13 @@ def pilot_request(spec: JobSpec) -> dict:
     }
 
 
+def step_request(spec: JobSpec, placement: list[int], device_batch: int) -> dict:
+    """The request of a data-parallel step point (`profiler.ddp_step.measure_step` on one node,
+    `profiler.ray_group.measure_step_on_actors` across nodes): the compute point's request at the per-device
+    batch, on `placement` (GPUs used on each node; NCCL on GPUs, else gloo ranks)."""
+    return {**point_request(spec, device_batch), "kind": "step", "placement": list(placement), "backend": "auto"}
+
+
 def comm_command_args(job: Job) -> list[str]:
     """Arguments of `python -m profiler.comm` for a job: message sizes up to its gradient size, and
     at least MIN_COMM_MAX_BYTES so both latency and bandwidth can be fitted (the benchmark caps
@@ -102,7 +111,12 @@ def advance(store: Store, job_id: str) -> bool:
     if job is None or job.state not in ACTIVE_JOB_STATES:
         return False
     spec = job.parsed_spec
-    ok, oom = usable_measurements(parsed_measurements(job))
+    if all(p.kind == "given" for p in job.points):  # supplied measurements alone: planned as they are
+        finish_job(store, job)
+        lifecycle.job_finished(store.get_job(job_id))
+        return False
+    measurements = parsed_measurements(job)
+    ok, oom = usable_measurements(measurements)
     if spec.profiling.search_max_batch:
         probes_done = sum(p.kind == "search" for p in job.points)
         predicted = _predicted_max_batch(spec, ok)
@@ -111,11 +125,17 @@ def advance(store: Store, job_id: str) -> bool:
             store.add_point(job_id, "search", probe)
             return True
     retimed = [p.batch_size for p in job.points if p.kind == "retime"]
-    due = points_to_retime(ok, retimed)
+    supplied = {p.batch_size for p in job.points if p.kind == "given"}  # the user's numbers: not ours to time again
+    due = [b for b in points_to_retime(ok, retimed) if b not in supplied]
     if due:
         log.info("job %s: timing batches %s again (noisy or off the step-time model)", job_id, due)
         for batch in due:
             store.add_point(job_id, "retime", batch)
+        return True
+    steps = steps_due(spec, measurements, [p.placement for p in job.points if p.kind == "step" and p.placement])
+    if steps:
+        for placement, batch in steps:
+            store.add_point(job_id, "step", batch, placement)
         return True
     finish_job(store, job)
     lifecycle.job_finished(store.get_job(job_id))

@@ -14,7 +14,13 @@ in flight, slots = the cluster's GPUs, or its CPUs when it has none (at least 1)
 - a communication point is one coordinating Ray task (no CPU of its own) that runs
   `profiler.ray_group`: a group of Ray actors, one per rank, in a placement group named here, form
   a torch.distributed process group and run `profiler.comm`'s all-reduce sweep. It takes every slot
-  while it runs (its largest world size may need all of them).
+  while it runs (its largest world size may need all of them);
+- a data-parallel step point (kind "step", `profiling.step_placements`) on one node is a compute task
+  whose child (`profiler.ddp_step`) starts its ranks on the task's node: `num_gpus` = its GPUs when the
+  cluster has GPUs (so Ray puts it on a node with that many free), else gloo ranks on CPU; one across
+  nodes is a coordinating task, as the all-reduce benchmark's, over Ray actors in a placement group with a
+  bundle per node (`profiler.ray_group.measure_step_on_actors`). Either takes every slot while it runs,
+  so its timing is not shared.
 
 Ray workers never touch the database: a task returns `Outcome.to_dict()`, and the dispatcher, on
 `ray.wait`, writes it with `record_outcome` (after setting the point's worker to "ray:NODE_ID").
@@ -61,7 +67,7 @@ from tula_service.dispatch.dispatcher import (
     record_outcome,
     run_child,
 )
-from tula_service.dispatch.jobs import advance, comm_command_args
+from tula_service.dispatch.jobs import advance, comm_command_args, step_request
 from tula_service.store.db import Point
 from tula_service.store.job_store import Store
 
@@ -70,7 +76,14 @@ log = logging.getLogger(__name__)
 WORKER_PYTHON = "{worker_python}"  # replaced by the Ray worker's sys.executable
 SCHEDULING_GRACE_S = 600.0  # beyond the point's own timeout: placement, worker start, a busy cluster
 STOP_GRACE_S = 5.0
+EXCLUSIVE_KINDS = ("comm", "step")  # points timed alone: an all-reduce, a data-parallel step
 COORDINATOR_CPUS = 0.01  # the all-reduce coordinator task; CPU_PER_RANK in profiler.ray_group leaves room for it
+
+
+def _gpus_of(point: Point) -> int:
+    """GPUs a point's Ray task asks for: a one-node step point's GPUs (its ranks are the task's child
+    processes), else one."""
+    return point.placement[0] if point.kind == "step" and point.placement else 1
 
 
 def import_ray():
@@ -97,18 +110,41 @@ def run_point_on_worker(command: list[str], timeout_s: float) -> dict[str, Any]:
 
 def measure_comm_on_actors(comm_args: list[str], timeout_s: float, placement_group_name: str) -> dict[str, Any]:
     """Body of a communication point's Ray task: coordinates the actor group of `profiler.ray_group`."""
+    from profiler.ray_group import measure_on_actors
+
+    return _on_actors(lambda: measure_on_actors(comm_args, timeout_s, placement_group_name))
+
+
+def measure_step_on_actors(request: dict[str, Any], timeout_s: float, placement_group_name: str) -> dict[str, Any]:
+    """Body of a step point's Ray task when its placement spans nodes: the actor group of `profiler.ray_group`."""
+    from profiler import comm, ray_group
+
+    def measure() -> dict[str, Any]:
+        try:
+            return ray_group.measure_step_on_actors(request, timeout_s, placement_group_name)
+        except comm.RankFailure as error:  # the step's own failure (a model that does not build): data, not retried
+            return {"kind": "step", "status": "failed", "placement": request["placement"], "device_batch": request["batch_size"],
+                    "error": f"RankFailure: {str(error)[-STDERR_TAIL_CHARS:]}"}  # fmt: skip
+
+    return _on_actors(measure)
+
+
+def _on_actors(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """An actor group's record as an Outcome (dict): a lost group (an actor died, no room for it, past the
+    deadline) is a died worker, retried; a record not "ok" is the point's own outcome ("oom" or "failed")."""
     import ray
 
-    from profiler.ray_group import GroupLost, measure_on_actors
+    from profiler.ray_group import GroupLost
 
     worker = f"ray:{ray.get_runtime_context().get_node_id()}"
     started = time.monotonic()
     try:
-        record = measure_on_actors(comm_args, timeout_s, placement_group_name)
-    except GroupLost as error:  # an actor died, no room for the group, or past the deadline: retried
-        duration_s = time.monotonic() - started
-        return Outcome("failed", None, f"Ray actor group lost: {error}", True, duration_s, worker).to_dict()
+        record = measure()
+    except GroupLost as error:
+        return Outcome("failed", None, f"Ray actor group lost: {error}", True, time.monotonic() - started, worker).to_dict()
     duration_s = time.monotonic() - started
+    if record["status"] == "oom":
+        return Outcome("oom", record, record.get("error"), False, duration_s, worker).to_dict()
     if record["status"] != "ok":  # e.g. the group did not form: the point's own error, not retried
         return Outcome("failed", record, record.get("error"), False, duration_s, worker).to_dict()
     return Outcome("done", record, None, False, duration_s, worker).to_dict()
@@ -153,6 +189,7 @@ class RayExecutor:
         self._thread: threading.Thread | None = None
         self._compute_task = None
         self._comm_task = None
+        self._step_task = None
 
     def start(self) -> None:
         interrupted = self.store.requeue_interrupted()
@@ -171,6 +208,7 @@ class RayExecutor:
         # A sliver of CPU, so the coordinator (which imports torch) never lands on a 0-CPU node such
         # as the API server's own Ray node in docker/compose.yaml.
         self._comm_task = ray.remote(num_cpus=COORDINATOR_CPUS, max_retries=0)(measure_comm_on_actors)
+        self._step_task = ray.remote(num_cpus=COORDINATOR_CPUS, max_retries=0)(measure_step_on_actors)
         self.workers = self._slots()[0]
         log.info("Ray executor: cluster %s, %s", self.address or "(default)", ray.cluster_resources())
         self._thread = threading.Thread(target=self._loop, name="tula-ray-dispatch", daemon=True)
@@ -244,7 +282,7 @@ class RayExecutor:
         self.workers = slots
         while not self._stopping.is_set():
             with self._lock:
-                busy = slots if any(f.kind == "comm" for f in self._flights.values()) else len(self._flights)
+                busy = slots if any(f.kind in EXCLUSIVE_KINDS for f in self._flights.values()) else len(self._flights)
             if busy >= slots:
                 return
             point = self.store.claim_next_point(self.worker_name)
@@ -269,8 +307,11 @@ class RayExecutor:
         if point.kind == "comm":
             placement_group_name = f"tula-comm-{point.id}-{uuid.uuid4().hex[:12]}"
             ref = self._comm_task.remote(comm_command_args(job), timeout_s, placement_group_name)
+        elif point.kind == "step" and len(point.placement or []) > 1:
+            placement_group_name = f"tula-step-{point.id}-{uuid.uuid4().hex[:12]}"
+            ref = self._step_task.remote(step_request(job.parsed_spec, point.placement, point.batch_size), timeout_s, placement_group_name)
         else:
-            task = self._compute_task.options(num_gpus=1) if gpus else self._compute_task
+            task = self._compute_task.options(num_gpus=_gpus_of(point)) if gpus else self._compute_task
             ref = task.remote(point_command(self.python, job, point), timeout_s)
         started = time.monotonic()
         deadline = started + timeout_s + SCHEDULING_GRACE_S

@@ -62,6 +62,29 @@ def usable_measurements(measurements: list[Record]) -> tuple[list[Record], list[
     return [ok_by_batch[b][1] for b in sorted(ok_by_batch)], sorted(oom_batches)
 
 
+def measured_reach(steps: list[StepMeasurement], comm: CommMeasurement | None) -> dict[str, int]:
+    """How far the multi-device measurements reach: the most devices (a measured step's, or the all-reduce
+    benchmark's largest world size), nodes and GPUs on one node of a measured multi-device step (1 where none
+    was measured: every node is then beyond them)."""
+    multi = [s for s in steps if s.devices > 1]
+    world_sizes = [p.world_size for p in comm.points] if comm is not None else []
+    return {
+        "devices": max([1, *world_sizes, *(s.devices for s in multi)]),
+        "nodes": max([1, *(len(s.placement) for s in multi)]),
+        "gpus_per_node": max([1, *(max(s.placement) for s in multi)]),
+    }
+
+
+def beyond_reach(placement: list[int], reach: dict[str, int]) -> list[str]:
+    """What of a multi-device candidate's placement lies beyond the measurements (measured_reach): "devices",
+    "nodes", "gpus_per_node"; its step time there is an extrapolation of the step-time model, not an
+    interpolation. Empty on one device (the compute points time it)."""
+    if sum(placement) == 1:
+        return []
+    size = {"devices": sum(placement), "nodes": len(placement), "gpus_per_node": max(placement)}
+    return [part for part in ("devices", "nodes", "gpus_per_node") if size[part] > reach[part] and (part == "devices" or size[part] > 1)]
+
+
 def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> np.ndarray:
     """Powers of two inside the profiled range (and the profiled sizes), below the smallest OOM batch."""
     low, high = min(ok_batches), max(ok_batches)
@@ -75,7 +98,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement)."""
     points = [parse_measurement(m) for m in measurements]
     ok, oom_batches = usable_measurements(points)
-    steps = [m for m in points if isinstance(m, StepMeasurement)]
+    steps = [m for m in points if isinstance(m, StepMeasurement) and m.ok]  # an out-of-memory step has no times
     single_step_batches = sorted({s.device_batch for s in steps if s.devices == 1})
     if len(ok) < 2 and (ok or len(single_step_batches) < 2):
         raise NotEnoughMeasurements(
@@ -114,7 +137,10 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     measured = {m.batch_size: m for m in ok}
     step_err = report["step_time"].get("held_out_median_rel_err")
     measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
+    reach = measured_reach(steps, comm)
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
+    for row in rows:
+        row["extrapolated"] = beyond_reach(row["placement"], reach)
     tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
     if tokens_per_sample:  # language models: a batch is counted in sequences and in tokens
         for row in rows:

@@ -59,6 +59,10 @@ class Candidate(BaseModel):
     total_time_s: SourcedValue = Field(description="epochs * epoch_time_s")
     cost_usd: SourcedValue
     pareto: bool = Field(description="on the (time, cost) Pareto front")
+    extrapolated: list[Literal["devices", "nodes", "gpus_per_node"]] = Field(
+        description="what of the placement lies beyond every multi-device measurement (more devices than any measured step "
+        "or all-reduce world size, more nodes, more GPUs on a node than a measured step): its step time is extrapolated"
+    )
     global_batch_tokens: int | None = Field(None, description="language models only: global_batch * tokens_per_sample")
 
 

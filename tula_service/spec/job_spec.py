@@ -24,7 +24,7 @@ from models.registry import (
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from tula_service.fit.links import catalog_link_defaults
 from tula_service.settings import environment
-from tula_service.spec.spec_limits import MAX_BATCH, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool, reject_bool_number
+from tula_service.spec.spec_limits import MAX_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool, reject_bool_number
 from tula_service.spec.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors, validating_client_submission
 
 # Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec.spec_limits).
@@ -414,6 +414,19 @@ class ProfilingSpec(_Strict):
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch threads of a CPU point (match the training loop's, e.g. 1)"
     )
+    step_placements: list[Annotated[list[Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]], Field(min_length=1, max_length=MAX_NODES)]] = Field(
+        default_factory=list, max_length=8,
+        description="placements (GPUs used on each node, e.g. [2] or [2, 2]) of a data-parallel training step to "
+        "measure, one point each at a profiled batch, of 2 or more devices: on one node DDP over a worker's GPUs "
+        "(gloo ranks on CPU), across nodes Ray actors (the Ray executor); the planner fits the placement model to them",
+    )  # fmt: skip
+
+    @field_validator("step_placements")
+    @classmethod
+    def _distinct_multi_device_placements(cls, placements: list[list[int]]) -> list[list[int]]:
+        if any(sum(placement) < 2 for placement in placements):
+            raise ValueError("a step placement uses 2 or more devices ([1] is what a compute point measures)")
+        return [list(p) for p in sorted({tuple(p) for p in placements})]
 
 
 # Fields the server sets while validating (where a value came from); a client's are ignored, not trusted.
@@ -496,6 +509,16 @@ class JobSpec(_Strict):
             raise ValueError("objective 'deadline' needs deadline_h (hours)")
         if self.objective == "budget" and self.budget_usd is None:
             raise ValueError("objective 'budget' needs budget_usd")
+        return self
+
+    @model_validator(mode="after")
+    def _step_placements_fit_the_cluster(self) -> JobSpec:
+        cluster = self.cluster
+        for index, placement in enumerate(self.profiling.step_placements):
+            if len(placement) > cluster.nodes or max(placement) > cluster.gpus_per_node:
+                raise field_errors([(("profiling", "step_placements", index), (
+                    f"placement {placement} does not fit the cluster's {cluster.nodes} nodes of {cluster.gpus_per_node} GPUs"
+                ))], "step_placement")  # fmt: skip
         return self
 
     @model_validator(mode="after")

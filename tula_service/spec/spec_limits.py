@@ -17,6 +17,7 @@ from tula_service.settings import environment
 
 MAX_BATCH = 2**24
 MAX_NUM_SAMPLES = 10**12
+MAX_NODES, MAX_GPUS_PER_NODE = 4096, 64  # a placement's nodes, and GPUs on one node
 
 
 def max_batch_sizes() -> int:

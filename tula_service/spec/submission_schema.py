@@ -51,6 +51,8 @@ SCHEMA_CANNOT_STATE = (
     "dataset.image_size (or the dataset's default side) at least the model's min_image_size, a multiple of its "
     "image_size_multiple (GET /v1/catalog/models)",
     "a user (package.module:factory) model or dataset: its contract, checked by running it on 2 samples",
+    "profiling.step_placements: each uses 2 or more devices, on at most cluster.nodes nodes, at most "
+    "cluster.gpus_per_node GPUs on each",
 )
 
 _USER_REF_TAIL = r"(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"  # models.registry's "package.module:factory", after the prefix

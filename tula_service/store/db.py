@@ -64,7 +64,10 @@ class Point(Base):
     kind "grid": the model at one of the spec's batch sizes; "search": a probe of the bounded search
     for the largest batch that fits (after an out-of-memory); "retime": a noisy point timed once more
     (tula_service.dispatch.reliability); "comm": the all-reduce benchmark; "pilot":
-    training at the reference batch with gradient statistics along the way (profiler.pilot).
+    training at the reference batch with gradient statistics along the way (profiler.pilot); "step": a
+    data-parallel training step on `placement` (GPUs used on each node), at per-device batch `batch_size`
+    (profiler.ddp_step on one node, profiler.ray_group across nodes); "given": a measurement supplied with the job (POST /v1/jobs/from-measurements),
+    stored done as it came, never run.
     `attempts` counts starts; `attempt_errors` keeps why each earlier attempt died (retried).
     """
 
@@ -84,6 +87,7 @@ class Point(Base):
     worker: Mapped[str | None] = mapped_column(String(255))  # "local:HOST:PID" or "ray:NODE_ID"
     worker_pid: Mapped[int | None]  # the child process of a local run, so a restart can reap it
     attempt_errors: Mapped[list[str] | None] = mapped_column(JSON)
+    placement: Mapped[list[int] | None] = mapped_column(JSON)  # a step point's GPUs on each node (revision 0003)
 
     job: Mapped[Job] = relationship(back_populates="points")
 

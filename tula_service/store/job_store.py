@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, defer, selectinload, sessionmaker
 
 from tula_service import lifecycle
 from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.points_wanted import Profile, points_wanted
 from tula_service.store.db import Job, Point, utcnow
 from tula_service.store.states import (
     ACTIVE_JOB_STATES,
@@ -38,8 +39,22 @@ class IdempotencyConflict(ValueError):
 
 def spec_digest(spec: JobSpec) -> str:
     """SHA-256 of the spec's canonical JSON (sorted keys): equal specs, equal digests."""
-    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return submission_digest(spec, [])
+
+
+def submission_digest(spec: JobSpec, given: list[dict[str, Any]], profile: Profile = "missing") -> str:
+    """SHA-256 of the spec's canonical JSON (sorted keys), and of the supplied measurements and what to profile
+    when measurements were supplied (the same spec with other measurements is another submission)."""
+    content: Any = spec.model_dump(mode="json")
+    if given:
+        content = {"spec": content, "measurements": given, "profile": profile}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _record_batch(record: dict[str, Any]) -> int | None:
+    """The batch a supplied record was measured at: a compute point's batch, a step's per-device batch."""
+    return record.get("batch_size") or record.get("device_batch")
 
 
 class Store:
@@ -51,15 +66,20 @@ class Store:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    def create_job(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
-        """Insert a job with its points. With an idempotency key already used for the same spec,
-        returns that job and False instead; for another spec, raises IdempotencyConflict."""
-        digest = spec_digest(spec)
+    def create_job(
+        self, spec: JobSpec, idempotency_key: str | None = None, supplied: Sequence[Any] = (), profile: Profile = "missing"
+    ) -> tuple[Job, bool]:
+        """Insert a job with its points: the supplied measurements (parsed Measurements) as finished points of
+        kind "given", then the points they leave to profile (tula_service.spec.points_wanted). With an
+        idempotency key already used for the same spec and measurements, returns that job and False instead;
+        for another, raises IdempotencyConflict."""
+        given = [m.model_dump(mode="json", exclude_none=True) for m in supplied]
+        digest = submission_digest(spec, given, profile)
         if idempotency_key is not None:
             existing = self._job_by_key(idempotency_key, digest)
             if existing is not None:
                 return existing, False
-        pilot = [Point(kind="pilot", batch_size=spec.training.reference_batch, state="queued")] if spec.profiling.pilot else []
+        now, queued = utcnow(), points_wanted(spec, supplied, profile)
         job = Job(
             id=uuid.uuid4().hex,
             name=spec.name,
@@ -67,10 +87,12 @@ class Store:
             spec=spec.model_dump(mode="json"),
             idempotency_key=idempotency_key,
             spec_sha256=digest,
-            points=[Point(kind="grid", batch_size=b, state="queued") for b in spec.batch_sizes]
-            + ([Point(kind="comm", state="queued")] if spec.measures_communication() else [])
-            + pilot,
-        )
+            points=[
+                Point(kind="given", batch_size=_record_batch(record), state="done", measurement=record,
+                      worker="supplied", started_at=now, finished_at=now, duration_s=0.0)
+                for record in given
+            ] + [Point(kind=kind, batch_size=batch, placement=placement, state="queued") for kind, batch, placement in queued],
+        )  # fmt: skip
         try:
             with self.session() as session, session.begin():
                 session.add(job)
@@ -105,7 +127,8 @@ class Store:
         """A page of jobs, newest first, with their points' states but not their measurements (the
         job list shows counts; a measurement is kilobytes)."""
         points = selectinload(Job.points).load_only(
-            Point.id, Point.job_id, Point.kind, Point.batch_size, Point.state, Point.attempts, Point.attempt_errors, Point.worker
+            Point.id, Point.job_id, Point.kind, Point.batch_size, Point.placement, Point.state, Point.attempts, Point.attempt_errors,
+            Point.worker,
         )  # fmt: skip
         query = select(Job).options(points).order_by(Job.created_at.desc(), Job.id)
         if states:
@@ -206,9 +229,9 @@ class Store:
             )
         return self.get_point(point.id)
 
-    def add_point(self, job_id: str, kind: str, batch_size: int | None) -> None:
+    def add_point(self, job_id: str, kind: str, batch_size: int | None, placement: list[int] | None = None) -> None:
         with self.session() as session, session.begin():
-            session.add(Point(job_id=job_id, kind=kind, batch_size=batch_size, state="queued"))
+            session.add(Point(job_id=job_id, kind=kind, batch_size=batch_size, placement=placement, state="queued"))
 
     def get_point(self, point_id: int) -> Point | None:
         with self.session() as session:
