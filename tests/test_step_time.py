@@ -5,7 +5,7 @@ predicted with."""
 import numpy as np
 import pytest
 
-from tests.handmade import measurement, spec_dict
+from tests.handmade import comm_record, measurement, spec_dict
 from tula_service.fit.perfmodel.placement import _allreduce_s, _combine
 from tula_service.measurement import StepMeasurement, parse_measurement
 from tula_service.plan.planner import gpus_on_nodes, placements
@@ -94,3 +94,20 @@ def test_placements_are_packed_spread_and_even_between():
     described = sorted(gpus_on_nodes(int(a), int(c), int(b), int(k)) for a, b, c, k in zip(n, g, m, kind))
     assert described == sorted([[1], [2], [1, 1], [4], [2, 2], [1, 1, 1, 1], [4, 4], [2, 2, 2, 2], [4, 4, 4, 4]])
     assert gpus_on_nodes(3, 2, 2, 2) == [2, 1] and gpus_on_nodes(6, 2, 4, 0) == [4, 2]
+
+
+def test_the_nccl_all_reduce_benchmark_fits_the_intra_node_link_with_the_steps():
+    """Steps measured only across nodes say nothing of the intra-node link; the benchmark on one node's GPUs
+    joins the fit and pins it (contention within a node stays unmeasured: no step had 2 GPUs on a node)."""
+    gradient_bytes = measurement(8)["model"]["gradient_bytes"]
+    bandwidth_gbps = gradient_bytes * 8 / TRUTH["xfer_a"] / 1e9
+    points = [measurement(b) for b in BATCHES] + [step(p, b) for p in ([1, 1], [1, 1, 1], [1, 1, 1, 1]) for b in (16, 64)]
+    benchmark = comm_record("nccl", TRUTH["lat_a"], bandwidth_gbps)
+    with_benchmark, without = plan(_spec(), points + [benchmark]), plan(_spec(), points)
+    assert with_benchmark["models"]["step_time"]["benchmark_points"] == len(benchmark["points"])
+    intra = with_benchmark["models"]["step_time"]["params"]["intra"]
+    assert intra["source"] == "fitted" and intra["bandwidth_gbps"] == pytest.approx(bandwidth_gbps, rel=0.1)
+    assert intra["latency_s"] == pytest.approx(TRUTH["lat_a"], rel=0.2)
+    assert without["models"]["step_time"]["params"]["intra"]["source"] == "assumed"
+    gloo = comm_record("gloo", TRUTH["lat_a"], bandwidth_gbps)  # CPU processes: not the GPUs' link, not used
+    assert plan(_spec(), points + [gloo])["models"]["step_time"]["benchmark_points"] == 0

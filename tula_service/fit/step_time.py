@@ -31,8 +31,8 @@ import numpy as np
 from tula_service.fit.perfmodel.compute import ComputeModel
 from tula_service.fit.perfmodel.network import HierarchicalAllReduce
 from tula_service.fit.perfmodel.overlap import OverlapModel
-from tula_service.fit.perfmodel.placement import PlacementStepModel, StepRow
-from tula_service.measurement import ComputeMeasurement, StepMeasurement
+from tula_service.fit.perfmodel.placement import CommRow, PlacementStepModel, StepRow
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, StepMeasurement
 
 
 class StepTimeModel(Protocol):
@@ -111,16 +111,25 @@ def step_rows(steps: list[StepMeasurement]) -> list[StepRow]:
     return [StepRow(tuple(s.placement), float(s.device_batch), float(s.step_time_s), s.sync_time_s) for s in steps]
 
 
+def benchmark_rows(comm: CommMeasurement | None) -> tuple[CommRow, ...]:
+    """The all-reduce benchmark's points, where they measure the GPUs' intra-node link (NCCL; gloo on CPU
+    processes measures the profiling host, not the interconnect)."""
+    if comm is None or not comm.ok or comm.backend != "nccl":
+        return ()
+    return tuple(CommRow(p.world_size, float(p.message_bytes), float(p.median_s)) for p in comm.points)
+
+
 def fit_step_time(
     one_device: list[StepRow], steps: list[StepMeasurement], compute: ComputeModel, network: HierarchicalAllReduce,
-    overlap: OverlapModel, gradient_bytes: float | None,
+    overlap: OverlapModel, gradient_bytes: float | None, comm: CommMeasurement | None = None,
 ) -> StepTimeModel:
     """MeasuredStepTime when steps on two or more devices were measured, else AnalyticStepTime. one_device: every
-    single-device timing (the compute points and the steps on one GPU), which time T_c(b)."""
+    single-device timing (the compute points and the steps on one GPU), which time T_c(b). The NCCL all-reduce
+    benchmark, when there is one, joins the fit of the intra-node link (perfmodel.placement)."""
     multi = [s for s in steps if s.devices > 1]
     if not multi:
         return AnalyticStepTime(compute, network, overlap)
-    model = PlacementStepModel(intra=network.intra, inter=network.inter, gradient_bytes=gradient_bytes)
+    model = PlacementStepModel(intra=network.intra, inter=network.inter, gradient_bytes=gradient_bytes, comm_rows=benchmark_rows(comm))
     model.fit(one_device + step_rows(multi))
     placements = sorted({"".join(map(str, s.placement)) for s in multi})
     return MeasuredStepTime(model, len(multi), placements)

@@ -22,7 +22,11 @@ c(p) is host contention: GPUs sharing a node share its PCIe root and CPUs, so ea
 
 Fit: latency, bandwidth per link, gamma and kappa together by `scipy.optimize.least_squares` on log
 residuals log(T_pred / T_measured) of the multi-device rows (and, where sync_time_s is measured, of
-the compute part T - sync against c(p) T_c(b)), inside physical bounds. Each candidate shape
+the compute part T - sync against c(p) T_c(b)), inside physical bounds. With the all-reduce benchmark
+measured on one node's GPUs (`comm_rows`, NCCL) and the gradient's size S known, its points join the fit
+as ring(w, M bytes, intra) against the measured seconds, log residuals weighted by sqrt(rows / points) so
+that the benchmark, however many points it has, weighs as much as the steps: the intra-node link is then
+fitted jointly from both. Each candidate shape
 (topology x overlap fitted or gamma = 1 x contention or not x latency fitted or assumed) is scored by
 its held-out relative step-time error over the multi-device rows, leaving one placement out at a
 time (k-fold over placements when there are more than `MAX_LOO_FOLDS`); the lowest median wins, the
@@ -77,6 +81,15 @@ class StepRow:
     device_batch: float
     step_time_s: float
     sync_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One point of the all-reduce benchmark on one node: `world_size` GPUs all-reduce `message_bytes`."""
+
+    world_size: int
+    message_bytes: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,7 @@ class PlacementStepModel:
     inter: Link
     gradient_bytes: float | None = None
     shapes: tuple[Shape, ...] = CANDIDATE_SHAPES
+    comm_rows: tuple[CommRow, ...] = ()  # the intra-node all-reduce benchmark; used when gradient_bytes is known
     shape_: Shape = field(default=Shape(), init=False)
 
     # (lat_intra_s, xfer_intra_s, lat_inter_s, xfer_inter_s, gamma, kappa); xfer = S / bandwidth
@@ -217,6 +231,7 @@ class PlacementStepModel:
         log_scaled = np.array([True, True, True, True, False, False])
         compute_s = self.compute_.predict(data.batch)
         has_part = np.isfinite(data.compute_part_s)
+        comm = self._comm_arrays(data.step_s.size)
 
         def unpack(x):
             theta = theta0.copy()
@@ -227,7 +242,11 @@ class PlacementStepModel:
             theta = unpack(x)
             step = np.log(self._predict_vector(theta, shape, data.g, data.m, data.n, compute_s) / data.step_s)
             part = np.log((1.0 + theta[5] * (data.g[has_part] - 1.0)) * compute_s[has_part] / data.compute_part_s[has_part])
-            return np.concatenate([step, part])
+            if comm is None:
+                return np.concatenate([step, part])
+            world, share, seconds, weight = comm
+            benchmark = weight * np.log(_ring(world, theta[0], theta[1] * share) / seconds)
+            return np.concatenate([step, part, benchmark])
 
         to_x = lambda v: np.where(log_scaled[free], np.log(np.where(log_scaled[free], v, 1.0)), v)  # noqa: E731
         lower, upper = to_x(low[free]), to_x(high[free])
@@ -241,6 +260,15 @@ class PlacementStepModel:
                 best = result
         theta = unpack(best.x)
         return theta, float(np.sqrt(np.mean(residuals(best.x)[: data.step_s.size] ** 2)))
+
+    def _comm_arrays(self, step_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float] | None:
+        """(world sizes, message bytes / S, seconds, weight) of the benchmark points; None without them or S."""
+        if not self.comm_rows or not self.gradient_bytes:
+            return None
+        world = np.array([r.world_size for r in self.comm_rows], dtype=float)
+        share = np.array([r.message_bytes for r in self.comm_rows], dtype=float) / self.gradient_bytes
+        seconds = np.array([r.seconds for r in self.comm_rows], dtype=float)
+        return world, share, seconds, float(np.sqrt(max(step_rows, 1) / world.size))
 
     def _held_out_errors(self, shape: Shape, data: _Data) -> np.ndarray:
         groups = np.unique(data.group)
@@ -294,7 +322,8 @@ class PlacementStepModel:
         self.theta_, self.fit_log_rmse_ = self._fit_shape(best, multi)
         err = self.candidates_[best.name]["held_out"]["median_rel_err"]
         self.why_ = f"{best.name} has the lowest median held-out relative error ({err:.1%}, leave-placements-out), simplest on ties"
-        has_inter, has_intra = bool(np.any(multi.m > 1)), bool(np.any(multi.g > 1))
+        has_inter = bool(np.any(multi.m > 1))
+        has_intra = bool(np.any(multi.g > 1)) or self._comm_arrays(multi.step_s.size) is not None
         self.sources_ = {
             "intra": "fitted" if has_intra else "assumed",
             "inter": "fitted" if has_inter else "assumed",
@@ -334,4 +363,5 @@ class PlacementStepModel:
 
     def describe(self) -> dict[str, Any]:
         return {"chosen": self.shape_.name, "why": self.why_, "params": self.params_(), "fit_log_rmse": self.fit_log_rmse_,
-                "compute": self.compute_selection_["chosen"], "candidates": self.candidates_}  # fmt: skip
+                "compute": self.compute_selection_["chosen"], "candidates": self.candidates_,
+                "benchmark_points": len(self.comm_rows) if self._comm_arrays(1) is not None else 0}  # fmt: skip
