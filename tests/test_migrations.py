@@ -18,7 +18,7 @@ from tula_service.store.db import Base, make_engine, make_session_factory
 from tula_service.store.job_store import Store
 from tula_service.store.migrate import alembic_config, current_revision, head_revision, upgrade_to_head
 
-MODEL_TABLES = {"jobs", "points", "api_tokens"}
+MODEL_TABLES = {"jobs", "points", "api_tokens", "runs", "run_telemetry"}
 JOB_ID = "a" * 32
 
 

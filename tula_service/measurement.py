@@ -101,7 +101,7 @@ class ComputeMeasurement(_Record):
     schema_version: int = 2
     kind: Literal["compute", "retime"] = "compute"
     status: Literal["ok", "oom", "failed"]
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_BATCH)
     device: str | None = None
     iter_time: IterTime | None = None
     memory: MemoryRecord | None = None
@@ -152,7 +152,7 @@ class PilotMeasurement(_Record):
     schema_version: int = 2
     kind: Literal["pilot"]
     status: Literal["ok", "oom", "failed"]
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_BATCH)
     optimizer: str | None = None
     trajectory: list[GradientStatsRecord] = Field(default_factory=list)
     samples: int | None = Field(None, ge=0, description="training samples the pilot saw")

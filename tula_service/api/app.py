@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from tula_service.api import catalog, jobs, operations, plan
+from tula_service.api import catalog, jobs, operations, plan, runs
 from tula_service.api.auth import TokenAuth
 from tula_service.api.dashboard import mount_api_docs, mount_dashboard
 from tula_service.api.errors import PROBLEM_RESPONSES, install_problem_handlers
@@ -33,7 +33,7 @@ from tula_service.store.job_store import Store
 log = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray", "none")
-ROUTERS = (operations.router, catalog.router, jobs.router, plan.router)  # a router per resource
+ROUTERS = (operations.router, catalog.router, jobs.router, plan.router, runs.router)  # a router per resource
 
 
 def default_database_url() -> str:

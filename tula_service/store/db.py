@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, create_engine, event
+from sqlalchemy import JSON, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
@@ -90,6 +90,37 @@ class Point(Base):
     placement: Mapped[list[int] | None] = mapped_column(JSON)  # a step point's GPUs on each node (revision 0003)
 
     job: Mapped[Job] = relationship(back_populates="points")
+
+
+class Run(Base):
+    """A training run that follows a job's recommendation and reports telemetry (tula_service.runs): the
+    configuration it is advised to train with now (`config`), and every change of it with why (`decisions`)."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    options: Mapped[dict[str, Any]] = mapped_column(JSON)  # hysteresis, min_steps_between_changes
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    decisions: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    records: Mapped[int] = mapped_column(default=0)  # telemetry records stored
+    last_step: Mapped[int | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), unique=True)
+    request_sha256: Mapped[str | None] = mapped_column(String(64))
+
+
+class RunTelemetry(Base):
+    """One telemetry record of a run, at most one per optimizer step (a re-sent step is not stored twice)."""
+
+    __tablename__ = "run_telemetry"
+    __table_args__ = (UniqueConstraint("run_id", "step", name="uq_run_telemetry_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int]
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 class ApiToken(Base):

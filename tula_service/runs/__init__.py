@@ -1,0 +1,1 @@
+"""Live runs: telemetry from a training run that follows a job's recommendation, and re-planning from it."""

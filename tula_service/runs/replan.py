@@ -1,0 +1,177 @@
+"""Advice for a run's next interval, re-planned from its own telemetry (issue 17).
+
+The run's live records enter the same code paths as measurements taken anywhere (tula_service.plan.recommend):
+
+- Efficiency. The records with gradient statistics become gradient-statistics records (GradientStatsRecord:
+  samples, global batch, |G|^2, tr(Sigma), variability) and replace `training.reference_run` in a copy of the
+  job's spec, so the noise scale is read from the live trajectory by the estimator the service uses for a
+  reference run (tula_service.fit.perfmodel.noise_trajectory: the progress-weighted mean over the second half
+  of the run to the target, extrapolated by the trend while the run has not got there, and labelled so). AGS
+  delta takes the live variability the same way.
+- Systems. The step times of the latest LIVE_WINDOW share of the records, at accumulation 1, become one
+  step measurement per (placement, per-device batch) (their median, origin "live"), so the placement model
+  is fitted to the run's real steps (a step on one device refits the compute model).
+- The choice. The copy's cluster is the run's placement (its devices do not change within a run) and its
+  objective min_time; of the candidates on the run's placement, the fastest to the target is compared with
+  the run's current configuration, both predicted by the refitted models. The run moves to it only when
+  it is predicted at least `hysteresis` faster (default 5%) and at least `min_steps_between_changes`
+  optimizer steps have passed since the last change; the memory model bounds every candidate as in any
+  plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
+  sqrt(r) for Adam), and AGS delta and s are re-derived at the new batch.
+
+Each answer says what it is based on (records, live steps, the noise scale and its evidence), the predicted
+gain, and why it changed or did not.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
+from tula_service.measurement import parse_measurement
+from tula_service.plan.advice import ags_config, lr_rule
+from tula_service.plan.recommend import measured_variability, plan, usable_measurements
+from tula_service.runs.telemetry import TelemetryRecord
+from tula_service.spec.job_spec import MAX_GRADIENT_STATS_RECORDS, JobSpec
+
+LIVE_WINDOW = 0.5  # the latest share of the records whose step times say how fast the run is now
+MIN_LIVE_STEPS = 3  # step-time records of one (placement, batch) before their median counts
+
+
+def initial_config(recommendation: dict[str, Any]) -> dict[str, Any]:
+    """The run's first configuration: the job's recommended choice, its LR and AGS."""
+    chosen, advice = recommendation["chosen"], recommendation["training_advice"]
+    return _config(chosen, advice["lr_rule"], advice["ags"], since_step=0, source="recommendation")
+
+
+def _config(row: dict[str, Any], rule: dict[str, Any], ags: dict[str, Any], since_step: int, source: str) -> dict[str, Any]:
+    return {
+        "device_batch": row["device_batch"], "devices": row["devices"], "placement": row["placement"],
+        "accumulation": row["accumulation"], "global_batch": row["global_batch"],
+        "lr": rule.get("lr"), "lr_multiplier": rule["multiplier"], "lr_rule": rule["recommended"],
+        "ags": {"delta": ags["delta"], "s": ags["s"]}, "since_step": since_step, "source": source,
+    }  # fmt: skip
+
+
+def gradient_records(records: list[TelemetryRecord], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records with both gradient statistics, as gradient-statistics records (the latest ones, at most
+    MAX_GRADIENT_STATS_RECORDS). samples: the record's, else the steps times the global batch."""
+    out = []
+    for record in records:
+        if record.grad_sqr is None or record.trace_sigma is None:
+            continue
+        batch = _global_batch(record, config)
+        entry = {"samples": record.samples if record.samples is not None else record.step * batch, "batch": batch,
+                 "grad_sqr": record.grad_sqr, "trace_sigma": record.trace_sigma, "step": record.step}  # fmt: skip
+        for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma"):
+            if getattr(record, name) is not None:
+                entry[name] = getattr(record, name)
+        out.append(entry)
+    return out[-MAX_GRADIENT_STATS_RECORDS:]
+
+
+def _global_batch(record: TelemetryRecord, config: dict[str, Any]) -> int:
+    device_batch = record.device_batch or config["device_batch"]
+    devices = sum(record.placement) if record.placement else config["devices"]
+    return device_batch * devices * (record.accumulation or config["accumulation"])
+
+
+def live_steps(records: list[TelemetryRecord], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Step measurements of the latest LIVE_WINDOW of the records: the median step time per (placement,
+    per-device batch) of the records at accumulation 1 (a step with accumulation times its micro-steps too,
+    which a step measurement does not separate), where at least MIN_LIVE_STEPS were reported."""
+    window = records[int(len(records) * (1 - LIVE_WINDOW)) :]
+    times: dict[tuple[tuple[int, ...], int], list[float]] = defaultdict(list)
+    for record in window:
+        if record.step_time_s is None or (record.accumulation or config["accumulation"]) != 1:
+            continue
+        placement = tuple(record.placement or config["placement"])
+        times[(placement, record.device_batch or config["device_batch"])].append(record.step_time_s)
+    return [
+        {"kind": "step", "placement": list(placement), "device_batch": batch, "step_time_s": float(np.median(seconds)),
+         "origin": "live", "records": len(seconds)}
+        for (placement, batch), seconds in sorted(times.items()) if len(seconds) >= MIN_LIVE_STEPS
+    ]  # fmt: skip
+
+
+def live_spec(stored_spec: dict[str, Any], config: dict[str, Any], gradients: list[dict[str, Any]]) -> JobSpec:
+    """The job's spec for re-planning the run: its cluster the run's placement, objective min_time, and the live
+    gradient statistics as the reference run's trajectory."""
+    data = copy.deepcopy(stored_spec)
+    placement = config["placement"]
+    data["cluster"] = {**data["cluster"], "nodes": len(placement), "gpus_per_node": max(placement)}
+    data["objective"] = "min_time"
+    data.setdefault("profiling", {})["step_placements"] = []  # profiling is over; they need not fit the placement
+    if gradients:
+        data["training"] = {**data["training"], "reference_run": {**(data["training"].get("reference_run") or {}), "gradient_stats": gradients}}
+    return JobSpec.stored(data)
+
+
+def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], failed: list[dict[str, Any]], run_options: dict[str, Any],
+           config: dict[str, Any], stored_records: list[dict[str, Any]], last_step: int | None) -> dict[str, Any]:  # fmt: skip
+    """The advice for the next interval; "change" holds the new configuration when the run should move."""
+    records = [TelemetryRecord.model_validate(r) for r in stored_records]
+    gradients, steps = gradient_records(records, config), live_steps(records, config)
+    spec = live_spec(stored_spec, config, gradients)
+    planned = plan(spec, [*measurements, *steps], failed)
+    here = [c for c in planned["candidates"] if c["placement"] == config["placement"]]
+    current = next((c for c in here if (c["device_batch"], c["accumulation"]) == (config["device_batch"], config["accumulation"])), None)
+    best = min(here, key=lambda c: c["total_time_s"]["value"]) if here else None
+    step = last_step or 0
+    since = step - config["since_step"]
+    hysteresis, min_steps = run_options["hysteresis"], run_options["min_steps_between_changes"]
+    gain = 1.0 - best["total_time_s"]["value"] / current["total_time_s"]["value"] if best and current else None
+    efficiency = planned["models"]["efficiency"]
+    epochs = _epoch_model(spec, efficiency)
+    change = None
+    if best is None or current is None:
+        why = (f"the run's configuration (device batch {config['device_batch']}, accumulation {config['accumulation']} on "
+               f"{config['placement']}) is not among the candidates the refitted models allow (memory): kept, as nothing "
+               "better can be said")  # fmt: skip
+    elif best is current or gain < hysteresis:
+        why = (f"the best configuration on {config['placement']} is predicted {max(gain, 0.0):.1%} faster to the target, "
+               f"below the {hysteresis:.0%} it takes to change: kept")  # fmt: skip
+    elif since < min_steps:
+        why = (f"predicted {gain:.1%} faster, but only {since} steps since the last change (at least {min_steps}): "
+               "kept for now")  # fmt: skip
+    else:
+        variability = measured_variability(spec, usable_measurements([parse_measurement(m) for m in measurements])[0], None)
+        rule = lr_rule(spec, best["global_batch"], epochs)
+        change = _config(best, rule, ags_config(best["global_batch"], spec, epochs, variability), since_step=step, source="live")
+        current_rule = lr_rule(spec, config["global_batch"], epochs)
+        change["lr_relative_to_current"] = rule["multiplier"]["value"] / current_rule["multiplier"]["value"]
+        why = (f"global batch {config['global_batch']} -> {best['global_batch']} (device batch {best['device_batch']}, "
+               f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target, at least the "
+               f"{hysteresis:.0%} it takes to change; LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})")  # fmt: skip
+    return {
+        "step": last_step,
+        "change": change,
+        "why": why,
+        "predicted": {
+            "current_total_time_s": current["total_time_s"] if current else None,
+            "best_total_time_s": best["total_time_s"] if best else None,
+            "best": {k: best[k] for k in ("device_batch", "accumulation", "global_batch", "placement")} if best else None,
+            "gain": gain, "hysteresis": hysteresis, "steps_since_change": since, "min_steps_between_changes": min_steps,
+        },
+        "evidence": {
+            "telemetry_records": len(records),
+            "gradient_records": len(gradients),
+            "noise_scale": efficiency.get("noise_scale"),
+            "noise_scale_evidence": (efficiency.get("evidence") or {}).get("used"),
+            "efficiency_warnings": efficiency.get("warnings", []),
+            "live_steps": steps,
+            "step_time_model": planned["models"]["step_time"]["model"],
+        },
+    }  # fmt: skip
+
+
+def _epoch_model(spec: JobSpec, efficiency: dict[str, Any]) -> EpochModel:
+    """The refitted efficiency model, for the LR rule and AGS at a new batch."""
+    training = spec.training
+    noise = efficiency.get("noise_scale") or {}
+    return EpochModel(training.reference_batch, training.reference_epochs, noise.get("value"),
+                      max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer)  # fmt: skip
