@@ -1,0 +1,237 @@
+"""A plain PyTorch training loop's link to a Tula run: telemetry out, advice in, never in the training
+step's way (issue 17).
+
+    run = TulaRun("http://tula:8000", RUN_ID, model, optimizer, accumulation=2, every=10)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        for x, t in zip(inputs.chunk(2), targets.chunk(2)):
+            loss = F.cross_entropy(model(x), t) / 2
+            loss.backward()
+        run.step(loss=loss.item())   # after the step's backward passes, before optimizer.step()
+        optimizer.step()
+        advice = run.advice          # the latest GET /v1/runs/{id}/plan answer, or None
+    run.close()
+
+- Statistics: `profiler.reference_logger.GradientStatsLogger`, so they are DDP-correct at no extra pass
+  (each rank's local gradient against the all-reduced one), and accumulation's micro-batches serve as well.
+  Every `every` optimizer steps one telemetry record (tula_service.runs.telemetry.TelemetryRecord): step,
+  samples, wall_time_s, step_time_s (the median of the seconds between step() calls over the window: the
+  loop's whole step, data loading included), device_batch, accumulation, loss, metric, |G|^2, tr(Sigma),
+  variability and the Adam pair.
+- Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
+  timeout. The training loop only appends to a deque. A failed post keeps the records and is retried with a
+  backoff (RETRY_S doubling to MAX_RETRY_S); the server stores a step once, so a record re-sent after a
+  timeout whose post did land is harmless. So a dead or restarting server costs the loop nothing: it keeps
+  training and the buffer is sent when the server answers again. The buffer is bounded (MAX_BUFFERED
+  records; past it the oldest are dropped and counted in `dropped`).
+- Offline: with server=None the records go to `offline_path` as JSONL (one record a line); `upload(path,
+  server, run_id)` sends such a file later, in posts of MAX_RECORDS_PER_POST.
+- Advice: the same thread GETs the run's plan every `plan_every_s` seconds; `advice` is the latest answer.
+- Under DDP only rank 0 sends and asks; every rank must call step() and close() (the statistics'
+  all-reduce).
+- Standard library HTTP (urllib), so a training environment needs nothing beyond torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from profiler.reference_logger import GradientStatsLogger
+
+MAX_RECORDS_PER_POST = 1_000  # the server's bound per POST /v1/runs/{id}/telemetry
+MAX_BUFFERED = 100_000
+RETRY_S, MAX_RETRY_S = 1.0, 30.0
+TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma")
+
+
+class TulaRun:
+    """See the module docstring. server: the service's base URL, or None (offline: `offline_path` required).
+    token: an API token, when the server wants one. timeout_s: per HTTP request. Other arguments are
+    GradientStatsLogger's (every, accumulation, device_batch, loss_divided_by_accumulation, grad_scaler)."""
+
+    def __init__(
+        self,
+        server: str | None,
+        run_id: str,
+        model: nn.Module,
+        optimizer: Any = None,
+        *,
+        every: int = 20,
+        accumulation: int = 1,
+        device_batch: int | None = None,
+        loss_divided_by_accumulation: bool = True,
+        grad_scaler: Any = None,
+        token: str | None = None,
+        offline_path: str | Path | None = None,
+        timeout_s: float = 2.0,
+        plan_every_s: float = 30.0,
+    ):
+        if server is None and offline_path is None:
+            raise ValueError("give the server's URL, or offline_path for the JSONL to upload later")
+        self.server, self.run_id, self.token, self.timeout_s, self.plan_every_s = server, run_id, token, timeout_s, plan_every_s
+        self.accumulation = accumulation
+        self.logger = GradientStatsLogger(os.devnull, model, optimizer, every=every, accumulation=accumulation, device_batch=device_batch,
+                                          loss_divided_by_accumulation=loss_divided_by_accumulation, grad_scaler=grad_scaler)  # fmt: skip
+        self.leader = self.logger.rank == 0
+        self.advice: dict[str, Any] | None = None
+        self.sent = self.dropped = self.failed_posts = 0
+        self.last_error: str | None = None
+        self._offline = open(offline_path, "a") if offline_path is not None and self.leader else None
+        self._buffer: collections.deque[dict[str, Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._started = time.monotonic()
+        self._last_step_at: float | None = None
+        self._step_times: list[float] = []
+        self._thread = None
+        if self.leader and server is not None:
+            self._thread = threading.Thread(target=self._send_loop, name="tula-run-telemetry", daemon=True)
+            self._thread.start()
+
+    # -- the training loop's side: no network, no waiting ----------------------------------------------
+
+    def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
+        """After the step's backward passes, before optimizer.step(); the telemetry record when this step
+        closes a window, else None."""
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_times.append(now - self._last_step_at)
+        self._last_step_at = now
+        stats = self.logger.step(loss=loss, metric=metric)
+        if stats is None:
+            return None
+        record = self._record(stats, now)
+        self._step_times = []
+        if self.leader:
+            if self._offline is not None:
+                self._offline.write(json.dumps(record, allow_nan=False) + "\n")
+                self._offline.flush()
+            if self._thread is not None:
+                with self._lock:
+                    self._buffer.append(record)
+                    while len(self._buffer) > MAX_BUFFERED:
+                        self._buffer.popleft()
+                        self.dropped += 1
+                self._wake.set()
+        return record
+
+    def _record(self, stats: dict[str, Any], now: float) -> dict[str, Any]:
+        world = self.logger.world_size
+        record = {"step": stats["step"], "wall_time_s": now - self._started, "accumulation": self.accumulation,
+                  "device_batch": max(1, stats["batch"] // (world * self.accumulation))}  # fmt: skip
+        if self._step_times:
+            record["step_time_s"] = statistics.median(self._step_times)
+        record.update({name: stats[name] for name in TELEMETRY_FIELDS if stats.get(name) is not None})
+        return record
+
+    @property
+    def buffered(self) -> int:
+        with self._lock:
+            return len(self._buffer)
+
+    # -- the sender thread ------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        backoff, next_plan = RETRY_S, time.monotonic()
+        while not self._stop.is_set():
+            sent_all = self._send_buffered()
+            if time.monotonic() >= next_plan:
+                self._fetch_advice()
+                next_plan = time.monotonic() + self.plan_every_s
+            backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
+            self._wake.wait(timeout=min(self.plan_every_s, backoff if not sent_all else self.plan_every_s))
+            self._wake.clear()
+
+    def _send_buffered(self) -> bool:
+        """Post what is buffered, a post at a time; False when a post failed (the records stay)."""
+        while True:
+            with self._lock:
+                batch = [self._buffer[i] for i in range(min(MAX_RECORDS_PER_POST, len(self._buffer)))]
+            if not batch:
+                return True
+            try:
+                self._request("POST", f"/v1/runs/{self.run_id}/telemetry", {"records": batch})
+            except (OSError, ValueError) as error:  # urllib's URLError and HTTPError are OSErrors
+                self.failed_posts += 1
+                self.last_error = f"{type(error).__name__}: {error}"
+                return False
+            with self._lock:
+                for _ in batch:
+                    if self._buffer:
+                        self._buffer.popleft()
+            self.sent += len(batch)
+
+    def _fetch_advice(self) -> None:
+        try:
+            self.advice = self._request("GET", f"/v1/runs/{self.run_id}/plan")
+        except (OSError, ValueError) as error:
+            self.last_error = f"{type(error).__name__}: {error}"
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+        return http_json(self.server, method, path, body, self.token, self.timeout_s)
+
+    # -- the end ------------------------------------------------------------------------------------------
+
+    def close(self, flush_timeout_s: float = 10.0) -> None:
+        """Writes the last window (a collective under DDP), then gives the sender up to `flush_timeout_s` to
+        post what is buffered; what is left stays in `offline_path` (when given) for `upload`."""
+        previous = self.logger.last_record
+        self.logger.close()  # writes the last, partial window
+        last = self.logger.last_record
+        if last is not None and last is not previous and self.leader:
+            record = self._record(last, time.monotonic())
+            if self._offline is not None:
+                self._offline.write(json.dumps(record, allow_nan=False) + "\n")
+            if self._thread is not None:
+                with self._lock:
+                    self._buffer.append(record)
+        if self._thread is not None:
+            deadline = time.monotonic() + flush_timeout_s
+            self._wake.set()
+            while self.buffered and time.monotonic() < deadline and self._thread.is_alive():
+                time.sleep(0.05)
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=self.timeout_s + 1)
+        if self._offline is not None:
+            self._offline.close()
+
+    def __enter__(self) -> TulaRun:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close()
+
+
+def http_json(server: str, method: str, path: str, body: dict | None, token: str | None, timeout_s: float) -> Any:
+    """One JSON request; raises urllib's errors (OSError) or ValueError for a body that is not JSON."""
+    data = json.dumps(body, allow_nan=False).encode() if body is not None else None
+    request = urllib.request.Request(server.rstrip("/") + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read() or b"null")
+
+
+def upload(path: str | Path, server: str, run_id: str, token: str | None = None, timeout_s: float = 30.0) -> dict[str, int]:
+    """Send an offline JSONL file to the run, MAX_RECORDS_PER_POST a post; {"accepted", "duplicates"} summed
+    (steps the run holds already, from an earlier upload or the live sender, are duplicates)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    totals = {"accepted": 0, "duplicates": 0}
+    for start in range(0, len(records), MAX_RECORDS_PER_POST):
+        receipt = http_json(server, "POST", f"/v1/runs/{run_id}/telemetry", {"records": records[start : start + MAX_RECORDS_PER_POST]}, token, timeout_s)
+        totals["accepted"] += receipt["accepted"]
+        totals["duplicates"] += receipt["duplicates"]
+    return totals
