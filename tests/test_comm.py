@@ -101,8 +101,9 @@ def test_gloo_run_on_two_processes_measures_times_that_fit_the_ring():
     assert [p["message_bytes"] for p in points] == [1024 * 4**k for k in range(7)]
     assert all(p["world_size"] == 2 and p["count"] >= 5 for p in points)
     assert all(0 < p["p10_s"] <= p["median_s"] <= p["p90_s"] for p in points)
-    # 4 MiB against 256 KiB: a 16x step; p10 because a shared 2-core host adds scheduling noise above it
-    assert points[-1]["p10_s"] > points[-3]["p10_s"] and points[-1]["median_s"] > points[0]["median_s"]
+    # 4 MiB against 256 KiB: a 16x step, and against 1 KiB; p10 because a shared 2-core host adds scheduling noise
+    # above it (a busy host once gave the 1 KiB size a median 1.4x the 4 MiB one's)
+    assert points[-1]["p10_s"] > points[-3]["p10_s"] and points[-1]["p10_s"] > points[0]["p10_s"]
     model = fit_comm_record(parse_measurement(record))
     assert 0 < model.bandwidth_gbps_ < np.inf and model.latency_s_ >= 0
     assert multiprocessing.active_children() == []

@@ -515,3 +515,23 @@ def test_a_plan_stored_before_curves_were_served_draws_its_measurements(tab, ser
 def test_the_job_page_polls_until_one_of_the_servers_terminal_states(server):
     page = httpx.get(f"{server.url}/jobs/{server.handmade_id}", timeout=30)
     assert f'data-terminal-states="{" ".join(TERMINAL_JOB_STATES)}"' in page.text
+
+
+def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(tab, server):
+    run = server.api.post("/v1/runs", {"job_id": server.handmade_id}).json()
+    batch = run["config"]["global_batch"]
+    records = [{"step": s, "samples": s * batch, "wall_time_s": 0.06 * s, "step_time_s": 0.06, "lr": 0.1, "loss": 2.0,
+                "grad_sqr": 1.0, "trace_sigma": 100.0 + s} for s in range(1, 31)]  # fmt: skip
+    assert server.api.post(f"/v1/runs/{run['id']}/telemetry", {"records": records}).status_code == 200
+    page = tab.open(f"/runs/{run['id']}")
+    wait_until(page, "document.getElementById('run-header').dataset.drawn === '30'")
+    traces = page.evaluate("""() => Object.fromEntries(['plot-progress', 'plot-step-time', 'plot-noise', 'plot-lr'].map(
+        (id) => [id, document.getElementById(id).data.map((t) => [t.name, t.x.length])]))""")
+    assert traces["plot-step-time"][0] == ["step time (measured)", 30] and traces["plot-step-time"][1][0].startswith("plan (")
+    assert traces["plot-progress"][0] == ["samples seen (measured)", 30] and traces["plot-progress"][1][0].startswith("the plan's pace")
+    assert traces["plot-noise"] == [["B_simple (measured)", 30], ["global batch", 30]] and traces["plot-lr"] == [["LR (reported)", 30]]
+    assert f"{batch} = " in page.locator("#run-config").inner_text()
+    page.locator("#run-advise").click()
+    wait_until(page, "document.getElementById('run-advice').textContent.length > 20 && "
+                     "!document.getElementById('run-advice').textContent.startsWith('re-planning')", timeout_s=60)
+    assert "kept" in page.locator("#run-advice").inner_text() or "Changed" in page.locator("#run-advice").inner_text()

@@ -56,6 +56,10 @@ def test_telemetry_is_stored_once_per_step_in_step_order(server_and_job):
     assert receipt == {"accepted": 10, "duplicates": 3, "records": 20, "last_step": 20}
     stored = run_store.telemetry(store_for(f"sqlite:///{database}"), run["id"])
     assert [r["step"] for r in stored] == list(range(1, 21))
+    page = httpx.get(f"{server.url}/v1/runs/{run['id']}/telemetry", params={"limit": 15, "offset": 10}, timeout=10).json()
+    assert [r["step"] for r in page["records"]] == list(range(11, 21)) and page["total"] == 20 and page["next_offset"] is None
+    first = httpx.get(f"{server.url}/v1/runs/{run['id']}/telemetry", params={"limit": 5}, timeout=10).json()
+    assert [r["step"] for r in first["records"]] == [1, 2, 3, 4, 5] and first["next_offset"] == 5
 
 
 def test_bad_telemetry_and_unknown_runs_are_clear_errors(server_and_job, tmp_path):

@@ -89,6 +89,12 @@ def job_page(request: Request, job_id: str) -> HTMLResponse:
                  terminal_states=TERMINAL_JOB_STATES)  # the job page polls until the job is in one
 
 
+@router.get("/runs/{run_id}")
+def run_page(request: Request, run_id: str) -> HTMLResponse:
+    plots_csp = {"Content-Security-Policy": content_security_policy(inline_styles=True)}  # plotly.js styles its plots
+    return _page(request, "run.html", "Run", headers=plots_csp, run_id=run_id)
+
+
 def _vendor_file(path: Path):
     media_type = {".js": "text/javascript", ".css": "text/css", ".png": "image/png"}[path.suffix]
 

@@ -35,7 +35,7 @@ def allowed_methods(request: Request) -> list[str]:
     /v1/jobs/{job_id}), so templated routes that also match it do not count."""
     routes = [*request.app.router.routes, *(r for router in request.app.state.routers for r in router.routes)]
     matching = [r for r in routes if r.matches(request.scope)[0] is not Match.NONE]  # the routers' own: FastAPI
-    literal = [r for r in matching if not getattr(r, "param_convertors", None)]  # includes a router as one route
+    literal = [r for r in matching if getattr(r, "methods", None) and not getattr(r, "param_convertors", None)]  # includes a router as one route
     return sorted({method for route in (literal or matching) for method in getattr(route, "methods", None) or ()})
 
 

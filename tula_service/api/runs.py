@@ -3,6 +3,7 @@ advice of its next interval (tula_service.runs.replan).
 
 - POST /v1/runs starts a run at the job's recommended configuration (201; with an `Idempotency-Key`, a retry
   returns the same run: 200, `Idempotent-Replayed: true`; the same key for another request is a 422).
+- GET /v1/runs/{id}/telemetry pages through the records in step order (at most 1000 a page).
 - POST /v1/runs/{id}/telemetry stores a batch of records, idempotent by step and kept in step order
   (tula_service.store.run_store); a run past its bound refuses more with a 409, the advice still served.
 - GET /v1/runs/{id}/plan re-plans from the telemetry and answers the configuration to train with now, why, and
@@ -16,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, HTTPException, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
@@ -24,7 +25,7 @@ from tula_service.api.deps import StoreDep
 from tula_service.dispatch.jobs import plan_inputs
 from tula_service.plan.recommend import NotEnoughMeasurements
 from tula_service.runs.replan import advise, initial_config
-from tula_service.runs.telemetry import RunRequest, TelemetryBatch
+from tula_service.runs.telemetry import MAX_RECORDS_PER_BATCH, RunRequest, TelemetryBatch
 from tula_service.schemas import utc
 from tula_service.store import run_store
 from tula_service.store.db import Run
@@ -128,6 +129,27 @@ def post_telemetry(run_id: str, batch: TelemetryBatch, store: StoreDep) -> Telem
     except run_store.RunFull as error:
         raise HTTPException(status.HTTP_409_CONFLICT, detail=str(error)) from None
     return TelemetryReceipt(**receipt)
+
+
+class TelemetryPage(BaseModel):
+    run_id: str
+    records: list[dict[str, Any]] = Field(description="TelemetryRecords in step order")
+    total: int
+    limit: int
+    offset: int
+    next_offset: int | None = Field(description="null on the last page")
+
+
+@router.get("/{run_id}/telemetry", response_model=TelemetryPage, responses={404: {"description": "no such run"}})
+def get_telemetry(
+    run_id: str, store: StoreDep, limit: Annotated[int, Query(ge=1, le=MAX_RECORDS_PER_BATCH)] = MAX_RECORDS_PER_BATCH,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> TelemetryPage:
+    """A page of the run's telemetry records, in step order."""
+    run = _run_or_404(store, run_id)
+    records = run_store.telemetry(store, run_id, limit, offset)
+    return TelemetryPage(run_id=run_id, records=records, total=run.records, limit=limit, offset=offset,
+                         next_offset=offset + limit if offset + limit < run.records else None)  # fmt: skip
 
 
 @router.get("/{run_id}/plan", response_model=RunPlan,

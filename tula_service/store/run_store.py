@@ -95,10 +95,11 @@ def _insert_new(store: Store, run_id: str, by_step: dict[int, dict[str, Any]], s
         return {"accepted": len(new), "duplicates": sent - len(new), "records": records, "last_step": last_step}
 
 
-def telemetry(store: Store, run_id: str) -> list[dict[str, Any]]:
-    """The run's records in step order."""
+def telemetry(store: Store, run_id: str, limit: int | None = None, offset: int = 0) -> list[dict[str, Any]]:
+    """The run's records in step order (a page of them with `limit`)."""
+    query = select(RunTelemetry.record).where(RunTelemetry.run_id == run_id).order_by(RunTelemetry.step).offset(offset)
     with store.session() as session:
-        return list(session.scalars(select(RunTelemetry.record).where(RunTelemetry.run_id == run_id).order_by(RunTelemetry.step)))
+        return list(session.scalars(query.limit(limit) if limit is not None else query))
 
 
 def record_decision(store: Store, run_id: str, config: dict[str, Any], decision: dict[str, Any]) -> Run:
