@@ -26,7 +26,7 @@ VALID_CSV = "placement,local_bsz,step_time,sync_time\n1,8,0.02,\n1,32,0.05,\n2,3
 
 
 # on the other operations a case hook costs seconds a case
-@schemathesis.hook.apply_to(method="POST", path=["/v1/jobs", "/v1/plan", "/v1/jobs/from-measurements"])
+@schemathesis.hook.apply_to(method="POST", path=["/v1/jobs", "/v1/plan", "/v1/jobs/from-measurements", "/v1/runs"])
 def map_case(context, case):
     """POST /v1/jobs's body is a spec; POST /v1/plan's and POST /v1/jobs/from-measurements's hold one at "spec",
     with the same repairs, and their `measurements_csv`, whose CSV grammar JSON Schema cannot state, becomes a
@@ -37,7 +37,7 @@ def map_case(context, case):
         return case  # a negative case keeps its violation; a stateful step (no meta) draws positive data
     plan = case.operation.path in ("/v1/plan", "/v1/jobs/from-measurements")
     spec = case.body.get("spec") if plan and isinstance(case.body, dict) else case.body
-    if isinstance(spec, dict):
+    if isinstance(spec, dict) and case.operation.path != "/v1/runs":  # a run's body is no spec: its key alone is made fresh
         try:
             repaired = meeting_the_rules(copy.deepcopy(spec))
         except (KeyError, TypeError, AttributeError):
@@ -149,7 +149,7 @@ def _step_placements_that_fit(spec: dict[str, Any]) -> None:
     if not placements:
         return
     cluster = spec["cluster"]
-    nodes, per_node = cluster.get("nodes", 1), cluster.get("gpus_per_node", 1)
+    nodes, per_node = int(cluster.get("nodes", 1)), int(cluster.get("gpus_per_node", 1))  # JSON's 4.0 is 4
     cut = [[min(gpus, per_node) for gpus in placement[:nodes]] for placement in placements]
     spec["profiling"]["step_placements"] = [placement for placement in cut if sum(placement) >= 2]
 

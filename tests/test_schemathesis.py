@@ -29,7 +29,9 @@ from models.registry import DATASETS, MODELS
 from tests.handmade import measurement, spec_dict
 from tula_service.catalogs import load_gpus
 from tula_service.dispatch.jobs import finish_job
+from tula_service.runs.replan import initial_config
 from tula_service.spec.job_spec import JobSpec
+from tula_service.store import run_store
 from tula_service.store.db import make_engine, make_session_factory
 from tula_service.store.job_store import Store
 
@@ -60,7 +62,11 @@ def stored_jobs(database_url: str) -> dict[str, list[str]]:
     assert store.get_job(done.id).state == "done"
     queued = store.create_job(JobSpec.model_validate(spec_dict()))[0]
     deletable = [store.create_job(JobSpec.model_validate(spec_dict(name=f"delete-me-{i}")))[0] for i in range(2)]
-    return {"jobs": [done.id, queued.id], "deletable": [job.id for job in deletable]}
+    run, _ = run_store.create_run(store, done.id, {"hysteresis": 0.05, "min_steps_between_changes": 0},
+                                  initial_config(store.get_job(done.id).recommendation), None)  # fmt: skip
+    run_store.add_telemetry(store, run.id, [{"step": s, "samples": 256 * s, "grad_sqr": 1.0, "trace_sigma": 300.0, "step_time_s": 0.1}
+                                            for s in range(1, 21)])  # fmt: skip
+    return {"jobs": [done.id, queued.id], "deletable": [job.id for job in deletable], "runs": [run.id]}
 
 
 def config_toml(jobs: dict[str, list[str]]) -> str:
@@ -79,6 +85,8 @@ def config_toml(jobs: dict[str, list[str]]) -> str:
         '"body.dataset.name" = { dictionary = "datasets", probability = 0.7 }\n'
         '"body.cluster.gpu_type" = { dictionary = "gpus", probability = 0.5 }\n'
         '"body.pricing.kind" = { dictionary = "kinds", probability = 0.5 }\n'
+        '"body.job_id" = { dictionary = "jobs", probability = 0.8 }\n'
+        '"path.run_id" = { dictionary = "runs", probability = 0.8 }\n'
     )
     for methods, dictionary in (('"DELETE"', "deletable"), ('["GET", "POST"]', "jobs")):
         lines.append(

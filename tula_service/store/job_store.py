@@ -30,10 +30,10 @@ from tula_service.store.states import (
 
 
 class IdempotencyConflict(ValueError):
-    """An Idempotency-Key already used for a different spec."""
+    """An Idempotency-Key already used for a different request (a job's spec, a run's request)."""
 
-    def __init__(self, key: str, job_id: str):
-        super().__init__(f"Idempotency-Key '{key}' was already used for job {job_id} with a different spec")
+    def __init__(self, key: str, job_id: str, what: str = "job", request: str = "spec"):
+        super().__init__(f"Idempotency-Key '{key}' was already used for {what} {job_id} with a different {request}")
         self.job_id = job_id
 
 

@@ -58,7 +58,7 @@ def _run_by_key(store: Store, key: str, digest: str) -> Run | None:
     with store.session() as session:
         run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
     if run is not None and run.request_sha256 != digest:
-        raise IdempotencyConflict(key, run.id)
+        raise IdempotencyConflict(key, run.id, what="run", request="request")
     return run
 
 
