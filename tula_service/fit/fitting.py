@@ -135,7 +135,7 @@ def fit_models(
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
     epochs, efficiency_report = epoch_model(spec, ok, pilot)
-    step = fit_step_time(single, steps, compute, network, overlap, gradient_bytes, comm if comm is not None and comm.ok else None)
+    step = fit_step_time(single, steps, compute, network, overlap, gradient_bytes, comm)  # benchmark_rows keeps an ok NCCL record
     if gradient_bytes is None:
         _check_links_fitted(spec, step)
 
