@@ -19,7 +19,7 @@ CHROMIUM := /usr/bin/chromium
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[worker,dev,ray]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[worker,dev,ray,lightning,huggingface]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -73,7 +73,16 @@ smaller batch) count their samples but are left out of the statistics. Rank 0 wr
 line, so a crash loses at most one window; every rank gets the record back from step().
 
 Cost: per backward, one norm per parameter (two with Adam); per step, one pass over `.grad`; per
-window, one all-reduce of a (steps x 10) tensor. No host synchronization per step, except
+window, one all-reduce of a (steps x 10) tensor. Sampling: with `sample_every=n` (n >= 2) only two
+consecutive steps in every n take statistics (steps s with s % n in {0, 1}, so the step-to-step
+variability keeps a pair); the others count their samples and loss, with the per-parameter hooks
+removed (registered again for the next pair; the accumulation count is checked on sampled steps).
+Such a step need not be split: `logger.sampling` says whether the coming step takes statistics, so a
+loop that splits its batch only for the statistics can run the other steps as one pass (their
+samples are read from the forward passes, whatever their number).
+On a small model whose step takes milliseconds the norms cost a tenth or more of the step
+(benchmarks/online.py measures it); sampling divides that by n / 2, and the window's estimates average
+fewer steps (window_steps says how many). No host synchronization per step, except
 `grad_scaler.get_scale()` under AMP.
 
 Not supported: FSDP, ZeRO or tensor parallelism (a rank holds a shard, not a gradient), and other
@@ -153,8 +162,9 @@ class GradientStatsLogger:
         start_step: int = 0,
         start_samples: int = 0,
         append: bool = False,
+        sample_every: int = 1,
     ):
-        counts = {"every": (every, 1), "accumulation": (accumulation, 1), "device_batch": (1 if device_batch is None else device_batch, 1),
+        counts = {"every": (every, 1), "sample_every": (sample_every, 1), "accumulation": (accumulation, 1), "device_batch": (1 if device_batch is None else device_batch, 1),
                   "start_step": (start_step, 0), "start_samples": (start_samples, 0)}  # fmt: skip
         for name, (value, least) in counts.items():
             if not isinstance(value, int) or value < least:
@@ -175,6 +185,7 @@ class GradientStatsLogger:
         self.grad_scaler = grad_scaler
         self.steps = start_step
         self.samples = start_samples
+        self.sample_every = sample_every
         self.last_record: dict[str, Any] | None = None
         self._device = self.parameters[0].device
         self._dtype = torch.float32 if self._device.type == "mps" else torch.float64
@@ -184,9 +195,12 @@ class GradientStatsLogger:
         self._metric: float | None = None
         self._prev_norm: float | None = None
         self._tally = _StepTally()
-        self._hooks = [p.register_hook(partial(self._on_grad, index)) for index, p in enumerate(self.parameters)]
+        self._hooks = []  # the forward hook: every step
+        self._grad_hooks: list[Any] = []  # per parameter: only on the steps that take statistics
+        self._not_sampled = None
         if device_batch is None:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._hook_gradients(self.sampling)
         self._file = open(path, "a" if append else "w") if self.rank == 0 else None
         self._closed = False
 
@@ -208,6 +222,20 @@ class GradientStatsLogger:
                 tally.precond_missing = True
             else:
                 tally.precond_micro_sq.append(self._sq_norm(grad / denominator))
+
+    def _hook_gradients(self, wanted: bool) -> None:
+        """Registers the per-parameter hooks for a step that takes statistics, removes them for one that does not."""
+        if wanted and not self._grad_hooks:
+            self._grad_hooks = [p.register_hook(partial(self._on_grad, index)) for index, p in enumerate(self.parameters)]
+        elif not wanted and self._grad_hooks:
+            for hook in self._grad_hooks:
+                hook.remove()
+            self._grad_hooks = []
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step under way takes statistics (module docstring, Sampling)."""
+        return self.sample_every == 1 or self.steps % self.sample_every in (0, 1)
 
     def _sq_norm(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
@@ -236,16 +264,22 @@ class GradientStatsLogger:
         if self._closed:
             raise RuntimeError("step() after close(): make a new GradientStatsLogger")
         tally, self._tally = self._tally, _StepTally()  # a step that raises below is dropped
-        micro_batches = max(tally.backward_counts.values(), default=0)
-        if micro_batches == 0:
-            raise RuntimeError("step() found no backward pass since the last step: call it after backward(), before optimizer.step()")
-        if micro_batches != self.accumulation:
-            raise ValueError(
-                f"{micro_batches} backward passes since the last step, but accumulation={self.accumulation}: pass the number "
-                "of micro-batches per optimizer step (and run no other backward pass through the model between steps)"
-            )
-        sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
-        squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
+        if not self.sampling:  # no gradient hooks ran: count the samples and the loss only
+            sizes = self._unsampled_sizes(tally.forward_sizes)
+            if self._not_sampled is None:
+                self._not_sampled = torch.full((4,), math.nan, device=self._device, dtype=self._dtype)
+            squared_norms, precond_ok, micro_batches = self._not_sampled, False, self.accumulation
+        else:
+            micro_batches = max(tally.backward_counts.values(), default=0)
+            if micro_batches == 0:
+                raise RuntimeError("step() found no backward pass since the last step: call it after backward(), before optimizer.step()")
+            if micro_batches != self.accumulation:
+                raise ValueError(
+                    f"{micro_batches} backward passes since the last step, but accumulation={self.accumulation}: pass the number "
+                    "of micro-batches per optimizer step (and run no other backward pass through the model between steps)"
+                )
+            sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
+            squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
         self._rows_device.append(squared_norms)
         self._rows_host.append([
             0.0 if loss is None else float(loss), float(loss is not None), float(micro_batches),
@@ -254,6 +288,7 @@ class GradientStatsLogger:
         if metric is not None:
             self._metric = float(metric)
         self.steps += 1
+        self._hook_gradients(self.sampling)
         return self._write_window() if len(self._rows_device) >= self.every else None
 
     def _squared_norms(self, tally: _StepTally, micro_batches: int) -> tuple[torch.Tensor, bool]:
@@ -273,6 +308,14 @@ class GradientStatsLogger:
         pre_micro_sq = torch.stack(tally.precond_micro_sq).sum() * micro_factor
         pre_full = [self._sq_norm(g / self._adam_denominator(i)) for i, g in with_grad if i in self._adam_groups]
         return torch.stack([micro_sq, full_sq, pre_micro_sq, torch.stack(pre_full).sum() * full_factor]), True
+
+    def _unsampled_sizes(self, sizes: list[int | None]) -> list[int]:
+        """A step without statistics may run as any number of forward passes (one pass of the whole batch, say)."""
+        if self.device_batch is not None:
+            return [self.device_batch] * self.accumulation
+        if None in sizes or not sizes:
+            raise ValueError("a forward pass had no tensor argument to read its batch size from: pass device_batch=")
+        return sizes
 
     def _micro_sizes(self, sizes: list[int | None], micro_batches: int) -> list[int]:
         if self.device_batch is not None:
@@ -327,7 +370,9 @@ class GradientStatsLogger:
                 losses.append(row[LOSS_SUM] / row[LOSS_COUNT])
             full_sq = row[FULL_SQ] / world  # identical on every rank: the mean is the value
             if not math.isfinite(full_sq):
-                continue  # an AMP overflow: the scaler skips this step
+                if self.sample_every > 1:
+                    self._prev_norm = None  # the variability is step to step: no pair across a gap
+                continue  # an AMP overflow (the scaler skips this step), or a step not sampled
             norm = math.sqrt(full_sq)
             if self._prev_norm:
                 variabilities.append(abs(norm - self._prev_norm) / self._prev_norm)
@@ -374,6 +419,7 @@ class GradientStatsLogger:
     def _release(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        self._hook_gradients(False)
         if self._file is not None:
             self._file.close()
         self._closed = True

@@ -19,7 +19,9 @@ step's way (issue 17).
   loop's whole step, data loading included), device_batch, accumulation, loss, metric, |G|^2, tr(Sigma),
   variability and the Adam pair.
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
-  timeout. The training loop only appends to a deque. A failed post keeps the records and is retried with a
+  timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
+  interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The
+  training loop only appends to a deque. A failed post keeps the records and is retried with a
   backoff (RETRY_S doubling to MAX_RETRY_S); the server stores a step once, so a record re-sent after a
   timeout whose post did land is harmless. So a dead or restarting server costs the loop nothing: it keeps
   training and the buffer is sent when the server answers again. The buffer is bounded (MAX_BUFFERED
@@ -58,7 +60,9 @@ TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "var
 class TulaRun:
     """See the module docstring. server: the service's base URL, or None (offline: `offline_path` required).
     token: an API token, when the server wants one. timeout_s: per HTTP request. Other arguments are
-    GradientStatsLogger's (every, accumulation, device_batch, loss_divided_by_accumulation, grad_scaler)."""
+    GradientStatsLogger's (every, accumulation, device_batch, loss_divided_by_accumulation, grad_scaler,
+    sample_every: statistics on two consecutive steps in every n, to bound their cost on small models).
+    post_every_s: seconds between posts of the buffered records."""
 
     def __init__(
         self,
@@ -76,13 +80,17 @@ class TulaRun:
         offline_path: str | Path | None = None,
         timeout_s: float = 2.0,
         plan_every_s: float = 30.0,
+        sample_every: int = 1,
+        post_every_s: float = 1.0,
     ):
         if server is None and offline_path is None:
             raise ValueError("give the server's URL, or offline_path for the JSONL to upload later")
         self.server, self.run_id, self.token, self.timeout_s, self.plan_every_s = server, run_id, token, timeout_s, plan_every_s
+        self.post_every_s = post_every_s
         self.accumulation = accumulation
         self.logger = GradientStatsLogger(os.devnull, model, optimizer, every=every, accumulation=accumulation, device_batch=device_batch,
-                                          loss_divided_by_accumulation=loss_divided_by_accumulation, grad_scaler=grad_scaler)  # fmt: skip
+                                          loss_divided_by_accumulation=loss_divided_by_accumulation, grad_scaler=grad_scaler,
+                                          sample_every=sample_every)  # fmt: skip
         self.leader = self.logger.rank == 0
         self.advice: dict[str, Any] | None = None
         self.sent = self.dropped = self.failed_posts = 0
@@ -123,7 +131,9 @@ class TulaRun:
                     while len(self._buffer) > MAX_BUFFERED:
                         self._buffer.popleft()
                         self.dropped += 1
-                self._wake.set()
+                    full = len(self._buffer) >= MAX_RECORDS_PER_POST
+                if full:
+                    self._wake.set()
         return record
 
     def _record(self, stats: dict[str, Any], now: float) -> dict[str, Any]:
@@ -134,6 +144,12 @@ class TulaRun:
             record["step_time_s"] = statistics.median(self._step_times)
         record.update({name: stats[name] for name in TELEMETRY_FIELDS if stats.get(name) is not None})
         return record
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the coming step takes statistics (GradientStatsLogger.sampling): with sample_every > 1, a
+        loop that splits its batch in micro-batches only for the statistics may run the other steps whole."""
+        return self.logger.sampling
 
     @property
     def buffered(self) -> int:
@@ -150,7 +166,8 @@ class TulaRun:
                 self._fetch_advice()
                 next_plan = time.monotonic() + self.plan_every_s
             backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
-            self._wake.wait(timeout=min(self.plan_every_s, backoff if not sent_all else self.plan_every_s))
+            wait = self.post_every_s if sent_all else backoff
+            self._wake.wait(timeout=max(0.0, min(wait, next_plan - time.monotonic())))
             self._wake.clear()
 
     def _send_buffered(self) -> bool:

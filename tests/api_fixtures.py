@@ -24,3 +24,14 @@ def finished_job(store: Store, **overrides) -> str:
     done = store.get_job(job.id)
     assert done.state == "done", done.error
     return job.id
+
+
+def run_on_a_server(make_server, tmp_path) -> tuple[object, str]:
+    """A server (no executor) on a fresh SQLite file holding a finished job, and a run of that job: (server, run id)."""
+    import httpx
+
+    database = tmp_path / "runs.db"
+    job_id = finished_job(store_for(f"sqlite:///{database}"))
+    server = make_server("--executor", "none", database_path=database)
+    run = httpx.post(f"{server.url}/v1/runs", json={"job_id": job_id}, timeout=30).json()
+    return server, run["id"]

@@ -1,4 +1,4 @@
-"""Training advice that comes with a recommendation: LR rule, warm-up, batch ramp, AGS, runner-ups."""
+"""Training advice that comes with a recommendation: LR rule, warm-up, AGS, runner-ups (the batch schedule: test_schedule.py)."""
 
 import math
 
@@ -60,17 +60,6 @@ def test_warmup_is_bounded_by_five_epochs_and_a_tenth_of_training():
         assert advice["steps"] > 0
     else:
         assert advice["steps"] == 0
-
-
-def test_batch_ramp_starts_near_the_noise_scale_and_ends_at_the_chosen_batch():
-    # B_noise = 100 (tr 100 / |G|^2 1); 16 devices make large global batches
-    rec = _plan(objective="min_time", cluster={"gpus_per_node": 16, "interconnect_gbps": 1000})
-    ramp, chosen = rec["training_advice"]["batch_ramp"], rec["chosen"]
-    stages = ramp["stages"]
-    assert stages[-1]["global_batch"] == chosen["global_batch"]
-    if len(stages) > 1:
-        assert [s["global_batch"] for s in stages] == [stages[0]["global_batch"] * 2**i for i in range(len(stages))]
-        assert stages[0]["from_epoch_fraction"] == 0.0 and all(s["device_batch"] <= 128 for s in stages)
 
 
 def test_ags_delta_is_the_median_variability_scaled_to_the_chosen_batch_and_s_is_capped():

@@ -68,6 +68,11 @@ SCENARIOS = {
         {"objective": "min_time", "cluster": {"gpus_per_node": 16},
          "training": {"reference_lr": 0.1, "max_lr": 0.15, "reference_run": {"gradient_stats": trajectory()}}},
         POINTS, None),  # fmt: skip
+    "growing noise, batch schedule": (
+        {"objective": "min_time", "cluster": {"gpus_per_node": 16, "interconnect_gbps": 1000},
+         "training": {"reference_lr": 0.1, "reference_run": {"gradient_stats": [
+             {**record, "grad_sqr": 20.0 / (i + 2)} for i, record in enumerate(trajectory(noise_scale=2000.0))]}}},
+        POINTS, None),  # fmt: skip
     "other runs, adam": (
         {"training": {"optimizer": "adam", "reference_lr": 0.001, "other_runs": [{"batch": 256, "epochs": 12.0}]}},
         POINTS, None),
@@ -112,7 +117,8 @@ def test_the_scenarios_cover_each_shape_of_the_answer():
     assert answers["noisy, re-timed, unreliable"]["reliability"]["verdict"] == "unreliable"
     assert answers["noisy, re-timed, unreliable"]["reliability"]["retimed_batches"] == [32]
     assert answers["language model"]["chosen"]["global_batch_tokens"] == 128 * answers["language model"]["chosen"]["global_batch"]
-    assert len(answers["budget met"]["training_advice"]["batch_ramp"]["stages"]) > 1
+    staged = answers["growing noise, batch schedule"]["training_advice"]["batch_schedule"]["schedules"]
+    assert len(staged["staged_doubling"]["stages"]) > 1 and list(answers["no gradient statistics"]["training_advice"]["batch_schedule"]["schedules"]) == ["constant"]
 
 
 def test_a_measured_byte_count_stays_an_integer():

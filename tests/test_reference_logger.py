@@ -3,6 +3,7 @@
 import contextlib
 import json
 import math
+import os
 
 import pytest
 
@@ -160,6 +161,36 @@ def test_a_window_averages_numerator_and_denominator_over_its_steps(tmp_path):
     assert (logger.last_record["grad_sqr"], logger.last_record["trace_sigma"]) == pytest.approx(
         (sum(g for g, _ in expected) / STEPS, sum(t for _, t in expected) / STEPS), rel=1e-6
     )
+
+
+def test_sampling_takes_statistics_on_two_consecutive_steps_in_every_n_and_counts_every_sample(tmp_path):
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, optimizer, every=STEPS, accumulation=4, sample_every=4)
+    expected = []
+    for step, (inputs, targets) in enumerate(_batches()):
+        by_hand = _by_hand(model, optimizer, inputs, targets, 4)["plain"]
+        if step % 4 in (0, 1):
+            expected.append(by_hand)
+        _train(model, optimizer, logger, [(inputs, targets)], micro_batches=4)
+    logger.close()
+    record = logger.last_record
+    assert record["window_steps"] == len(expected) == 4  # steps 0, 1, 4 and 5 of 6
+    assert record["samples"] == STEPS * BATCH and record["step"] == STEPS
+    assert (record["grad_sqr"], record["trace_sigma"]) == pytest.approx(
+        (sum(g for g, _ in expected) / 4, sum(t for _, t in expected) / 4), rel=1e-6
+    )
+    assert record["variability"] is not None  # from the pairs (0, 1) and (4, 5), never across the gap
+
+
+def test_a_step_without_statistics_may_run_as_one_pass():
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    with GradientStatsLogger(os.devnull, model, optimizer, every=STEPS, accumulation=4, sample_every=3) as logger:
+        for inputs, targets in _batches():
+            micro_batches = 4 if logger.sampling else 1
+            _train(model, optimizer, logger, [(inputs, targets)], micro_batches=micro_batches)
+    assert logger.last_record["samples"] == STEPS * BATCH and logger.last_record["window_steps"] == 4  # steps 0, 1, 3, 4
 
 
 def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path):

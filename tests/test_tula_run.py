@@ -11,18 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from profiler.tula_run import TulaRun, upload  # noqa: E402
-from tests.api_fixtures import finished_job, store_for  # noqa: E402
+from tests.api_fixtures import run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
 
 
 @pytest.fixture
 def run_on_server(make_server, tmp_path):
-    database = tmp_path / "runs.db"
-    job_id = finished_job(store_for(f"sqlite:///{database}"))
-    server = make_server("--executor", "none", database_path=database)
-    run = httpx.post(f"{server.url}/v1/runs", json={"job_id": job_id}, timeout=30).json()
-    return server, run["id"]
+    return run_on_a_server(make_server, tmp_path)
 
 
 def _train(run: TulaRun, steps: int, first_step: int = 0, seed: int = 0) -> list[dict]:
@@ -76,6 +72,9 @@ def test_a_dead_server_costs_the_loop_nothing_and_gets_everything_when_it_is_bac
     server.stop()
     run = _tula_run(server.url, run_id, timeout_s=0.5, plan_every_s=3600)
     _train(run, 30)
+    deadline = time.monotonic() + 10  # the sender posts every post_every_s (1 s)
+    while run.failed_posts == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert run.buffered == 3 and run.failed_posts >= 1  # trained on; the records wait
     server.start()  # the same port and database: the server restarted
     _train(run, 30, seed=1)

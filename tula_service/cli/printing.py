@@ -68,14 +68,16 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         lines.append(f"  {rec['constraint']['message']}")
     advice = rec.get("training_advice")
     if advice:
-        lr, ags, ramp = advice["lr_rule"], advice["ags"], advice["batch_ramp"]
+        lr, ags, schedule = advice["lr_rule"], advice["ags"], advice["batch_schedule"]
         lines.append(
             f"  LR x{lr['multiplier']['value']:.2f} ({lr['recommended']}, {lr['multiplier']['source']})"
             + (f" = {lr['lr']['value']:.4g}" if lr.get("lr") else "")
             + f"; warm-up {advice['warmup']['steps']} steps; AGS delta={ags['delta']['value']:.3g} s={ags['s']['value']:.3g}"
         )
-        if len(ramp["stages"]) > 1:
-            lines.append("  batch ramp: " + ", ".join(f"{st['global_batch']} from {st['from_epoch_fraction']:.0%}" for st in ramp["stages"]))
+        lines.append(f"  batch schedule: {schedule['recommended']} ({schedule['why']})")
+        stages = schedule["schedules"][schedule["recommended"]]["stages"]
+        if len(stages) > 1:
+            lines.append("    " + ", ".join(f"{st['global_batch']} from epoch {st['from_epoch']:.3g}" for st in stages))
     front = sorted((c for c in rec["candidates"] if c["pareto"]), key=lambda c: c["global_batch"])
     rows = [
         [c["global_batch"], c["device_batch"], _devices(c), c["accumulation"], _memory(c),

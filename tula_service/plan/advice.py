@@ -1,4 +1,4 @@
-"""How to train at the chosen configuration: learning rate, warm-up, batch ramp, AGS, runner-ups.
+"""How to train at the chosen configuration: learning rate, warm-up, AGS, runner-ups.
 
 - LR rule for a batch k = B / B_ref times the reference, never above the spec's max_lr: linear scaling
   for SGD (Goyal et al. 2017), square root for Adam/AdamW, and the efficiency model's LR multiplier when it
@@ -8,10 +8,7 @@
   model (tula_service.fit.perfmodel.efficiency: EfficiencyModel.step_gain, lr_multiplier).
 - Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
   batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
-- Batch ramp: the noise scale grows as the loss falls (McCandlish et al. 2018), so start at the
-  measured noise scale (rounded down to a power of two, never below what was profiled) and double
-  the batch at stated epoch fractions until the chosen batch, with devices and accumulation kept
-  within the device memory.
+- The batch schedule over the run (tula_service.plan.schedule) is chosen by predicted time to the target.
 - AGS (Tula): scale the update by s on iterations whose gradient variability is below delta. delta is
   the median of the variability predicted at the chosen batch B (about half the updates scaled, the
   study's balanced setting; 0.5 when nothing was measured), from values measured at batch b along the
@@ -35,7 +32,6 @@ AGS_DEFAULT_DELTA = 0.5
 AGS_MAX_SCALE = 2.0
 WARMUP_MAX_EPOCHS = 5.0
 WARMUP_MAX_FRACTION = 0.10
-RAMP_EPOCH_FRACTIONS = (0.0, 0.2, 0.4, 0.6)
 
 
 def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, Any]:
@@ -80,33 +76,6 @@ def warmup(spec, chosen: dict[str, Any]) -> dict[str, Any]:
         "steps": steps,
         "schedule": "linear from the reference LR to the scaled LR",
         "why": f"min({WARMUP_MAX_EPOCHS:g} epochs, {WARMUP_MAX_FRACTION:.0%} of training), after Goyal et al. 2017",
-    }
-
-
-def batch_ramp(chosen: dict[str, Any], noise_scale: float | None, smallest_batch: int, max_device_batch: int) -> dict[str, Any]:
-    target = chosen["global_batch"]
-    if not noise_scale or noise_scale >= target:
-        return {"stages": [{"from_epoch_fraction": 0.0, "global_batch": target}],
-                "why": "no ramp: the measured noise scale is not below the chosen batch" if noise_scale
-                else "no ramp: no noise-scale measurement"}  # fmt: skip
-    start = max(smallest_batch, 2 ** int(math.floor(math.log2(noise_scale))))
-    doublings = max(0, int(math.ceil(math.log2(target / start))))
-    doublings = min(doublings, len(RAMP_EPOCH_FRACTIONS) - 1)
-    start = max(1, target // 2**doublings)
-    stages = []
-    for stage, fraction in enumerate(RAMP_EPOCH_FRACTIONS[: doublings + 1]):
-        batch = start * 2**stage
-        devices = chosen["devices"]
-        per_device = max(1, batch // devices)
-        accumulation = max(1, int(math.ceil(per_device / max(1, max_device_batch))))
-        stages.append({
-            "from_epoch_fraction": fraction, "global_batch": batch,
-            "device_batch": per_device // accumulation, "devices": devices, "accumulation": accumulation,
-        })  # fmt: skip
-    return {
-        "stages": stages,
-        "why": f"the noise scale ({noise_scale:.0f} measured early) grows as the loss falls: start near it and double "
-        f"the batch at the stated fractions of training until the chosen {target}",
     }
 
 

@@ -15,11 +15,12 @@ import numpy as np
 
 from tula_service.dispatch.maxbatch import bracket
 from tula_service.dispatch.reliability import assess, quieter
+from tula_service.fit.efficiency_evidence import target_samples
 from tula_service.fit.fitting import FittedModels, NotEnoughSteps, fit_models
 from tula_service.measurement import (
     CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, StepMeasurement, parse_measurement,
 )  # fmt: skip
-from tula_service.plan.advice import ags_config, batch_ramp, lr_rule, runner_ups, warmup
+from tula_service.plan.advice import ags_config, lr_rule, runner_ups, warmup
 from tula_service.plan.knee import KNEE_METHODS
 from tula_service.plan.planner import (
     ACCUMULATION_STEPS,
@@ -32,6 +33,7 @@ from tula_service.plan.planner import (
     ranking,
     sweep,
 )  # fmt: skip
+from tula_service.plan.schedule import NoiseProfile, batch_schedule, flat_profile, noise_profile
 from tula_service.spec.job_spec import JobSpec, powers_of_two_between
 from tula_service.units import GIB
 
@@ -154,7 +156,9 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
         "training_advice": {
             "lr_rule": lr_rule(spec, rows[chosen]["global_batch"], models.epochs),
             "warmup": warmup(spec, rows[chosen]),
-            "batch_ramp": batch_ramp(rows[chosen], noise_scale, int(inputs.device_batches.min()), max_batch),
+            "batch_schedule": batch_schedule(noise_profile_of(spec, pilot, report["efficiency"]), rows, rows[chosen], noise_scale,
+                                             spec.training.reference_epochs, spec.training.reference_batch, spec.dataset.num_samples,
+                                             lambda batch: lr_rule(spec, batch, models.epochs)["multiplier"]["value"]),
             "ags": ags_config(rows[chosen]["global_batch"], spec, models.epochs, variability),
         },
         "runner_ups": runner_ups(rows, chosen, ranking(candidates, spec.objective, front, rows[chosen]["global_batch"])),
@@ -285,6 +289,23 @@ def measured_variability(
     gradients = [m.gradient for m in map(parse_measurement, ok) if m.gradient]
     values = [(v, gradient.batch) for gradient in gradients for v in gradient.variability_series]
     return {"values": values, "source": "profiled points (initial weights)"}
+
+
+def noise_profile_of(spec: JobSpec, pilot: PilotMeasurement | dict[str, Any] | None, efficiency: dict[str, Any]) -> NoiseProfile | None:
+    """The noise scale's shape over the run (tula_service.plan.schedule.noise_profile) from the trajectory the
+    efficiency model read (the reference run or the pilot, with the statistic it used); flat for other evidence;
+    None without a noise scale."""
+    noise = efficiency.get("noise_scale")
+    if efficiency.get("source") != "fitted" or not noise:
+        return None
+    used = efficiency["evidence"]["used"]
+    records = {"reference_run": list(spec.training.reference_run.gradient_stats) if spec.training.reference_run else [],
+               "pilot": parse_measurement(pilot).trajectory if pilot is not None else []}.get(used)  # fmt: skip
+    if not records:
+        return flat_profile(noise["value"], f"{used} (no trajectory: one value for the whole run)")
+    detail = next((c["detail"] for c in efficiency["evidence"]["candidates"] if c["source"] == used), {})
+    return noise_profile(records, detail.get("statistic", "raw"), target_samples(spec), int(detail.get("batch") or spec.training.reference_batch),
+                         noise["value"], f"{used.replace('_', ' ')} trajectory")  # fmt: skip
 
 
 def _measured_limit(ok_batches: list[int], oom_batches: list[int]) -> dict[str, Any] | None:

@@ -146,17 +146,34 @@ class Warmup(BaseModel):
     why: str
 
 
-class RampStage(BaseModel):
-    from_epoch_fraction: float
+class ScheduleStage(BaseModel):
+    from_progress: float = Field(description="share of the noise-free steps to the target done when the stage starts")
+    from_epoch: float = Field(description="predicted epochs done when the stage starts")
     global_batch: int
-    device_batch: int | None = Field(None, description="absent in the single stage of no ramp")
-    devices: int | None = None
-    accumulation: int | None = None
+    device_batch: int
+    devices: int
+    accumulation: int
+    lr_multiplier: float | None = Field(description="of training.reference_lr (the LR rule at this stage's batch, or the plan's LR for optimal_for_lr); null without a noise scale")
+    noise_scale: float | None = Field(description="B_noise predicted at the stage's start")
 
 
-class BatchRamp(BaseModel):
-    stages: list[RampStage] = Field(description="the global batch from each fraction of training on; its last is the chosen")
+class Schedule(BaseModel):
+    stages: list[ScheduleStage]
+    total_time_s: SourcedValue
+    epochs: SourcedValue
+    steps: SourcedValue | None
+    how: str
+
+
+class BatchSchedule(BaseModel):
+    """Batch-size schedules over the run to the target (tula_service.plan.schedule, docs/schedule.md)."""
+
+    recommended: Literal["constant", "optimal_for_lr", "time_optimal", "noise_tracking", "staged_doubling"]
     why: str
+    predicted_gain: float = Field(description="the recommended schedule's predicted time saved against the constant batch, as a fraction")
+    noise_profile: dict[str, Any] | None = Field(description="the noise scale's shape over the run the schedules are built on")
+    schedules: dict[str, Schedule]
+    caveats: list[str]
 
 
 class ExplainedValue(BaseModel):
@@ -179,7 +196,7 @@ class Ags(BaseModel):
 class TrainingAdvice(BaseModel):
     lr_rule: LrRule
     warmup: Warmup
-    batch_ramp: BatchRamp
+    batch_schedule: BatchSchedule
     ags: Ags
 
 
@@ -456,7 +473,7 @@ class Recommendation(BaseModel):
 
     objective: Objective = Field(description="what the chosen configuration is best at (the spec's objective)")
     constraint: Constraint | None = Field(description="objective deadline or budget only: met, or missed by how much")
-    training_advice: TrainingAdvice = Field(description="learning rate, warm-up, batch ramp and AGS at the chosen configuration")
+    training_advice: TrainingAdvice = Field(description="learning rate, warm-up, batch schedule and AGS at the chosen configuration")
     runner_ups: list[RunnerUp] = Field(description="the next candidates in the objective's order")
     batch_unit: BatchUnit = Field(description="what a batch counts: samples, or sequences of a language model")
     chosen: Candidate = Field(description="the recommended configuration (one of candidates)")

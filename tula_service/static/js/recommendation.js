@@ -24,11 +24,14 @@ function warmupItem(warmup) {
   return item("Warm-up", badged(text, "assumed"), warmup.why);
 }
 
-function rampItem(ramp, efficiencySource) {
-  const text = ramp.stages.length > 1
-    ? ramp.stages.map((s) => `${s.global_batch} from ${formatPercent(s.from_epoch_fraction, 2)}`).join(" → ")
-    : `constant ${ramp.stages[0].global_batch}`;
-  return item("Batch ramp", badged(text, ramp.stages.length > 1 ? efficiencySource : "assumed"), ramp.why);
+// The recommended batch schedule (tula_service/plan/schedule.py): its stages, predicted gain and why.
+function scheduleItem(schedule) {
+  const stages = schedule.schedules[schedule.recommended].stages;
+  const text = stages.length > 1
+    ? `${schedule.recommended.replaceAll("_", " ")}: ` + stages.map((s) => `${s.global_batch} from epoch ${significant(s.from_epoch)}`).join(" → ")
+    : `constant ${stages[0].global_batch}`;
+  const caveats = schedule.caveats.length ? ` (${schedule.caveats.join("; ")})` : "";
+  return item("Batch schedule", badged(text, "predicted"), schedule.why + caveats);
 }
 
 function agsItems(ags) {
@@ -67,7 +70,7 @@ export function renderRecommendation(container, rec, context) {
       efficiency.noise_scale ? noiseScaleItem(efficiency) : [],
       lrItem(lr),
       warmupItem(rec.training_advice.warmup),
-      rampItem(rec.training_advice.batch_ramp, efficiency.source === "fitted" ? "fitted" : "assumed"),
+      scheduleItem(rec.training_advice.batch_schedule),
       agsItems(rec.training_advice.ags)),
     copyBlock("JSON", "copy-json", JSON.stringify(rec, null, 2), false),
     copyBlock("CLI command", "copy-cli", cliCommand(context.jobId, context.whatIfBody, location.origin), true),

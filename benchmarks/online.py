@@ -1,0 +1,404 @@
+"""Online re-planning and batch schedules against the static recommendation, trained to the target (issue 17).
+
+Per task of issue 9's CPU suite (benchmarks/efficiency_tasks.py: model, data, optimizer, target; one torch
+thread, as the ground truth was made):
+1. The static recommendation, from the real service: `tula serve --executor local` on a free port profiles the
+   job (POST /v1/jobs; a 1-device cluster, objective min_time) with the user's reference run as evidence: the
+   ground truth's run at the task's reference batch (docs/validation/statistical_efficiency/ground_truth.json:
+   its LR, median epochs to the target, and its gradient-statistics trajectory, as GradientStatsLogger writes it).
+2. Trained to the target, each over SEEDS seeds (a seed changes the initialization and the batch order):
+   - (a) static: the chosen global batch, the recommended LR, its warm-up (linear from the reference LR);
+   - (b) online: the same start, with the real client (profiler.tula_run.TulaRun; two micro-batches a step, as
+     one process needs for the statistics; statistics on 2 steps in SAMPLE_EVERY) sending telemetry every EVERY
+     steps to a run (POST /v1/runs) and
+     fetching GET /v1/runs/{id}/plan every PLAN_EVERY_S; an advised change (batch, LR) is applied at the next
+     step;
+   - online_replayed: the online run's batch and LR changes at the same steps, without the client: the worth
+     of its decisions apart from the telemetry's cost;
+   - (c) each batch schedule of the recommendation (training_advice.batch_schedule) other than "constant":
+     its stages switched by epochs done, each at its LR (reference LR x the stage's lr_multiplier).
+   The clock counts training steps only (data indexing, forward, backward, optimizer, the client's calls);
+   the evaluations (every 1/EVALS_PER_EPOCH epoch, as in the ground truth) are outside it. A run that does not
+   reach the target within MAX_EPOCHS_FACTOR x the reference epochs counts as infinitely slow.
+3. Telemetry overhead: steps at the static batch as the online arm runs them (a TulaRun attached: hooks,
+   statistics, records, the sender thread posting to the server and fetching advice; the sampled steps split
+   in two micro-batches, the others whole) against plain steps, alternated over OVERHEAD_ROUNDS rounds (the
+   order reversed every other round); the median over rounds of the per-step ratio. Next to it, the cost of
+   splitting every step (what the statistics would cost without sampling, before any of their arithmetic).
+The training runs on one core and the server on the other (CPU affinity), as the server would run on a
+machine of its own: on this 2-core machine its re-planning would otherwise take the training's core.
+
+Reported per task: time-to-target ratio against static (median seconds over seeds), steps, the decisions the
+run took, and the recommended schedule. Last line: `online: tasks=N time_ratio_vs_static=X overhead_pct=Y`
+(medians over tasks). AGS is not applied in any arm (it changes the update, not the time model under test).
+
+Run:  .venv/bin/python benchmarks/online.py [--quick] [--tasks NAME ...] [--seeds N] [--out DIR]
+      --quick: 2 seeds, writes into a temporary folder. Full: docs/validation/online.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from efficiency_tasks import TASKS, BatchStream, Task, evaluate, mean_loss, reached, task_data, task_model, task_optimizer  # noqa: E402
+from live_server import api_server  # noqa: E402
+from statistical_efficiency import _contract_record as contract_record  # noqa: E402
+
+from profiler.tula_run import TulaRun  # noqa: E402
+
+GROUND_TRUTH = REPO / "docs" / "validation" / "statistical_efficiency" / "ground_truth.json"
+DEFAULT_TASKS = ("mnist1d_cnn1d_adam", "digits_cnn_sgd", "mnist1d_mlp_sgd")
+SEEDS, QUICK_SEEDS = 7, 3  # identical runs differ by up to 25% in time on this shared machine: medians need seeds
+EVALS_PER_EPOCH = 8
+MAX_EPOCHS_FACTOR = 10.0
+EVERY = 20  # optimizer steps per telemetry record: these runs take a few hundred steps
+SAMPLE_EVERY = 20  # statistics on 2 consecutive steps in 20 (GradientStatsLogger's sampling): a step here takes milliseconds
+PLAN_EVERY_S = 0.25
+MICRO_BATCHES = 2
+MIN_STEPS_BETWEEN_CHANGES = 20  # the runs are short: the service's default (100) would allow about one change
+OVERHEAD_ROUNDS, OVERHEAD_STEPS = 15, 40
+TRAINING_CPU, SERVER_CPU = 0, 1  # the server gets a core of its own, as it would have a machine of its own
+JOB_TIMEOUT_S = 600.0
+
+
+# -- the static recommendation --------------------------------------------------------------------------
+
+
+def job_spec(task: Task, truth: dict[str, Any]) -> dict[str, Any]:
+    """The job a user of this task would submit: one device, min_time, the reference run as evidence."""
+    reference = truth["batches"][str(task.reference_batch)]
+    dataset = {"mnist1d": {"name": "mnist1d", "num_samples": task.train_samples},
+               "digits_x16": {"name": "digits", "scaling": "unit", "split": "train"},
+               "digits_x16_flat": {"name": "digits", "scaling": "unit", "split": "train"}}[task.dataset]  # fmt: skip
+    batches = [b for b in task.batches if b <= task.train_samples // 2]
+    return {
+        "name": f"online-{task.dataset}-{task.model}",
+        "model": task.model,
+        "dataset": dataset,
+        "batch_sizes": {"min": min(batches), "max": max(batches)},
+        "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 8, "interconnect_gbps": 100},
+        "pricing": {"kind": "gpu_hour", "price": 1.0},
+        "objective": "min_time",
+        "training": {
+            "optimizer": task.optimizer, "reference_batch": task.reference_batch, "reference_lr": reference["lr"],
+            "reference_epochs": reference["epochs"], "reference_run": {"gradient_stats": reference["trajectory"]},
+        },
+        "profiling": {"time_cap_s": 2, "device": "cpu", "threads": 1},
+    }  # fmt: skip
+
+
+def recommendation(server: str, spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    job = httpx.post(f"{server}/v1/jobs", json=spec, timeout=60).raise_for_status().json()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{server}/v1/jobs/{job['id']}", timeout=30).json()["state"]
+        if status == "done":
+            return job["id"], httpx.get(f"{server}/v1/jobs/{job['id']}/recommendation", timeout=60).raise_for_status().json()
+        if status in ("failed", "cancelled"):
+            raise RuntimeError(f"job {job['id']} {status}")
+        time.sleep(1.0)
+    raise RuntimeError(f"job {job['id']} not done in {JOB_TIMEOUT_S:g} s")
+
+
+# -- one run to the target ----------------------------------------------------------------------------
+
+
+class Arm:
+    """What a run trains with: the global batch and LR by epoch (static, a schedule), or the live advice."""
+
+    def __init__(self, stages: list[dict[str, Any]], reference_lr: float, warmup_steps: int, client: TulaRun | None = None):
+        self.stages, self.reference_lr, self.warmup_steps, self.client = stages, reference_lr, warmup_steps, client
+        self.applied_since: int | None = 0
+        self.batch, self.lr = stages[0]["global_batch"], reference_lr * stages[0]["lr_multiplier"]
+
+    def at(self, epochs: float, step: int) -> tuple[int, float]:
+        if self.client is None:
+            stage = [s for s in self.stages if s["from_epoch"] <= epochs + 1e-12][-1]
+            self.batch, self.lr = stage["global_batch"], self.reference_lr * stage["lr_multiplier"]
+        else:
+            config = (self.client.advice or {}).get("config")
+            if config and config["since_step"] != self.applied_since:
+                self.applied_since = config["since_step"]
+                self.batch = config["device_batch"] * config["accumulation"]
+                self.lr = config["lr"]["value"] if config.get("lr") else self.lr
+        if step < self.warmup_steps:  # linear from the reference LR to the first stage's
+            return self.batch, self.reference_lr + (self.lr - self.reference_lr) * step / self.warmup_steps
+        return self.batch, self.lr
+
+
+class Replay(Arm):
+    """The batch and LR changes of a run, at the same optimizer steps, without the client: what the online run's
+    decisions are worth in time, apart from what its telemetry costs."""
+
+    def __init__(self, changes: list[tuple[int, int, float]], reference_lr: float, warmup_steps: int):
+        super().__init__([{"global_batch": changes[0][1], "lr_multiplier": changes[0][2] / reference_lr}], reference_lr, warmup_steps)
+        self.changes = changes
+
+    def at(self, epochs: float, step: int) -> tuple[int, float]:
+        _, self.batch, self.lr = [c for c in self.changes if c[0] <= step][-1]
+        if step < self.warmup_steps:
+            return self.batch, self.reference_lr + (self.lr - self.reference_lr) * step / self.warmup_steps
+        return self.batch, self.lr
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> float:
+    """One optimizer step over MICRO_BATCHES micro-batches (the client's statistics need them; with a client, only
+    on the steps it samples, the others whole); the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total, pieces = 0.0, MICRO_BATCHES if client is None or client.sampling else 1
+    for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)):
+        loss = mean_loss(model(x), y) / pieces
+        loss.backward()
+        total += float(loss.detach())
+    if client is not None:
+        client.step(loss=total)
+    optimizer.step()
+    return total
+
+
+def plain_step(model, optimizer, inputs, targets) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = mean_loss(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def train_to_target(task: Task, data: dict[str, torch.Tensor], seed: int, arm: Arm, max_epochs: float, client: TulaRun | None = None,
+                    model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train until the target (module docstring); seconds of training, steps, epochs, and the (step, global batch,
+    LR after warm-up) of each change."""
+    model = model or task_model(task, seed)
+    optimizer = optimizer or task_optimizer(task, model, arm.lr)
+    stream = BatchStream(task.train_samples, torch.Generator().manual_seed(10_000 + seed))
+    eval_samples = task.train_samples / EVALS_PER_EPOCH
+    train_s, samples, step, next_eval, batches = 0.0, 0, 0, eval_samples, []
+    outcome = "max_epochs"
+    model.train()
+    while samples < max_epochs * task.train_samples:
+        started = time.perf_counter()
+        batch, lr = arm.at(samples / task.train_samples, step)
+        _set_lr(optimizer, lr)
+        rows = stream.next(batch)
+        inputs, targets = data["train_x"][rows], data["train_y"][rows]
+        loss = split_step(model, optimizer, inputs, targets, client) if client is not None else plain_step(model, optimizer, inputs, targets)
+        train_s += time.perf_counter() - started
+        if not math.isfinite(loss):
+            outcome = "diverged"
+            break
+        step, samples = step + 1, samples + batch
+        if not batches or batches[-1][1:] != (batch, arm.lr):
+            batches.append((step - 1, batch, arm.lr))
+        if samples >= next_eval:
+            next_eval += eval_samples
+            if reached(task, evaluate(task, model, data)):
+                outcome = "reached"
+                break
+    return {"seed": seed, "outcome": outcome, "train_s": train_s if outcome == "reached" else math.inf, "steps": step,
+            "epochs": samples / task.train_samples, "batches": batches}  # fmt: skip
+
+
+def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[str, Any], max_epochs: float) -> dict[str, Any]:
+    run = httpx.post(f"{server}/v1/runs", json={"job_id": job_id, "min_steps_between_changes": MIN_STEPS_BETWEEN_CHANGES}, timeout=30)
+    run_id = run.raise_for_status().json()["id"]
+    model = task_model(task, seed)
+    optimizer = task_optimizer(task, model, task_reference_lr(rec))
+    client = TulaRun(server, run_id, model, optimizer, every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
+                     sample_every=SAMPLE_EVERY)
+    arm = Arm(static_stages(rec), task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"], client)
+    try:
+        result = train_to_target(task, data, seed, arm, max_epochs, client=client, model=model, optimizer=optimizer)
+    finally:
+        client.close(flush_timeout_s=10)
+    view = httpx.get(f"{server}/v1/runs/{run_id}", timeout=30).json()
+    result["decisions"] = [{"step": d["step"], "from": d["from"]["global_batch"], "to": d["to"]["global_batch"]} for d in view.get("decisions", [])]
+    result["records_sent"], result["failed_posts"] = client.sent, client.failed_posts
+    return result
+
+
+def task_reference_lr(rec: dict[str, Any]) -> float:
+    return rec["training_advice"]["lr_rule"]["lr"]["reference_lr"]
+
+
+def static_stages(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    rule = rec["training_advice"]["lr_rule"]
+    return [{"from_epoch": 0.0, "global_batch": rec["chosen"]["global_batch"], "lr_multiplier": rule["lr"]["value"] / rule["lr"]["reference_lr"]}]
+
+
+# -- telemetry overhead ---------------------------------------------------------------------------------
+
+
+def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) -> dict[str, float]:
+    """Median per-step seconds of split steps with and without a TulaRun, and of plain steps (module docstring)."""
+    run_id = httpx.post(f"{server}/v1/runs", json={"job_id": job_id}, timeout=30).raise_for_status().json()["id"]
+    models = {arm: task_model(task, 0) for arm in ("plain", "split", "client")}  # the same architecture: the same step cost
+    optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
+    stream = BatchStream(task.train_samples, torch.Generator().manual_seed(1))
+    client = TulaRun(server, run_id, models["client"], optimizers["client"], every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
+                     sample_every=SAMPLE_EVERY)
+    times: dict[str, list[float]] = {arm: [] for arm in models}
+    try:
+        for round_ in range(OVERHEAD_ROUNDS):
+            order = list(models) if round_ % 2 == 0 else list(reversed(models))  # drift hits every arm alike
+            for arm in order:
+                model = models[arm]
+                started = time.perf_counter()
+                for _ in range(OVERHEAD_STEPS):
+                    rows = stream.next(batch)
+                    inputs, targets = data["train_x"][rows], data["train_y"][rows]
+                    if arm == "plain":
+                        plain_step(model, optimizers[arm], inputs, targets)
+                    else:
+                        split_step(model, optimizers[arm], inputs, targets, client if arm == "client" else None)
+                times[arm].append((time.perf_counter() - started) / OVERHEAD_STEPS)
+    finally:
+        client.close(flush_timeout_s=5)
+    paired = {name: statistics.median(a / b for a, b in zip(times[num], times[den]))
+              for name, num, den in (("overhead", "client", "plain"), ("split_cost", "split", "plain"))}  # fmt: skip
+    return {**{f"{arm}_step_s": statistics.median(seconds) for arm, seconds in times.items()},
+            "overhead_pct": 100 * (paired["overhead"] - 1), "split_cost_pct": 100 * (paired["split_cost"] - 1),
+            "overhead_ms_per_step": 1e3 * statistics.median(a - b for a, b in zip(times["client"], times["plain"]))}  # fmt: skip
+
+
+# -- the benchmark ----------------------------------------------------------------------------------------
+
+
+def run_task(name: str, truth: dict[str, Any], server: str, seeds: int) -> dict[str, Any]:
+    task = TASKS[name]
+    torch.set_num_threads(1)
+    data = task_data(task)
+    started = time.monotonic()
+    job_id, rec = recommendation(server, job_spec(task, truth))
+    profile_s = time.monotonic() - started
+    reference_lr, warmup_steps = task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"]
+    max_epochs = MAX_EPOCHS_FACTOR * truth["batches"][str(task.reference_batch)]["epochs"]
+    schedule = rec["training_advice"]["batch_schedule"]
+    arms: dict[str, list[dict[str, Any]]] = {"static": [], "online": []}
+    for name_ in schedule["schedules"]:
+        if name_ != "constant":
+            arms[f"schedule:{name_}"] = []
+    arms["online_replayed"] = []
+    for seed in range(seeds):
+        arms["static"].append(train_to_target(task, data, seed, Arm(static_stages(rec), reference_lr, warmup_steps), max_epochs))
+        arms["online"].append(online_run(task, data, seed, server, job_id, rec, max_epochs))
+        replay = Replay(arms["online"][-1]["batches"], reference_lr, warmup_steps)
+        arms["online_replayed"].append(train_to_target(task, data, seed, replay, max_epochs))
+        for arm in arms:
+            if arm.startswith("schedule:"):
+                stages = schedule["schedules"][arm.split(":", 1)[1]]["stages"]
+                arms[arm].append(train_to_target(task, data, seed, Arm(stages, reference_lr, warmup_steps), max_epochs))
+    medians = {arm: statistics.median(r["train_s"] for r in runs) for arm, runs in arms.items()}
+    chosen = rec["chosen"]
+    cost = overhead(task, data, server, job_id, chosen["global_batch"], reference_lr * static_stages(rec)[0]["lr_multiplier"])
+    return {
+        "task": name, "profile_s": profile_s, "chosen_batch": chosen["global_batch"], "lr": rec["training_advice"]["lr_rule"]["lr"]["value"],
+        "noise_scale": rec["models"]["efficiency"]["noise_scale"]["value"], "recommended_schedule": schedule["recommended"],
+        "schedule_why": schedule["why"], "predicted_schedule_s": {k: v["total_time_s"]["value"] for k, v in schedule["schedules"].items()},
+        "median_train_s": medians,
+        "ratio_vs_static": {arm: (m / medians["static"] if math.isfinite(m) and math.isfinite(medians["static"]) else None) for arm, m in medians.items()},
+        "runs": arms, "overhead": cost,
+    }  # fmt: skip
+
+
+def summary_line(results: list[dict[str, Any]]) -> str:
+    ratios = [r["ratio_vs_static"]["online"] for r in results]
+    finite = [x for x in ratios if x is not None]
+    ratio = statistics.median(finite) if len(finite) == len(ratios) and finite else math.inf
+    overhead_pct = statistics.median(r["overhead"]["overhead_pct"] for r in results)
+    return f"online: tasks={len(results)} time_ratio_vs_static={ratio:.3f} overhead_pct={overhead_pct:.2f}"
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}g}"
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = ["# Online re-planning and batch schedules against the static recommendation (issue 17)", "",
+             f"Made by `{meta['command']}` on {meta['date']} ({meta['machine']}); {meta['seeds']} seeds per arm, medians.", "",
+             "| task | chosen batch | B_noise | arm | median s to target | ratio vs static | steps (median) | decisions |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        for arm, runs in r["runs"].items():
+            decisions = [f"{d['from']}->{d['to']}@{d['step']}" for run in runs for d in run.get("decisions", [])]
+            lines.append(f"| {r['task']} | {r['chosen_batch']} | {_fmt(r['noise_scale'])} | {arm} | {_fmt(r['median_train_s'][arm])} | "
+                         f"{_fmt(r['ratio_vs_static'][arm])} | {statistics.median(run['steps'] for run in runs):g} | {', '.join(decisions[:6]) or '-'} |")  # fmt: skip
+    lines += ["", "| task | recommended schedule | why | plain step ms | telemetry overhead % (ms a step) | splitting every step % |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        cost = r["overhead"]
+        lines.append(f"| {r['task']} | {r['recommended_schedule']} | {r['schedule_why']} | {1e3 * cost['plain_step_s']:.2f} | "
+                     f"{cost['overhead_pct']:.2f} ({cost['overhead_ms_per_step']:.3f}) | {cost['split_cost_pct']:.1f} |")  # fmt: skip
+    replayed = [r["ratio_vs_static"]["online_replayed"] for r in results]
+    lines += ["", f"Online decisions replayed without telemetry, median ratio over tasks: {_fmt(statistics.median(x if x is not None else math.inf for x in replayed))}."]
+    lines += ["", summary_line(results)]
+    return "\n".join(lines) + "\n"
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def on_cpu(cpu: int):
+    """This process (and what it starts meanwhile) on one CPU, when the machine has it; the affinity restored after."""
+    before = os.sched_getaffinity(0)
+    if cpu in before and len(before) > 1:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_SEEDS} seeds, output in a temporary folder")
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=sorted(TASKS))
+    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="folder for online.md and online.json")
+    args = parser.parse_args(argv)
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="tula-online-")) if args.quick else REPO / "docs" / "validation")
+    out.mkdir(parents=True, exist_ok=True)
+    truth = json.loads(GROUND_TRUTH.read_text())["tasks"]
+    results = []
+    with on_cpu(SERVER_CPU), api_server(None, out / "online-server.log", executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
+        for name in args.tasks:
+            result = run_task(name, truth[name], server, seeds)
+            results.append(result)
+            print(f"{name}: chosen {result['chosen_batch']}, ratio vs static {json.dumps({k: _fmt(v) for k, v in result['ratio_vs_static'].items()})}, "
+                  f"overhead {result['overhead']['overhead_pct']:.2f}%", flush=True)  # fmt: skip
+    meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else ""), "date": dt.date.today().isoformat(),
+            "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", "seeds": seeds}  # fmt: skip
+    (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    (out / "online.md").write_text(markdown(results, meta))
+    print(f"wrote {out / 'online.md'}")
+    print(summary_line(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
