@@ -3,9 +3,10 @@
 Per task of issue 9's CPU suite (benchmarks/efficiency_tasks.py: model, data, optimizer, target; one torch
 thread, as the ground truth was made):
 1. The static recommendation, from the real service: `tula serve --executor local` on a free port profiles the
-   job (POST /v1/jobs; a 1-device cluster, objective min_time) with the user's reference run as evidence: the
-   ground truth's run at the task's reference batch (docs/validation/statistical_efficiency/ground_truth.json:
-   its LR, median epochs to the target, and its gradient-statistics trajectory, as GradientStatsLogger writes it).
+   job (POST /v1/jobs; a 1-device cluster, objective min_time) with the reference batch's LR and median epochs
+   to the target from the ground truth (docs/validation/statistical_efficiency/ground_truth.json). Noise-scale
+   evidence (--evidence): the service's pilot over PILOT_SHARE of the reference run's steps (default: what a
+   user who logged no reference run gets), or the ground truth's whole reference-run trajectory.
 2. Trained to the target, each over SEEDS seeds (a seed changes the initialization and the batch order):
    - (a) static: the chosen global batch, the recommended LR, its warm-up (linear from the reference LR);
    - (b) online: the same start, with the real client (profiler.tula_run.TulaRun; two micro-batches a step, as
@@ -78,14 +79,28 @@ MIN_STEPS_BETWEEN_CHANGES = 20  # the runs are short: the service's default (100
 OVERHEAD_ROUNDS, OVERHEAD_STEPS = 15, 40
 TRAINING_CPU, SERVER_CPU = 0, 1  # the server gets a core of its own, as it would have a machine of its own
 JOB_TIMEOUT_S = 600.0
+# The static plan's noise-scale evidence by default: the service's pilot over this share of the reference run's
+# steps. A real run lasts hours and a pilot seconds, so a pilot sees the start of training only; on these
+# CPU tasks its default 300 steps would see most of the run, which no real job gets.
+PILOT_SHARE = 0.1
 
 
 # -- the static recommendation --------------------------------------------------------------------------
 
 
-def job_spec(task: Task, truth: dict[str, Any]) -> dict[str, Any]:
-    """The job a user of this task would submit: one device, min_time, the reference run as evidence."""
+def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot") -> dict[str, Any]:
+    """The job a user of this task would submit: one device, min_time, the reference batch's LR and epochs, and as
+    noise-scale evidence the service's pilot over PILOT_SHARE of the reference run (evidence "pilot") or the
+    reference run's whole trajectory ("reference_run")."""
     reference = truth["batches"][str(task.reference_batch)]
+    training = {"optimizer": task.optimizer, "reference_batch": task.reference_batch, "reference_lr": reference["lr"],
+                "reference_epochs": reference["epochs"]}  # fmt: skip
+    profiling = {"time_cap_s": 2, "device": "cpu", "threads": 1}
+    if evidence == "reference_run":
+        training["reference_run"] = {"gradient_stats": [contract_record(r) for r in reference["trajectory"]]}
+    else:
+        pilot_steps = max(10, round(PILOT_SHARE * reference["epochs"] * task.train_samples / task.reference_batch))
+        profiling.update(pilot=True, pilot_steps=pilot_steps, pilot_record_every=max(1, pilot_steps // 20))
     dataset = {"mnist1d": {"name": "mnist1d", "num_samples": task.train_samples},
                "digits_x16": {"name": "digits", "scaling": "unit", "split": "train"},
                "digits_x16_flat": {"name": "digits", "scaling": "unit", "split": "train"}}[task.dataset]  # fmt: skip
@@ -287,12 +302,12 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
 # -- the benchmark ----------------------------------------------------------------------------------------
 
 
-def run_task(name: str, truth: dict[str, Any], server: str, seeds: int) -> dict[str, Any]:
+def run_task(name: str, truth: dict[str, Any], server: str, seeds: int, evidence: str) -> dict[str, Any]:
     task = TASKS[name]
     torch.set_num_threads(1)
     data = task_data(task)
     started = time.monotonic()
-    job_id, rec = recommendation(server, job_spec(task, truth))
+    job_id, rec = recommendation(server, job_spec(task, truth, evidence))
     profile_s = time.monotonic() - started
     reference_lr, warmup_steps = task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"]
     max_epochs = MAX_EPOCHS_FACTOR * truth["batches"][str(task.reference_batch)]["epochs"]
@@ -316,7 +331,8 @@ def run_task(name: str, truth: dict[str, Any], server: str, seeds: int) -> dict[
     cost = overhead(task, data, server, job_id, chosen["global_batch"], reference_lr * static_stages(rec)[0]["lr_multiplier"])
     return {
         "task": name, "profile_s": profile_s, "chosen_batch": chosen["global_batch"], "lr": rec["training_advice"]["lr_rule"]["lr"]["value"],
-        "noise_scale": rec["models"]["efficiency"]["noise_scale"]["value"], "recommended_schedule": schedule["recommended"],
+        "noise_scale": rec["models"]["efficiency"]["noise_scale"]["value"], "evidence": rec["models"]["efficiency"]["evidence"]["used"],
+        "recommended_schedule": schedule["recommended"],
         "schedule_why": schedule["why"], "predicted_schedule_s": {k: v["total_time_s"]["value"] for k, v in schedule["schedules"].items()},
         "median_train_s": medians,
         "ratio_vs_static": {arm: (m / medians["static"] if math.isfinite(m) and math.isfinite(medians["static"]) else None) for arm, m in medians.items()},
@@ -339,12 +355,12 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# Online re-planning and batch schedules against the static recommendation (issue 17)", "",
              f"Made by `{meta['command']}` on {meta['date']} ({meta['machine']}); {meta['seeds']} seeds per arm, medians.", "",
-             "| task | chosen batch | B_noise | arm | median s to target | ratio vs static | steps (median) | decisions |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| task | evidence | chosen batch | B_noise | arm | median s to target | ratio vs static | steps (median) | decisions |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         for arm, runs in r["runs"].items():
             decisions = [f"{d['from']}->{d['to']}@{d['step']}" for run in runs for d in run.get("decisions", [])]
-            lines.append(f"| {r['task']} | {r['chosen_batch']} | {_fmt(r['noise_scale'])} | {arm} | {_fmt(r['median_train_s'][arm])} | "
+            lines.append(f"| {r['task']} | {r['evidence']} | {r['chosen_batch']} | {_fmt(r['noise_scale'])} | {arm} | {_fmt(r['median_train_s'][arm])} | "
                          f"{_fmt(r['ratio_vs_static'][arm])} | {statistics.median(run['steps'] for run in runs):g} | {', '.join(decisions[:6]) or '-'} |")  # fmt: skip
     lines += ["", "| task | recommended schedule | why | plain step ms | telemetry overhead % (ms a step) | splitting every step % |",
               "|---|---|---|---|---|---|"]  # fmt: skip
@@ -378,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SEEDS} seeds, output in a temporary folder")
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=sorted(TASKS))
     parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--evidence", choices=("pilot", "reference_run"), default="pilot",
+                        help="the static plan's noise-scale evidence: a pilot over PILOT_SHARE of the run, or the reference run's trajectory")
     parser.add_argument("--out", type=Path, default=None, help="folder for online.md and online.json")
     args = parser.parse_args(argv)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
@@ -387,11 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with on_cpu(SERVER_CPU), api_server(None, out / "online-server.log", executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
         for name in args.tasks:
-            result = run_task(name, truth[name], server, seeds)
+            result = run_task(name, truth[name], server, seeds, args.evidence)
             results.append(result)
             print(f"{name}: chosen {result['chosen_batch']}, ratio vs static {json.dumps({k: _fmt(v) for k, v in result['ratio_vs_static'].items()})}, "
                   f"overhead {result['overhead']['overhead_pct']:.2f}%", flush=True)  # fmt: skip
-    meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else ""), "date": dt.date.today().isoformat(),
+    meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else "") + f" --evidence {args.evidence}", "date": dt.date.today().isoformat(),
             "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", "seeds": seeds}  # fmt: skip
     (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     (out / "online.md").write_text(markdown(results, meta))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.handmade import measurement, spec_dict
+from tula_service.fit.perfmodel.efficiency import adascale_gain
 from tula_service.plan.recommend import plan
 from tula_service.plan.schedule import Config, closed_form_batch, evaluate, flat_profile, noise_profile, progress_per_step
 from tula_service.spec.job_spec import JobSpec
@@ -102,6 +103,10 @@ def test_a_growing_noise_scale_on_many_devices_gets_a_growing_schedule():
     assert all(b == 2 * a for a, b in zip(doubling, doubling[1:]))
     lr = schedule["schedules"]["time_optimal"]["stages"]
     assert [s["lr_multiplier"] for s in lr] == sorted(s["lr_multiplier"] for s in lr)  # AdaScale: more batch, more LR
+    for stage in lr:  # the gain at the stage's own noise scale: the best LR for its batch at that point of the run
+        assert stage["lr_multiplier"] == pytest.approx(adascale_gain(stage["global_batch"] / 32, stage["noise_scale"], 32))
+    prescribed = schedule["schedules"]["optimal_for_lr"]["stages"]
+    assert all(s["lr_multiplier"] == pytest.approx(rec["training_advice"]["lr_rule"]["multiplier"]["value"]) for s in prescribed)
     assert all(c["source"] == "predicted" for c in (best["total_time_s"], best["epochs"]))
 
 

@@ -17,6 +17,7 @@ from tula_service.dispatch.maxbatch import bracket
 from tula_service.dispatch.reliability import assess, quieter
 from tula_service.fit.efficiency_evidence import target_samples
 from tula_service.fit.fitting import FittedModels, NotEnoughSteps, fit_models
+from tula_service.fit.perfmodel.efficiency import EpochModel, adascale_gain, lr_multiplier_of_gain
 from tula_service.measurement import (
     CommMeasurement, ComputeMeasurement, Measurement, PilotMeasurement, StepMeasurement, parse_measurement,
 )  # fmt: skip
@@ -158,7 +159,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "warmup": warmup(spec, rows[chosen]),
             "batch_schedule": batch_schedule(noise_profile_of(spec, pilot, report["efficiency"]), rows, rows[chosen], noise_scale,
                                              spec.training.reference_epochs, spec.training.reference_batch, spec.dataset.num_samples,
-                                             lambda batch: lr_rule(spec, batch, models.epochs)["multiplier"]["value"]),
+                                             lambda batch, noise: stage_lr_multiplier(spec, models.epochs, batch, noise)),
             "ags": ags_config(rows[chosen]["global_batch"], spec, models.epochs, variability),
         },
         "runner_ups": runner_ups(rows, chosen, ranking(candidates, spec.objective, front, rows[chosen]["global_batch"])),
@@ -289,6 +290,20 @@ def measured_variability(
     gradients = [m.gradient for m in map(parse_measurement, ok) if m.gradient]
     values = [(v, gradient.batch) for gradient in gradients for v in gradient.variability_series]
     return {"values": values, "source": "profiled points (initial weights)"}
+
+
+def stage_lr_multiplier(spec: JobSpec, epochs: EpochModel, global_batch: int, noise_scale: float | None) -> float:
+    """The LR multiplier of a schedule's stage: the plan's rule at the run's mean noise scale (None), else the AdaScale
+    gain at the stage's own (tula_service.plan.schedule); capped at training.max_lr / reference_lr."""
+    if noise_scale is None:
+        multiplier = lr_rule(spec, global_batch, epochs)["multiplier"]["value"]
+    else:
+        gain = adascale_gain(global_batch / spec.training.reference_batch, noise_scale, spec.training.reference_batch)
+        multiplier = lr_multiplier_of_gain(gain, spec.training.optimizer)
+    training = spec.training
+    if training.max_lr is not None and training.reference_lr:
+        multiplier = min(multiplier, training.max_lr / training.reference_lr)
+    return multiplier
 
 
 def noise_profile_of(spec: JobSpec, pilot: PilotMeasurement | dict[str, Any] | None, efficiency: dict[str, Any]) -> NoiseProfile | None:

@@ -42,6 +42,10 @@ The schedules, each evaluated by that integral:
   time); snapped to the configurations the same way.
 - "noise_tracking": B(u) ~ B_noise(u) (McCandlish et al.'s critical batch), the configuration whose global
   batch is nearest in log; the LR follows the AdaScale rule at each batch.
+A stage whose LR follows the batch gets the AdaScale gain at the stage's own noise scale, r = (1 + B_noise(u) /
+B_ref) / (1 + B_noise(u) / B): the ratio of the best LRs for B and for B_ref at that point of the run
+(epsilon_opt(B) = epsilon_max / (1 + B_noise / B)), not at the run's mean noise scale; square-rooted for
+Adam and capped at training.max_lr, as the plan's LR rule does.
 - "staged_doubling": start at the largest configuration not above B_noise(0) and double the batch whenever
   the noise scale passes twice the current batch (the dynamic-batch rule of the seeds), AdaScale LR.
 The recommendation is the fastest predicted, when at least MIN_GAIN faster than "constant"; every figure is
@@ -62,6 +66,7 @@ MIN_GAIN = 0.05  # a schedule is recommended over the constant batch only when p
 PROFILE_BINS = 16  # at most, over the records (noise_trajectory.MAX_BINS)
 EXTRAPOLATED_BINS = 4  # bins past the records, to the target, read from the trend
 SCHEDULES = ("constant", "optimal_for_lr", "time_optimal", "noise_tracking", "staged_doubling")
+PLAN_LR = ("constant", "optimal_for_lr")  # trained at the plan's LR; the others move the LR with the batch
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,8 @@ def _span(values: list[float]) -> str:
 
 def batch_schedule(profile: NoiseProfile | None, rows: list[dict[str, Any]], chosen_row: dict[str, Any], noise_scale: float | None,
                    reference_epochs: float, reference_batch: int, num_samples: int, lr_of_batch: Any) -> dict[str, Any]:  # fmt: skip
-    """The schedules, their predicted time to the target, and the recommended one. lr_of_batch(B): the LR rule's
-    multiplier of the reference LR at global batch B."""
+    """The schedules, their predicted time to the target, and the recommended one. lr_of_batch(B, B_noise): the
+    multiplier of the reference LR at global batch B where the noise scale is B_noise (None: the plan's)."""
     chosen_batch = chosen_row["global_batch"]
     if not noise_scale or profile is None:
         return _constant_only(chosen_row, "no noise scale was measured: nothing to schedule the batch by")
@@ -243,7 +248,7 @@ def batch_schedule(profile: NoiseProfile | None, rows: list[dict[str, Any]], cho
     for name, (plan, fractions, how) in plans(profile, configs, chosen).items():
         predicted = evaluate(profile, plan, fractions, min_steps)
         results[name] = {
-            "stages": _stages(profile, plan, fractions, min_steps, num_samples, lr_of_batch, chosen_batch),
+            "stages": _stages(profile, plan, fractions, min_steps, num_samples, lr_of_batch, chosen_batch, plan_lr=name in PLAN_LR),
             "total_time_s": _predicted(predicted["seconds"]),
             "epochs": _predicted(predicted["samples"] / num_samples),
             "steps": _predicted(predicted["steps"]),
@@ -276,12 +281,13 @@ def _predicted(value: float) -> dict[str, Any]:
 
 
 def _stages(profile: NoiseProfile, plan: list[Config], fractions: list[float | None], min_steps: float, num_samples: int,
-            lr_of_batch: Any, chosen_batch: int) -> list[dict[str, Any]]:  # fmt: skip
+            lr_of_batch: Any, chosen_batch: int, plan_lr: bool) -> list[dict[str, Any]]:  # fmt: skip
     """Consecutive bins with the same configuration merged; from_epoch: the predicted epochs done when a stage starts."""
     stages, samples = [], 0.0
     for k, (config, x) in enumerate(zip(plan, fractions)):
         if not stages or stages[-1]["global_batch"] != config.batch:
-            multiplier = lr_of_batch(chosen_batch if x is not None else config.batch)
+            # the plan's LR (constant, the prescribed-LR schedule); else the AdaScale rule at this stage's own noise scale
+            multiplier = lr_of_batch(chosen_batch, None) if plan_lr else lr_of_batch(config.batch, float(profile.values[k]))
             stages.append({
                 "from_progress": float(profile.edges[k]), "from_epoch": samples / num_samples,
                 "global_batch": config.batch, "device_batch": config.row["device_batch"], "devices": config.row["devices"],

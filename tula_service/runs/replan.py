@@ -7,7 +7,13 @@ The run's live records enter the same code paths as measurements taken anywhere 
   job's spec, so the noise scale is read from the live trajectory by the estimator the service uses for a
   reference run (tula_service.fit.perfmodel.noise_trajectory: the progress-weighted mean over the second half
   of the run to the target, extrapolated by the trend while the run has not got there, and labelled so). AGS
-  delta takes the live variability the same way.
+  delta takes the live variability the same way. Only when the live trajectory is at least as strong as the
+  job's own evidence: it covers at least the share of the run to the target (T = reference_epochs x D
+  samples) that the job's reference run or pilot covered (records past T do not count). Epochs measured at
+  other batches (training.other_runs) are stronger than any trajectory and are kept; initial-weight
+  statistics cover nothing and give way at once. Until then the job's evidence stays, and the answer says so:
+  a run 10% of the way to the target that replaced a reference run logged to the target would swap a
+  measured noise scale for an extrapolated one.
 - Systems. The step times of the latest LIVE_WINDOW share of the records, at accumulation 1, become one
   step measurement per (placement, per-device batch) (their median, origin "live"), so the placement model
   is fitted to the run's real steps (a step on one device refits the compute model).
@@ -31,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tula_service.fit.efficiency_evidence import target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
 from tula_service.measurement import parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule
@@ -98,6 +105,28 @@ def live_steps(records: list[TelemetryRecord], config: dict[str, Any]) -> list[d
     ]  # fmt: skip
 
 
+def coverage(records: list[Any], target: float) -> float:
+    """The share of the run to the target (target samples) that gradient-statistics records reach."""
+    reached = [float(r["samples"] if isinstance(r, dict) else r.samples) for r in records]
+    reached = [s for s in reached if s <= target]
+    return min(1.0, max(reached) / target) if reached and target > 0 else 0.0
+
+
+def job_evidence(spec: JobSpec, measurements: list[dict[str, Any]]) -> tuple[str, float]:
+    """The job's strongest noise-scale evidence and the share of the run to the target it covers (infinite for
+    epochs measured at other batches, 0 for the initial weights)."""
+    if spec.training.other_runs:
+        return "other_runs", float("inf")
+    target = target_samples(spec)
+    found = [("initialization", 0.0)]
+    if spec.training.reference_run:
+        found.append(("reference_run", coverage(list(spec.training.reference_run.gradient_stats), target)))
+    pilots = [parse_measurement(m) for m in measurements if m.get("kind") == "pilot" and m.get("status", "ok") == "ok"]
+    if pilots:
+        found.append(("pilot", max(coverage(list(p.trajectory), target) for p in pilots)))
+    return max(found, key=lambda item: item[1])
+
+
 def live_spec(stored_spec: dict[str, Any], config: dict[str, Any], gradients: list[dict[str, Any]]) -> JobSpec:
     """The job's spec for re-planning the run: its cluster the run's placement, objective min_time, and the live
     gradient statistics as the reference run's trajectory."""
@@ -116,7 +145,10 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     """The advice for the next interval; "change" holds the new configuration when the run should move."""
     records = [TelemetryRecord.model_validate(r) for r in stored_records]
     gradients, steps = gradient_records(records, config), live_steps(records, config)
-    spec = live_spec(stored_spec, config, gradients)
+    job_source, job_coverage = job_evidence(JobSpec.stored(stored_spec), measurements)
+    live_coverage = coverage(gradients, target_samples(JobSpec.stored(stored_spec)))
+    use_live = bool(gradients) and live_coverage >= job_coverage
+    spec = live_spec(stored_spec, config, gradients if use_live else [])
     planned = plan(spec, [*measurements, *steps], failed)
     here = [c for c in planned["candidates"] if c["placement"] == config["placement"]]
     current = next((c for c in here if (c["device_batch"], c["accumulation"]) == (config["device_batch"], config["accumulation"])), None)
@@ -161,6 +193,12 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
             "telemetry_records": len(records),
             "gradient_records": len(gradients),
             "noise_scale": efficiency.get("noise_scale"),
+            "noise_scale_from": "live trajectory" if use_live else f"the job's {job_source.replace('_', ' ')}",
+            "noise_scale_why": (f"the live trajectory covers {live_coverage:.0%} of the run to the target, at least the "
+                                f"{job_coverage:.0%} of the job's {job_source.replace('_', ' ')}") if use_live else
+                               (f"the live trajectory covers {live_coverage:.0%} of the run to the target, less than the job's "
+                                f"{job_source.replace('_', ' ')} ({'measured epochs' if job_coverage == float('inf') else f'{job_coverage:.0%}'}): "
+                                "the job's noise scale is kept"),
             "noise_scale_evidence": (efficiency.get("evidence") or {}).get("used"),
             "efficiency_warnings": efficiency.get("warnings", []),
             "live_steps": steps,

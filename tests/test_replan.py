@@ -1,0 +1,64 @@
+"""Re-planning a run (tula_service.runs.replan.advise) on hand-made evidence: the live trajectory replaces the
+job's noise-scale evidence only once it covers as much of the run to the target, and the answer says which
+evidence it used."""
+
+import pytest
+
+from tests.handmade import measurement, spec_dict
+from tula_service.plan.recommend import plan
+from tula_service.runs.replan import advise, initial_config
+from tula_service.runs.telemetry import DEFAULT_HYSTERESIS
+from tula_service.spec.job_spec import JobSpec
+
+BATCHES = [8, 16, 32, 64, 128]
+TARGET_SAMPLES = 10 * 50_000  # reference_epochs x num_samples of the hand-made spec
+OPTIONS = {"hysteresis": DEFAULT_HYSTERESIS, "min_steps_between_changes": 0}
+
+
+def _reference_run(noise_scale: float, last: float = TARGET_SAMPLES) -> list[dict]:
+    return [{"samples": int(last * (i + 1) / 20), "batch": 32, "grad_sqr": 1.0, "trace_sigma": noise_scale} for i in range(20)]
+
+
+def _job(**training) -> tuple[dict, list[dict], dict]:
+    spec = spec_dict(batch_sizes=BATCHES, objective="min_time", training={"reference_lr": 0.1, **training})
+    points = [measurement(b) for b in BATCHES]
+    recommendation = plan(JobSpec.model_validate(spec), points)
+    return JobSpec.model_validate(spec).model_dump(mode="json"), points, initial_config(recommendation)
+
+
+def _live(config: dict, last_samples: float, noise_scale: float, records: int = 40) -> list[dict]:
+    batch = config["global_batch"]
+    steps = [max(1, round(last_samples * (i + 1) / records / batch)) for i in range(records)]
+    return [{"step": s, "samples": s * batch, "grad_sqr": 1.0, "trace_sigma": noise_scale, "step_time_s": 0.05} for s in sorted(set(steps))]
+
+
+def test_a_short_live_trajectory_does_not_replace_a_reference_run_logged_to_the_target():
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0)})
+    records = _live(config, 0.1 * TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    evidence = advice["evidence"]
+    assert evidence["noise_scale_from"] == "the job's reference run" and "less than" in evidence["noise_scale_why"]
+    assert evidence["noise_scale"]["value"] == pytest.approx(100.0, rel=0.05) and advice["change"] is None
+
+
+def test_a_live_trajectory_as_long_as_the_reference_run_replaces_it():
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0, last=0.5 * TARGET_SAMPLES)})
+    records = _live(config, 0.6 * TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    assert advice["evidence"]["noise_scale_from"] == "live trajectory"
+    assert advice["evidence"]["noise_scale"]["value"] == pytest.approx(5000.0, rel=0.05)
+    assert advice["change"] is not None and advice["change"]["global_batch"] > config["global_batch"]
+
+
+def test_statistics_at_the_initial_weights_give_way_to_the_first_live_records():
+    spec, points, config = _job()
+    records = _live(config, 0.02 * TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    assert advice["evidence"]["noise_scale_from"] == "live trajectory"
+
+
+def test_epochs_measured_at_other_batches_are_never_replaced():
+    spec, points, config = _job(other_runs=[{"batch": 256, "epochs": 12.0}])
+    records = _live(config, TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    assert advice["evidence"]["noise_scale_from"] == "the job's other runs" and "measured epochs" in advice["evidence"]["noise_scale_why"]
