@@ -113,11 +113,8 @@ def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot") -> dict
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 8, "interconnect_gbps": 100},
         "pricing": {"kind": "gpu_hour", "price": 1.0},
         "objective": "min_time",
-        "training": {
-            "optimizer": task.optimizer, "reference_batch": task.reference_batch, "reference_lr": reference["lr"],
-            "reference_epochs": reference["epochs"], "reference_run": {"gradient_stats": reference["trajectory"]},
-        },
-        "profiling": {"time_cap_s": 2, "device": "cpu", "threads": 1},
+        "training": training,
+        "profiling": profiling,
     }  # fmt: skip
 
 

@@ -62,3 +62,16 @@ def test_epochs_measured_at_other_batches_are_never_replaced():
     records = _live(config, TARGET_SAMPLES, 5000.0)
     advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
     assert advice["evidence"]["noise_scale_from"] == "the job's other runs" and "measured epochs" in advice["evidence"]["noise_scale_why"]
+
+
+def test_a_gain_that_does_not_hold_over_the_noise_scales_interval_keeps_the_run():
+    spec, points, config = _job()
+    records = _live(config, 0.6 * TARGET_SAMPLES, 1.0, records=4)
+    for i, record in enumerate(records):  # four records that swing 100x: B_noise about 1000, known to 2x at best
+        record["trace_sigma"] = 2000.0 if i % 2 else 20.0
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    low, high = advice["evidence"]["noise_scale"]["interval"]
+    assert high / low > 2 and advice["predicted"]["gain"] >= DEFAULT_HYSTERESIS and advice["change"] is None
+    assert "not at the other end of its interval" in advice["why"] and "kept" in advice["why"], advice["why"]
+    steady = _live(config, 0.6 * TARGET_SAMPLES, 1010.0, records=4)  # the same level measured steadily: it moves
+    assert advise(spec, points, [], OPTIONS, config, steady, steady[-1]["step"])["change"] is not None

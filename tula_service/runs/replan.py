@@ -21,8 +21,11 @@ The run's live records enter the same code paths as measurements taken anywhere 
   objective min_time; of the candidates on the run's placement, the fastest to the target is compared with
   the run's current configuration, both predicted by the refitted models. The run moves to it only when
   it is predicted at least `hysteresis` faster (default 5%) and at least `min_steps_between_changes`
-  optimizer steps have passed since the last change; the memory model bounds every candidate as in any
-  plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
+  optimizer steps have passed since the last change, and only when the gain holds over the noise scale's
+  interval (recomputed at both of its ends; weak evidence without an interval does not move a run): a live
+  estimate from a few records is noisy, and a run that follows every swing of it flaps between batches
+  (benchmarks/online.py saw 128 -> 1024 and 128 -> 64 on the same task). The memory model bounds every
+  candidate as in any plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
   sqrt(r) for Adam), and AGS delta and s are re-derived at the new batch.
 
 Each answer says what it is based on (records, live steps, the noise scale and its evidence), the predicted
@@ -167,6 +170,8 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     elif best is current or gain < hysteresis:
         why = (f"the best configuration on {config['placement']} is predicted {max(gain, 0.0):.1%} faster to the target, "
                f"below the {hysteresis:.0%} it takes to change: kept")  # fmt: skip
+    elif (doubt := _doubt(spec, efficiency, best, current, hysteresis)) is not None:
+        why = f"predicted {gain:.1%} faster at B_noise {efficiency['noise_scale']['value']:.3g}, but {doubt}: kept"
     elif since < min_steps:
         why = (f"predicted {gain:.1%} faster, but only {since} steps since the last change (at least {min_steps}): "
                "kept for now")  # fmt: skip
@@ -205,6 +210,28 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
             "step_time_model": planned["models"]["step_time"]["model"],
         },
     }  # fmt: skip
+
+
+def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], current: dict[str, Any], hysteresis: float) -> str | None:
+    """Why the move to `best` does not hold over what the noise scale may be, or None when it holds: the gain
+    recomputed at both ends of the noise scale's interval (each candidate's epochs E(B) at that B_noise times its
+    predicted seconds per epoch) must reach the hysteresis too. Evidence labelled weak without an interval is
+    doubt enough. Epochs fitted to runs at other batches (other_runs) are measured: the point gain stands."""
+    noise = efficiency.get("noise_scale") or {}
+    if noise.get("evidence") == "other_runs":
+        return None
+    interval = noise.get("interval")
+    if not interval:
+        return "the noise scale is weak evidence without an interval" if efficiency.get("weak") else None
+    training = spec.training
+    for end in interval:
+        model = EpochModel(training.reference_batch, training.reference_epochs, end,
+                           max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer)  # fmt: skip
+        seconds = [float(model.predict(c["global_batch"])) * c["total_time_s"]["value"] / c["epochs"]["value"] for c in (best, current)]
+        if 1.0 - seconds[0] / seconds[1] < hysteresis:
+            return (f"not at the other end of its interval [{interval[0]:.3g}, {interval[1]:.3g}] (at {end:.3g}: "
+                    f"{1.0 - seconds[0] / seconds[1]:.1%})")  # fmt: skip
+    return None
 
 
 def _epoch_model(spec: JobSpec, efficiency: dict[str, Any]) -> EpochModel:
