@@ -374,11 +374,15 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+MACHINE_CPUS = frozenset(os.sched_getaffinity(0))  # at import: what the process may use at all
+
+
 @contextlib.contextmanager
 def on_cpu(cpu: int):
-    """This process (and what it starts meanwhile) on one CPU, when the machine has it; the affinity restored after."""
+    """This thread (and the processes and threads it starts meanwhile) on one CPU, when the machine has more than
+    one; the affinity restored after. Nested: the inner CPU wins, whatever the outer one left."""
     before = os.sched_getaffinity(0)
-    if cpu in before and len(before) > 1:
+    if cpu in MACHINE_CPUS and len(MACHINE_CPUS) > 1:
         os.sched_setaffinity(0, {cpu})
     try:
         yield
