@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     truth = json.loads(GROUND_TRUTH.read_text())["tasks"]
     results = []
-    with on_cpu(SERVER_CPU), api_server(None, out / "online-server.log", executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
+    server_log = Path(tempfile.mkdtemp(prefix="tula-online-server-")) / "server.log"  # never into the tracked docs
+    with on_cpu(SERVER_CPU), api_server(None, server_log, executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
         for name in args.tasks:
             result = run_task(name, truth[name], server, seeds, args.evidence)
             results.append(result)
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", "seeds": seeds}  # fmt: skip
     (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     (out / "online.md").write_text(markdown(results, meta))
-    print(f"wrote {out / 'online.md'}")
+    print(f"wrote {out / 'online.md'} (server log: {server_log})")
     print(summary_line(results))
     return 0
 

@@ -1,0 +1,63 @@
+"""benchmarks/online.py's parts that decide what a run trains with and what it reports: the job a task submits,
+the static and scheduled arms, the replay of an online run's changes, and the summary line."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import online  # noqa: E402
+from efficiency_tasks import TASKS  # noqa: E402
+
+from tula_service.spec.job_spec import JobSpec  # noqa: E402
+
+TRUTH = json.loads(online.GROUND_TRUTH.read_text())["tasks"]
+
+
+@pytest.mark.parametrize("name", online.DEFAULT_TASKS)
+def test_each_task_submits_a_valid_job_with_a_pilot_over_a_tenth_of_the_reference_run(name):
+    task, truth = TASKS[name], TRUTH[name]
+    reference = truth["batches"][str(task.reference_batch)]
+    pilot = JobSpec.model_validate(online.job_spec(task, truth))
+    assert pilot.profiling.pilot and pilot.training.reference_run is None
+    steps = reference["epochs"] * task.train_samples / task.reference_batch
+    assert pilot.profiling.pilot_steps == max(10, round(online.PILOT_SHARE * steps))
+    whole = JobSpec.model_validate(online.job_spec(task, truth, "reference_run"))
+    assert not whole.profiling.pilot and len(whole.training.reference_run.gradient_stats) == len(reference["trajectory"])
+    assert whole.training.reference_lr == reference["lr"] and whole.training.reference_epochs == reference["epochs"]
+
+
+def test_a_schedule_switches_by_epochs_done_with_its_lr_after_the_warmup():
+    stages = [{"from_epoch": 0.0, "global_batch": 32, "lr_multiplier": 1.0}, {"from_epoch": 2.0, "global_batch": 128, "lr_multiplier": 3.0}]
+    arm = online.Arm(stages, reference_lr=0.1, warmup_steps=10)
+    assert arm.at(0.0, 0) == (32, pytest.approx(0.1)) and arm.at(0.5, 10) == (32, pytest.approx(0.1))
+    assert arm.at(2.0, 100) == (128, pytest.approx(0.3)) and arm.at(5.0, 400) == (128, pytest.approx(0.3))
+    warm = online.Arm([{"from_epoch": 0.0, "global_batch": 64, "lr_multiplier": 2.0}], 0.1, 10)
+    assert warm.at(0.0, 5) == (64, pytest.approx(0.15))  # halfway from the reference LR to the stage's
+
+
+def test_a_replay_makes_the_same_changes_at_the_same_steps():
+    changes = [(0, 64, 0.2), (40, 128, 0.35), (90, 32, 0.1)]
+    replay = online.Replay(changes, reference_lr=0.1, warmup_steps=0)
+    assert [replay.at(0.0, step) for step in (0, 39, 40, 89, 90, 500)] == [
+        (64, 0.2), (64, 0.2), (128, 0.35), (128, 0.35), (32, 0.1), (32, 0.1)]
+
+
+def _result(online_ratio, overhead_pct):
+    return {"ratio_vs_static": {"online": online_ratio}, "overhead": {"overhead_pct": overhead_pct}}
+
+
+def test_the_summary_line_gives_the_medians_and_an_unreached_target_as_infinite():
+    line = online.summary_line([_result(0.8, 1.0), _result(0.9, 3.0), _result(1.5, 2.0)])
+    assert re.fullmatch(r"online: tasks=3 time_ratio_vs_static=0\.900 overhead_pct=2\.00", line)
+    assert "time_ratio_vs_static=inf" in online.summary_line([_result(None, 1.0), _result(0.9, 1.0)])
+    assert not math.isfinite(float(online.summary_line([_result(None, 1.0)]).split("time_ratio_vs_static=")[1].split()[0]))
