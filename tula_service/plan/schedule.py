@@ -240,9 +240,7 @@ def batch_schedule(profile: NoiseProfile | None, rows: list[dict[str, Any]], cho
     if not noise_scale or profile is None:
         return _constant_only(chosen_row, "no noise scale was measured: nothing to schedule the batch by")
     configs = configs_on_placement(rows, chosen_row)
-    chosen = next(c for c in configs if c.batch == chosen_batch) if any(c.batch == chosen_batch for c in configs) else Config(chosen_row)
-    if chosen.row is not chosen_row and chosen.row["step_time_s"]["value"] >= chosen_row["step_time_s"]["value"]:
-        chosen = Config(chosen_row)
+    chosen = Config(chosen_row)
     min_steps = reference_epochs * num_samples / (reference_batch + noise_scale)
     results = {}
     for name, (plan, fractions, how) in plans(profile, configs, chosen).items():

@@ -148,8 +148,9 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     """The advice for the next interval; "change" holds the new configuration when the run should move."""
     records = [TelemetryRecord.model_validate(r) for r in stored_records]
     gradients, steps = gradient_records(records, config), live_steps(records, config)
-    job_source, job_coverage = job_evidence(JobSpec.stored(stored_spec), measurements)
-    live_coverage = coverage(gradients, target_samples(JobSpec.stored(stored_spec)))
+    job_spec = JobSpec.stored(stored_spec)
+    job_source, job_coverage = job_evidence(job_spec, measurements)
+    live_coverage = coverage(gradients, target_samples(job_spec))
     use_live = bool(gradients) and live_coverage >= job_coverage
     spec = live_spec(stored_spec, config, gradients if use_live else [])
     planned = plan(spec, [*measurements, *steps], failed)
@@ -223,10 +224,8 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
     interval = noise.get("interval")
     if not interval:
         return "the noise scale is weak evidence without an interval" if efficiency.get("weak") else None
-    training = spec.training
     for end in interval:
-        model = EpochModel(training.reference_batch, training.reference_epochs, end,
-                           max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer)  # fmt: skip
+        model = _epoch_model_at(spec, end)
         seconds = [float(model.predict(c["global_batch"])) * c["total_time_s"]["value"] / c["epochs"]["value"] for c in (best, current)]
         if 1.0 - seconds[0] / seconds[1] < hysteresis:
             return (f"not at the other end of its interval [{interval[0]:.3g}, {interval[1]:.3g}] (at {end:.3g}: "
@@ -236,7 +235,11 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
 
 def _epoch_model(spec: JobSpec, efficiency: dict[str, Any]) -> EpochModel:
     """The refitted efficiency model, for the LR rule and AGS at a new batch."""
+    return _epoch_model_at(spec, (efficiency.get("noise_scale") or {}).get("value"))
+
+
+def _epoch_model_at(spec: JobSpec, noise_scale: float | None) -> EpochModel:
+    """The spec's epochs model at a given B_noise (E_min from the reference run)."""
     training = spec.training
-    noise = efficiency.get("noise_scale") or {}
-    return EpochModel(training.reference_batch, training.reference_epochs, noise.get("value"),
+    return EpochModel(training.reference_batch, training.reference_epochs, noise_scale,
                       max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer)  # fmt: skip
