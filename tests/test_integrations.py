@@ -7,8 +7,10 @@ loss recomputed here (|G|^2 + tr(Sigma)/B is the mean of |g_B|^2 over a window's
 import json
 import math
 import socket
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,14 +22,15 @@ pytest.importorskip("transformers")
 import lightning  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from profiler.integrations.huggingface import TulaTrainerCallback  # noqa: E402
 from profiler.integrations.lightning import TulaLightningCallback  # noqa: E402
 from profiler.tula_run import TulaRun  # noqa: E402
 from tests.api_fixtures import run_on_a_server  # noqa: E402
+from tests.integration_models import MICRO_BATCH, LightningClassifier, MeanLoss, Samples, TrueGradient, data  # noqa: E402
 
-FEATURES, MICRO_BATCH, ACCUMULATION, EVERY, STEPS = 8, 16, 2, 10, 40
+ACCUMULATION, EVERY, STEPS = 2, 10, 40
 ADVICE_WAIT_S = 30.0
 
 
@@ -43,20 +46,6 @@ def dead_server_url():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
-
-
-def _data(micro_batches: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(micro_batches * MICRO_BATCH, FEATURES, generator=generator)
-    return x, (x[:, 0] + 0.5 * torch.randn(len(x), generator=generator) > 0).long()
-
-
-def _true_grad_sqr(linear: nn.Linear, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """|g_B|^2 of the step's mean loss over all its samples, on copies of the parameters (no hook sees it)."""
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    weight, bias = linear.weight.detach().clone().requires_grad_(), linear.bias.detach().clone().requires_grad_()
-    grads = torch.autograd.grad(F.cross_entropy(x @ weight.T + bias, y), (weight, bias))
-    return float(sum(g.square().sum() for g in grads))
 
 
 def _assert_true_scale(records: list[dict], true_grad_sqr: dict[int, float], dropped: frozenset[int] = frozenset()) -> None:
@@ -95,29 +84,6 @@ def _await_advice(tula) -> None:
 # -- PyTorch Lightning ----------------------------------------------------------------------------------
 
 
-class _LightningClassifier(lightning.LightningModule):
-    """training_step never calls self(x), as many modules do: the callback must see the batches by itself."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = nn.Linear(FEATURES, 2)
-        self.micro_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.true_grad_sqr: dict[int, float] = {}
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.micro_batches.append((x, y))
-        return F.cross_entropy(self.linear(x), y)
-
-    def on_before_optimizer_step(self, optimizer):  # after the callbacks' hook, before optimizer.step()
-        self.true_grad_sqr[self.trainer.global_step + 1] = _true_grad_sqr(self.linear, self.micro_batches)
-        self.micro_batches = []
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 class _AwaitAdviceAtTrainEnd(lightning.Callback):
     def __init__(self, tula):
         self.tula = tula
@@ -126,9 +92,9 @@ class _AwaitAdviceAtTrainEnd(lightning.Callback):
         _await_advice(self.tula)
 
 
-def _fit_lightning(tula: TulaLightningCallback, micro_batches: int, *callbacks, epochs: int = 1) -> tuple[lightning.Trainer, _LightningClassifier]:
-    module = _LightningClassifier()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data(micro_batches)), batch_size=MICRO_BATCH)
+def _fit_lightning(tula: TulaLightningCallback, micro_batches: int, *callbacks, epochs: int = 1) -> tuple[lightning.Trainer, LightningClassifier]:
+    module = LightningClassifier()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(micro_batches)), batch_size=MICRO_BATCH)
     trainer = lightning.Trainer(max_epochs=epochs, accumulate_grad_batches=ACCUMULATION, accelerator="cpu", devices=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[*callbacks, tula])  # fmt: skip
     trainer.fit(module, loader)
@@ -164,29 +130,57 @@ def test_lightning_with_a_dead_server_trains_on_and_keeps_the_records_offline(de
     assert tula.closed and tula.run.sent == 0 and tula.run.failed_posts >= 1 and tula.advice is None
 
 
+def _ddp_run(command: list[str], tmp_path) -> tuple[dict, list[dict], dict[int, float]]:
+    """Runs a 2-process DDP script of tests/ (lightning_ddp_run.py, hf_ddp_run.py): its summary, its offline
+    records and each step's true |g_B|^2 over both ranks' micro-batches."""
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    true_grad_sqr = {int(step): value for step, value in json.loads((tmp_path / "true_grad_sqr.json").read_text()).items()}
+    return json.loads((tmp_path / "summary.json").read_text()), _jsonl(tmp_path / "telemetry.jsonl"), true_grad_sqr
+
+
+def _assert_global_batch_statistics(records: list[dict], true_grad_sqr: dict[int, float], rel: float) -> None:
+    """Rank 0's records of the scripts' run (2 ranks x micro-batch 16 x accumulation 2, a record every 5 steps):
+    at the global batch, at the true gradient's scale (a wrong world or accumulation factor is off by 2x or more)."""
+    world, micro_batch, accumulation, every = 2, 16, 2, 5
+    batch = world * micro_batch * accumulation
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    for record in records:
+        assert record["samples"] == record["step"] * batch and record["device_batch"] == micro_batch and record["accumulation"] == accumulation
+        window = [true_grad_sqr[step] for step in range(record["step"] - every + 1, record["step"] + 1)]
+        assert record["grad_sqr"] + record["trace_sigma"] / batch == pytest.approx(sum(window) / every, rel=rel), record
+        assert record["trace_sigma"] > 0
+
+
+def test_lightning_under_ddp_and_bf16_autocast_gives_the_statistics_of_the_global_batch(dead_server_url, tmp_path):
+    """2 gloo processes (Lightning's DDP launcher starts the script again for rank 1), accumulation 2, bf16-mixed
+    (Lightning's 16-mixed becomes bf16-mixed on CPU, so the GradScaler path is tested without Lightning, in
+    tests/test_reference_logger.py): rank 0 alone writes the records, within bf16's rounding of the truth."""
+    script = Path(__file__).with_name("lightning_ddp_run.py")
+    summary, records, true_grad_sqr = _ddp_run([sys.executable, str(script), str(tmp_path), dead_server_url, "bf16-mixed"], tmp_path)
+    assert summary == {"global_step": 20, "world_size": 2, "dropped_steps": 0, "closed": True, "leader": True, "accumulation": 2}
+    _assert_global_batch_statistics(records, true_grad_sqr, rel=1e-2)
+
+
+def test_hf_trainer_under_ddp_gives_the_statistics_of_the_global_batch(dead_server_url, tmp_path):
+    """2 gloo processes started by torchrun, accumulation 2, float32: exact to float rounding."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(Path(__file__).with_name("hf_ddp_run.py")), str(tmp_path), dead_server_url]  # fmt: skip
+    summary, records, true_grad_sqr = _ddp_run(command, tmp_path)
+    assert summary == {"global_step": 20, "world_size": 2, "dropped_steps": 0, "clipped_steps": 0, "closed": True, "leader": True,
+                       "accumulation": 2}  # fmt: skip
+    _assert_global_batch_statistics(records, true_grad_sqr, rel=1e-4)
+
+
 # -- Hugging Face Trainer --------------------------------------------------------------------------------
 
 
-class _MeanLoss(nn.Module):
-    """forward without **kwargs: the Trainer divides the mean loss by gradient_accumulation_steps itself."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = nn.Linear(FEATURES, 2)
-        self.micro_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def forward(self, x, labels):
-        logits = self._logits(x, labels)
-        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
-
-    def _logits(self, x, labels):
-        if torch.is_grad_enabled():
-            self.micro_batches.append((x, labels))
-        return self.linear(x)
-
-
-class _ItemsLoss(_MeanLoss):
+class _ItemsLoss(MeanLoss):
     """forward with **kwargs, loss normalized by num_items_in_batch (as Transformers' models do): the Trainer does not divide."""
 
     def forward(self, x, labels, num_items_in_batch=None, **kwargs):
@@ -194,33 +188,19 @@ class _ItemsLoss(_MeanLoss):
         return {"loss": F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch, "logits": logits}
 
 
-class _IgnoresItems(_MeanLoss):
+class _IgnoresItems(MeanLoss):
     """forward with **kwargs that ignores num_items_in_batch: nothing divides its mean loss."""
 
     def forward(self, x, labels, **kwargs):
         return super().forward(x, labels)
 
 
-class _Samples(torch.utils.data.Dataset):
-    def __init__(self, micro_batches: int):
-        self.x, self.y = _data(micro_batches)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, index):
-        return {"x": self.x[index], "labels": self.y[index]}
-
-
-class _TrueGradient(TrainerCallback):
-    """Recomputes each step's |g_B|^2 from the micro-batches the model saw; waits for the advice at the end."""
+class _TrueGradient(TrueGradient):
+    """TrueGradient that also waits for the advice at the end."""
 
     def __init__(self, await_advice_of=None):
-        self.await_advice_of, self.true_grad_sqr = await_advice_of, {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.true_grad_sqr[state.global_step + 1] = _true_grad_sqr(model.linear, model.micro_batches)
-        model.micro_batches = []
+        super().__init__()
+        self.await_advice_of = await_advice_of
 
     def on_train_end(self, args, state, control, **kwargs):  # called before the Tula callback's (listed after it)
         if self.await_advice_of is not None:
@@ -232,7 +212,7 @@ def _train_hf(tula: TulaTrainerCallback, tmp_path, micro_batches: int, model: nn
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
                              learning_rate=0.01, logging_steps=5, report_to=[], save_strategy="no", use_cpu=True,
                              dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, seed=0, **{"max_grad_norm": 100.0, "num_train_epochs": 1, **arguments})  # fmt: skip
-    trainer = Trainer(model=model or _MeanLoss(), args=args, train_dataset=_Samples(micro_batches), callbacks=[truth, tula])
+    trainer = Trainer(model=model or MeanLoss(), args=args, train_dataset=Samples(micro_batches), callbacks=[truth, tula])
     trainer.train()
     return trainer, truth
 

@@ -75,3 +75,20 @@ def test_a_gain_that_does_not_hold_over_the_noise_scales_interval_keeps_the_run(
     assert "not at the other end of its interval" in advice["why"] and "kept" in advice["why"], advice["why"]
     steady = _live(config, 0.6 * TARGET_SAMPLES, 1010.0, records=4)  # the same level measured steadily: it moves
     assert advise(spec, points, [], OPTIONS, config, steady, steady[-1]["step"])["change"] is not None
+
+
+def test_live_steps_with_accumulation_on_one_device_count_per_micro_step_and_on_several_are_left_out():
+    from tula_service.runs.replan import live_steps
+    from tula_service.runs.telemetry import TelemetryRecord
+
+    config = {"placement": [1], "device_batch": 16, "accumulation": 2}
+    one = [TelemetryRecord.model_validate({"step": s, "samples": 32 * s, "step_time_s": 0.2}) for s in range(1, 9)]
+    steps, left_out = live_steps(one, config)
+    # T_step = (a - 1) T_micro + T_iter and T_micro = T_iter on one device: 0.2 s over 2 micro-steps
+    assert left_out == 0 and steps == [{"kind": "step", "placement": [1], "device_batch": 16, "step_time_s": pytest.approx(0.1),
+                                        "origin": "live", "records": 4}]  # the latest half of the records
+    several = [TelemetryRecord.model_validate({"step": s, "samples": 64 * s, "step_time_s": 0.2, "placement": [2], "accumulation": 2,
+                                               "device_batch": 16}) for s in range(1, 9)]  # fmt: skip
+    assert live_steps(several, config) == ([], 4)
+    plain = [TelemetryRecord.model_validate({**r.model_dump(), "accumulation": 1}) for r in several]
+    assert live_steps(plain, config)[0][0]["step_time_s"] == pytest.approx(0.2)

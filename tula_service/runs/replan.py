@@ -14,9 +14,10 @@ The run's live records enter the same code paths as measurements taken anywhere 
   statistics cover nothing and give way at once. Until then the job's evidence stays, and the answer says so:
   a run 10% of the way to the target that replaced a reference run logged to the target would swap a
   measured noise scale for an extrapolated one.
-- Systems. The step times of the latest LIVE_WINDOW share of the records, at accumulation 1, become one
-  step measurement per (placement, per-device batch) (their median, origin "live"), so the placement model
-  is fitted to the run's real steps (a step on one device refits the compute model).
+- Systems. The step times of the latest LIVE_WINDOW share of the records become one step measurement per
+  (placement, per-device batch) (their median per micro-step, origin "live"), so the placement model is
+  fitted to the run's real steps (a step on one device refits the compute model). A step with accumulation
+  a on one device is a micro-steps of T_iter; on two or more devices it is left out (live_steps).
 - The choice. The copy's cluster is the run's placement (its devices do not change within a run) and its
   objective min_time; of the candidates on the run's placement, the fastest to the target is compared with
   the run's current configuration, both predicted by the refitted models. The run moves to it only when
@@ -90,22 +91,31 @@ def _global_batch(record: TelemetryRecord, config: dict[str, Any]) -> int:
     return device_batch * devices * (record.accumulation or config["accumulation"])
 
 
-def live_steps(records: list[TelemetryRecord], config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Step measurements of the latest LIVE_WINDOW of the records: the median step time per (placement,
-    per-device batch) of the records at accumulation 1 (a step with accumulation times its micro-steps too,
-    which a step measurement does not separate), where at least MIN_LIVE_STEPS were reported."""
+def live_steps(records: list[TelemetryRecord], config: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """Step measurements of the latest LIVE_WINDOW of the records: the median seconds per micro-step of each
+    (placement, per-device batch) where at least MIN_LIVE_STEPS were reported, and the number of records left
+    out. With a accumulation steps, T_step = (a - 1) T_micro + T_iter (tula_service.fit.step_time); on one
+    device there is no all-reduce, T_micro = T_iter, so a step of a micro-steps is a measurement of
+    T_iter = T_step / a. On two or more devices the all-reduce in T_iter cannot be told apart from the
+    micro-steps by the step's time alone: those records are left out (counted)."""
     window = records[int(len(records) * (1 - LIVE_WINDOW)) :]
     times: dict[tuple[tuple[int, ...], int], list[float]] = defaultdict(list)
+    left_out = 0
     for record in window:
-        if record.step_time_s is None or (record.accumulation or config["accumulation"]) != 1:
+        if record.step_time_s is None:
             continue
         placement = tuple(record.placement or config["placement"])
-        times[(placement, record.device_batch or config["device_batch"])].append(record.step_time_s)
-    return [
+        accumulation = record.accumulation or config["accumulation"]
+        if accumulation != 1 and sum(placement) > 1:
+            left_out += 1
+            continue
+        times[(placement, record.device_batch or config["device_batch"])].append(record.step_time_s / accumulation)
+    steps = [
         {"kind": "step", "placement": list(placement), "device_batch": batch, "step_time_s": float(np.median(seconds)),
          "origin": "live", "records": len(seconds)}
         for (placement, batch), seconds in sorted(times.items()) if len(seconds) >= MIN_LIVE_STEPS
     ]  # fmt: skip
+    return steps, left_out
 
 
 def coverage(records: list[Any], target: float) -> float:
@@ -147,7 +157,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
            config: dict[str, Any], stored_records: list[dict[str, Any]], last_step: int | None) -> dict[str, Any]:  # fmt: skip
     """The advice for the next interval; "change" holds the new configuration when the run should move."""
     records = [TelemetryRecord.model_validate(r) for r in stored_records]
-    gradients, steps = gradient_records(records, config), live_steps(records, config)
+    gradients, (steps, steps_left_out) = gradient_records(records, config), live_steps(records, config)
     job_spec = JobSpec.stored(stored_spec)
     job_source, job_coverage = job_evidence(job_spec, measurements)
     live_coverage = coverage(gradients, target_samples(job_spec))
@@ -208,6 +218,9 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
             "noise_scale_evidence": (efficiency.get("evidence") or {}).get("used"),
             "efficiency_warnings": efficiency.get("warnings", []),
             "live_steps": steps,
+            "live_steps_left_out": steps_left_out,
+            "live_steps_why": (f"{steps_left_out} step times with accumulation on two or more devices left out: their "
+                               "all-reduce cannot be told apart from their micro-steps") if steps_left_out else None,
             "step_time_model": planned["models"]["step_time"]["model"],
         },
     }  # fmt: skip
