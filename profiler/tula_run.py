@@ -18,6 +18,12 @@ step's way (issue 17).
   samples, wall_time_s, step_time_s (the median of the seconds between step() calls over the window: the
   loop's whole step, data loading included), device_batch, accumulation, loss, metric, |G|^2, tr(Sigma),
   variability and the Adam pair.
+- Step times say how the step ran. A forward pre-hook counts the model's training forward passes (grad
+  enabled) in each step, and a record's step_time_s, accumulation and device_batch are those of the
+  steps that ran as most of the window's steps did: a loop that splits its batch into micro-batches only
+  on the steps that take statistics (sample_every > 1) and runs the others whole reports the whole steps
+  (accumulation 1, device_batch the batch on one device), which is what it trains with. Without a counted
+  pass (the loop calls a submodule, not the model) the `accumulation` argument stands.
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
   timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
   interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The
@@ -47,6 +53,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from profiler.reference_logger import GradientStatsLogger
@@ -101,7 +108,9 @@ class TulaRun:
         self._wake, self._stop = threading.Event(), threading.Event()
         self._started = time.monotonic()
         self._last_step_at: float | None = None
-        self._step_times: list[float] = []
+        self._step_times: list[tuple[int, float]] = []  # (forward passes, seconds) per step of the window
+        self._passes = 0
+        self._pass_hook = model.register_forward_pre_hook(self._count_pass)
         self._thread = None
         if self.leader and server is not None:
             self._thread = threading.Thread(target=self._send_loop, name="tula-run-telemetry", daemon=True)
@@ -109,13 +118,17 @@ class TulaRun:
 
     # -- the training loop's side: no network, no waiting ----------------------------------------------
 
+    def _count_pass(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            self._passes += 1
+
     def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's backward passes, before optimizer.step(); the telemetry record when this step
         closes a window, else None."""
         now = time.monotonic()
         if self._last_step_at is not None:
-            self._step_times.append(now - self._last_step_at)
-        self._last_step_at = now
+            self._step_times.append((self._passes, now - self._last_step_at))
+        self._last_step_at, self._passes = now, 0
         stats = self.logger.step(loss=loss, metric=metric)
         if stats is None:
             return None
@@ -137,11 +150,16 @@ class TulaRun:
         return record
 
     def _record(self, stats: dict[str, Any], now: float) -> dict[str, Any]:
+        """The telemetry record of a window; its step time, accumulation and device batch are those of the
+        window's most common number of forward passes per step (module docstring)."""
         world = self.logger.world_size
-        record = {"step": stats["step"], "wall_time_s": now - self._started, "accumulation": self.accumulation,
-                  "device_batch": max(1, stats["batch"] // (world * self.accumulation))}  # fmt: skip
-        if self._step_times:
-            record["step_time_s"] = statistics.median(self._step_times)
+        counts = collections.Counter(passes for passes, _ in self._step_times if passes > 0)
+        passes = max(counts, key=lambda n: (counts[n], n)) if counts else self.accumulation
+        record = {"step": stats["step"], "wall_time_s": now - self._started, "accumulation": passes,
+                  "device_batch": max(1, stats["batch"] // (world * passes))}  # fmt: skip
+        times = [seconds for n, seconds in self._step_times if n == passes or not counts]
+        if times:
+            record["step_time_s"] = statistics.median(times)
         record.update({name: stats[name] for name in TELEMETRY_FIELDS if stats.get(name) is not None})
         return record
 
@@ -205,6 +223,7 @@ class TulaRun:
         post what is buffered; what is left stays in `offline_path` (when given) for `upload`."""
         previous = self.logger.last_record
         self.logger.close()  # writes the last, partial window
+        self._pass_hook.remove()
         last = self.logger.last_record
         if last is not None and last is not previous and self.leader:
             record = self._record(last, time.monotonic())

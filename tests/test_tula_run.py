@@ -97,3 +97,39 @@ def test_offline_records_upload_later_and_once(run_on_server, tmp_path):
     assert _run_view(server, run_id)["last_step"] == 45
     with pytest.raises(ValueError, match="offline_path"):
         TulaRun(None, run_id, torch.nn.Linear(2, 2), accumulation=2)
+
+
+def test_records_say_how_most_steps_ran_when_the_loop_splits_only_the_sampled_ones(tmp_path):
+    """sample_every=5: statistics on 2 steps in 5, split in ACCUMULATION micro-batches; the other 3 run whole
+    (one pass of the batch), so the records report one pass of ACCUMULATION x MICRO_BATCH: the step the run trains
+    with. The global batch, and so samples, does not change."""
+    path = tmp_path / "telemetry.jsonl"
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = TulaRun(None, "run-1", model, optimizer, every=EVERY, accumulation=ACCUMULATION, offline_path=path, sample_every=5)
+    torch.manual_seed(0)
+    for _ in range(30):
+        optimizer.zero_grad()
+        x = torch.randn(ACCUMULATION * MICRO_BATCH, 8)
+        y = (x[:, 0] > 0).long()
+        pieces = ACCUMULATION if run.sampling else 1
+        for xs, ys in zip(x.chunk(pieces), y.chunk(pieces)):
+            (torch.nn.functional.cross_entropy(model(xs), ys) / pieces).backward()
+        with torch.no_grad():
+            model(x)  # an evaluation pass between steps is not a training pass
+        run.step()
+        optimizer.step()
+    run.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30]
+    assert all(r["accumulation"] == 1 and r["device_batch"] == ACCUMULATION * MICRO_BATCH and r["step_time_s"] > 0 for r in records)
+    assert all(r["samples"] == r["step"] * ACCUMULATION * MICRO_BATCH and "grad_sqr" in r for r in records)
+
+
+def test_records_of_a_loop_that_always_accumulates_say_so(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    run = _tula_run(None, "run-1", offline_path=path)
+    _train(run, 20)
+    run.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(r["accumulation"] == ACCUMULATION and r["device_batch"] == MICRO_BATCH for r in records)
