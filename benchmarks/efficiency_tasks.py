@@ -6,17 +6,20 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   may straddle two epochs), so every step has exactly B samples and epochs = steps B / D. Evaluation
   (test accuracy, or held-out loss for the GPT) every 1/EVALS_PER_EPOCH epoch (at least every step);
   the run stops when it reaches the target, or after max_epochs ("did not reach": infinitely slow).
-- LR tuned on seed 0 over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, for SGD with
-  momentum 0.9 as for Adam/AdamW), with a linear warm-up from lr / (B / B_ref) over WARMUP_EPOCHS when
-  B > B_ref; when the winner is an edge of the grid, the grid goes on by factors of 2 past it (to at most
-  MAX_LR_MULTIPLIER or its inverse) until the winner is inside, so that no batch is held back by the grid
-  (with the fixed 3 multipliers, 24 of 34 batches won at an edge). If most seeds then miss the target at the
-  winning LR (it was lucky on seed 0), the LR is halved and all seeds train again (at most MAX_LR_FALLBACKS
-  times; `lr_fallbacks` says so). Fewest steps to the target wins (at a fixed B a step costs the same at any LR, so steps
-  decide without timing noise; a tie keeps the earlier multiplier); a tuning run stops once it has taken
-  as many steps as the best so far (as in benchmarks/time_to_accuracy.py). Seeds 1.. then train at the
-  chosen LR; a seed changes the initialization and the batch order, never the data. Recorded: epochs
-  (median, min, max over seeds), steps (median over the seeds that reached it), the LR.
+- LR tuned over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, for SGD with momentum 0.9 as
+  for Adam/AdamW; a grid spaced by LR_STEP = sqrt 2), with a linear warm-up from lr / (B / B_ref) over
+  WARMUP_EPOCHS when B > B_ref. A candidate LR trains seeds 0..TUNING_SEEDS-1 and scores the median steps to
+  the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
+  the same at any LR, so steps decide without timing noise; a tie keeps the earlier multiplier). When the
+  winner is an edge of the grid, the grid goes on by LR_STEP past it (to at most MAX_LR_MULTIPLIER or its
+  inverse) until the winner is inside. A seed's run stops once it has taken as many steps as the best median
+  so far (it cannot change the winner: a better median comes from seeds below that), and a candidate stops
+  once most of its seeds missed. The remaining seeds (to Task.seeds) then train at the chosen LR; a seed
+  changes the initialization and the batch order, never the data. Recorded: epochs (median, min, max over
+  every seed at the chosen LR), steps (median over the seeds that reached it), the LR, every tuning run.
+  (Until 2026-12-02 the LR was tuned on seed 0 alone over a factor-2 grid: that picked the LR that was lucky
+  on seed 0, and the other seeds' median carried the miss; per-batch epochs jumped by 10-30% between
+  neighbouring batches, as much as the errors the benchmark is meant to resolve.)
 - Seed 0 (the tuning runs, hence the chosen run) trains as a user's gradient-accumulation loop would:
   each batch split into k = min(MICRO_BATCHES, B // 2) micro-batches of b = B / k, the step's gradient
   the mean of the micro-batch gradients. For models without batch norm (all of these) that is the
@@ -71,9 +74,10 @@ from profiler.gradstats import two_batch_estimates  # noqa: E402
 
 DEFAULT_PATH = REPO / "docs" / "validation" / "statistical_efficiency" / "ground_truth.json"
 MOMENTUM = 0.9
-LR_MULTIPLIERS = (1.0, 0.5, 2.0)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
-MAX_LR_FALLBACKS = 2  # halvings of an LR that won on seed 0 but failed most seeds
-MAX_LR_MULTIPLIER = 16.0  # the grid is extended by factors of 2 past an edge that wins, up to this (and 1/16)
+LR_STEP = math.sqrt(2.0)  # spacing of the LR grid
+LR_MULTIPLIERS = (1.0, 1.0 / LR_STEP, LR_STEP)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
+MAX_LR_MULTIPLIER = 16.0  # the grid is extended by factors of LR_STEP past an edge that wins, up to this (and 1/16)
+TUNING_SEEDS = 3  # the LR is chosen by the median over this many seeds
 WARMUP_EPOCHS = 1.0
 EVALS_PER_EPOCH = 8
 MICRO_BATCHES = 4
@@ -95,7 +99,7 @@ class Task:
     max_epochs: int
     reference_batch: int
     reference_lr: float
-    seeds: int = 3
+    seeds: int = 8
     model_options: dict[str, int] = field(default_factory=dict)
     seq_len: int = 64  # stdlib_bytes only
     weight_decay: float = 0.0  # AdamW only
@@ -116,9 +120,9 @@ TASKS: dict[str, Task] = {
     "mnist1d_cnn1d_adam": Task("mnist1d", "cnn1d", "adam", 8000, 1000, 0.88, "test_acc", powers_of_two(32, 2048),
                                max_epochs=150, reference_batch=64, reference_lr=5e-3),
     "digits_mlp_sgd": Task("digits_x16_flat", "mlp1d", "sgd", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
-                           max_epochs=400, reference_batch=32, reference_lr=0.05, seeds=5),
+                           max_epochs=400, reference_batch=32, reference_lr=0.05),
     "digits_cnn_sgd": Task("digits_x16", "small_cnn", "sgd", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
-                           max_epochs=400, reference_batch=32, reference_lr=0.05, seeds=5),
+                           max_epochs=400, reference_batch=32, reference_lr=0.05),
     "mnist1d_mlp_sgd": Task("mnist1d", "mlp1d", "sgd", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
                             max_epochs=400, reference_batch=32, reference_lr=0.02),
     "stdlib_gpt_adamw": Task("stdlib_bytes", "gpt", "adamw", 2048, 256, 2.5, "val_loss", powers_of_two(16, 512),
@@ -364,55 +368,80 @@ def sqrt_scaled_lr(task: Task, batch: int) -> float:
 
 def next_multiplier(best: float, tried: list[float]) -> float | None:
     """The grid goes on past an edge: when the best multiplier is the largest (smallest) tried, the next
-    factor of 2 beyond it, within [1 / MAX_LR_MULTIPLIER, MAX_LR_MULTIPLIER]; None once the best is inside."""
-    if best == max(tried) and best * 2 <= MAX_LR_MULTIPLIER:
-        return best * 2
-    if best == min(tried) and best / 2 >= 1 / MAX_LR_MULTIPLIER:
-        return best / 2
+    factor of LR_STEP beyond it, within [1 / MAX_LR_MULTIPLIER, MAX_LR_MULTIPLIER]; None once the best is inside."""
+    if best == max(tried) and best * LR_STEP <= MAX_LR_MULTIPLIER * (1 + 1e-9):
+        return best * LR_STEP
+    if best == min(tried) and best / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
+        return best / LR_STEP
     return None
 
 
+def median_steps(runs: list[dict[str, Any]], seeds: int) -> float:
+    """The candidate's score: median steps to the target over `seeds` seeds; a seed that did not reach it
+    (missed, diverged, pruned or not trained because the median was already lost) counts as infinitely slow."""
+    steps = [r["steps"] if r["reached"] else math.inf for r in runs] + [math.inf] * (seeds - len(runs))
+    return float(np.median(steps))
+
+
+def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The LR with the fewest median steps over seeds 0..tuning_seeds-1 (see the module docstring).
+
+    A seed's run stops once it has taken as many steps as the best median so far: the median of a candidate
+    that beats the best comes from seeds below that, so pruning never changes the winner. A candidate stops
+    once a majority of its seeds has missed. Returns the winner ({"multiplier", "lr", "median_steps", "runs"};
+    None when no candidate reached the target on a majority of seeds) and every tuning run."""
+    tuning: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+    tried: list[float] = []
+    while multipliers:
+        multiplier = multipliers.pop(0)
+        tried.append(multiplier)
+        lr = multiplier * sqrt_scaled_lr(task, batch)
+        runs: list[dict[str, Any]] = []
+        for seed in range(tuning_seeds):
+            runs.append(train_to_target({
+                "task": asdict(task), "batch": batch, "lr": lr, "lr_multiplier": multiplier, "seed": seed, "split": seed == 0,
+                "prune_after_steps": best["median_steps"] if best else None,
+            }))  # fmt: skip
+            if 2 * sum(not r["reached"] for r in runs) > tuning_seeds:
+                break
+        tuning += runs
+        score = median_steps(runs, tuning_seeds)
+        if math.isfinite(score) and (best is None or score < best["median_steps"]):
+            best = {"multiplier": multiplier, "lr": lr, "median_steps": score, "runs": runs}
+        if not multipliers and best is not None:
+            multipliers = [m for m in [next_multiplier(best["multiplier"], tried)] if m]
+    return best, tuning
+
+
 def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
-    """Tune the LR on seed 0 (split; fewest steps wins; runs that fall behind are pruned), train the other
+    """Tune the LR on the median of the tuning seeds (seed 0 split, for the trajectory), train the remaining
     seeds at it (no split), and, where asked, seed 0 again without the split."""
     started = time.perf_counter()
     task, batch = Task(**job["task"]), job["batch"]
-    tuning, best = [], None
-    multipliers = list(job.get("lr_multipliers", LR_MULTIPLIERS))
-    while multipliers:
-        multiplier = multipliers.pop(0)
-        run = train_to_target({
-            "task": asdict(task), "batch": batch, "lr": multiplier * sqrt_scaled_lr(task, batch), "lr_multiplier": multiplier,
-            "seed": 0, "split": True, "prune_after_steps": best["steps"] if best else None,
-        })  # fmt: skip
-        tuning.append(run)
-        if run["reached"] and (best is None or run["steps"] < best["steps"]):
-            best = run
-        if not multipliers and best is not None:
-            multipliers = [m for m in [next_multiplier(best["lr_multiplier"], [r["lr_multiplier"] for r in tuning])] if m]
-    better = (lambda r: -(r["final_metric"] or 0.0)) if task.higher_is_better else (lambda r: r["final_metric"] or math.inf)
-    chosen = best or min(tuning, key=better)
-    same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
-    runs = [chosen] + ([train_to_target({**same_lr, "seed": seed}) for seed in range(1, task.seeds)] if best else [])
-    fallbacks = []
-    while best and 2 * sum(r["reached"] for r in runs) < len(runs) and len(fallbacks) < MAX_LR_FALLBACKS:
-        # the LR won on seed 0 but most seeds do not reach the target with it: too aggressive to stand for this
-        # batch; seed 0 (split, for the trajectory) and the others train again at half of it
-        fallbacks.append({"lr": same_lr["lr"], "reached_seeds": sum(r["reached"] for r in runs), "seeds": len(runs)})
-        multiplier = same_lr["lr_multiplier"] / 2
-        same_lr = {**same_lr, "lr": multiplier * sqrt_scaled_lr(task, batch), "lr_multiplier": multiplier}
-        chosen = train_to_target({**same_lr, "seed": 0, "split": True})
-        runs = [chosen] + [train_to_target({**same_lr, "seed": seed}) for seed in range(1, task.seeds)]
+    tuning_seeds = min(task.seeds, job.get("tuning_seeds", TUNING_SEEDS))
+    best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds)
+    if best is None:  # no LR reached the target on most seeds: the batch is reported as missed, with its closest run
+        better = (lambda r: -(r["final_metric"] or 0.0)) if task.higher_is_better else (lambda r: r["final_metric"] or math.inf)
+        chosen = min((r for r in tuning if r["split"]), key=better)
+        runs = [chosen]
+        same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
+    else:
+        same_lr = {"task": asdict(task), "batch": batch, "lr": best["lr"], "lr_multiplier": best["multiplier"]}
+        # the winner's seeds that were pruned or never trained run to the end; then the seeds that did not tune
+        tuned = {r["seed"]: r for r in best["runs"] if r["reached"]}
+        runs = [tuned.get(seed) or train_to_target({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
+        runs += [train_to_target({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
+        chosen = runs[0]
     split_check = None
     if job.get("split_check") and best:
         unsplit = train_to_target({**same_lr, "seed": 0})
         split_check = {"epochs_split": chosen["epochs"], "epochs_unsplit": unsplit["epochs"] if unsplit["reached"] else None,
                        "steps_split": chosen["steps"], "steps_unsplit": unsplit["steps"]}  # fmt: skip
     return {
-        "batch": batch, **summarize_runs(runs), "trajectory": chosen["trajectory"], "split_check": split_check,
+        "batch": batch, **summarize_runs(runs), "tuning_seeds": tuning_seeds, "trajectory": chosen["trajectory"], "split_check": split_check,
         "runs": [{k: r[k] for k in ("seed", "outcome", "steps", "epochs", "final_metric", "train_s", "split")} for r in runs],
-        "tuning": [{k: r[k] for k in ("lr", "lr_multiplier", "outcome", "steps", "epochs", "final_metric")} for r in tuning],
-        "lr_fallbacks": fallbacks,
+        "tuning": [{k: r[k] for k in ("lr", "lr_multiplier", "seed", "outcome", "steps", "epochs", "final_metric")} for r in tuning],
         "job_wall_s": time.perf_counter() - started,
     }  # fmt: skip
 
@@ -490,7 +519,7 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
         "generated_by": "benchmarks/efficiency_tasks.py", "date": dt.date.today().isoformat(),
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "torch": torch.__version__,
         "python": sys.version.split()[0], "torch_threads_per_process": 1, "workers": workers,
-        "lr_multipliers": list(LR_MULTIPLIERS), "max_lr_multiplier": MAX_LR_MULTIPLIER, "warmup_epochs": WARMUP_EPOCHS, "evals_per_epoch": EVALS_PER_EPOCH,
+        "lr_multipliers": list(LR_MULTIPLIERS), "lr_step": LR_STEP, "tuning_seeds": TUNING_SEEDS, "max_lr_multiplier": MAX_LR_MULTIPLIER, "warmup_epochs": WARMUP_EPOCHS, "evals_per_epoch": EVALS_PER_EPOCH,
         "micro_batches": MICRO_BATCHES, "records_per_run": RECORDS_PER_RUN, "epoch_timing_rounds": EPOCH_TIMING_ROUNDS,
         "momentum": MOMENTUM,
     }  # fmt: skip

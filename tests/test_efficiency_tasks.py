@@ -149,8 +149,42 @@ def test_the_cached_ground_truth_covers_the_required_tasks():
 
 
 def test_the_lr_grid_goes_on_past_an_edge_that_wins_and_stops_inside_or_at_its_bound():
-    assert et.next_multiplier(2.0, [1.0, 0.5, 2.0]) == 4.0
-    assert et.next_multiplier(0.5, [1.0, 0.5, 2.0]) == 0.25
-    assert et.next_multiplier(1.0, [1.0, 0.5, 2.0]) is None
-    assert et.next_multiplier(2.0, [1.0, 0.5, 2.0, 4.0]) is None  # 4 was tried and lost
+    step = et.LR_STEP
+    assert et.next_multiplier(step, [1.0, 1 / step, step]) == pytest.approx(2.0)
+    assert et.next_multiplier(1 / step, [1.0, 1 / step, step]) == pytest.approx(0.5)
+    assert et.next_multiplier(1.0, [1.0, 1 / step, step]) is None
+    assert et.next_multiplier(step, [1.0, 1 / step, step, 2.0]) is None  # 2 was tried and lost
     assert et.next_multiplier(et.MAX_LR_MULTIPLIER, [1.0, et.MAX_LR_MULTIPLIER]) is None
+    assert et.next_multiplier(1 / et.MAX_LR_MULTIPLIER, [1.0, 1 / et.MAX_LR_MULTIPLIER]) is None
+
+
+def test_the_lr_is_chosen_by_the_median_over_the_tuning_seeds_and_pruning_never_changes_the_winner(monkeypatch):
+    # steps to the target per (multiplier, seed); seed 0 alone would pick sqrt(2) (lucky), the median picks 1
+    step = et.LR_STEP
+    table = {1.0: [100, 90, 95], 1 / step: [150, 140, 160], step: [60, 200, 210], 2.0: [300, 320, 330]}
+
+    def fake_run(run):
+        steps = table[min(table, key=lambda m: abs(m - run["lr_multiplier"]))][run["seed"]]
+        limit = run.get("prune_after_steps")
+        pruned = limit is not None and steps > limit
+        return {"reached": not pruned, "outcome": "pruned" if pruned else "reached", "steps": min(steps, limit) if pruned else steps,
+                "seed": run["seed"], "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
+
+    monkeypatch.setattr(et, "train_to_target", fake_run)
+    best, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
+    assert best["multiplier"] == 1.0 and best["median_steps"] == 95
+    assert [r["split"] for r in tuning if r["lr_multiplier"] == 1.0] == [True, False, False]  # seed 0 keeps the trajectory
+    # later candidates stop at the best median: 1/sqrt 2 is pruned on its first seed, then on its second (majority)
+    assert [r["outcome"] for r in tuning if r["lr_multiplier"] == 1 / step] == ["pruned", "pruned"]
+    assert et.median_steps([{"reached": True, "steps": 10}, {"reached": False, "steps": 5}], 3) == math.inf
+    assert et.median_steps([{"reached": True, "steps": 10}, {"reached": True, "steps": 30}, {"reached": False, "steps": 5}], 3) == 30
+
+
+def test_measure_batch_trains_every_seed_at_the_chosen_lr():
+    task = replace(TINY, seeds=3)
+    result = et.measure_batch({"task": asdict(task), "batch": 32, "tuning_seeds": 2})
+    assert result["seeds"] == 3 and result["tuning_seeds"] == 2 and [r["seed"] for r in result["runs"]] == [0, 1, 2]
+    assert result["runs"][0]["split"] and not any(r["split"] for r in result["runs"][1:])
+    assert {r["seed"] for r in result["tuning"]} <= {0, 1} and result["trajectory"]
+    lrs = {r["lr"] for r in result["tuning"] if r["lr_multiplier"] == result["lr_multiplier"]}
+    assert lrs == {result["lr"]}
