@@ -145,3 +145,15 @@ def test_adam_reads_the_preconditioned_statistics_and_falls_back_to_the_raw_ones
     raw_only = efficiency({"optimizer": "adamw", "reference_run": {"gradient_stats": records(lambda s: 300.0)}})
     assert raw_only["noise_scale"]["value"] == pytest.approx(300.0)
     assert any("preconditioned statistics for adamw are missing" in w for w in raw_only["warnings"])
+
+
+def test_sgd_noise_scales_from_statistics_carry_the_momentum_caveat_and_measured_epochs_do_not():
+    from tula_service.fit.efficiency_evidence import MOMENTUM_CAVEAT
+
+    stats = records(lambda s: 500.0)
+    assert MOMENTUM_CAVEAT in efficiency({"reference_run": {"gradient_stats": stats}})["warnings"]  # sgd is the default
+    assert MOMENTUM_CAVEAT in efficiency()["warnings"]  # the initial weights too
+    adam = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in stats]
+    assert MOMENTUM_CAVEAT not in efficiency({"optimizer": "adam", "reference_run": {"gradient_stats": adam}})["warnings"]
+    measured = {"reference_run": {"gradient_stats": stats}, "other_runs": [{"batch": 256, "epochs": 12.0}]}
+    assert MOMENTUM_CAVEAT not in efficiency(measured)["warnings"]

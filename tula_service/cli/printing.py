@@ -66,6 +66,7 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         lines.append(f"  {knee['method']}: {knee['method_explained']}")
     if rec.get("constraint"):
         lines.append(f"  {rec['constraint']['message']}")
+    lines += _noise_scale_lines((rec.get("models") or {}).get("efficiency") or {})
     advice = rec.get("training_advice")
     if advice:
         lr, ags, schedule = advice["lr_rule"], advice["ags"], advice["batch_schedule"]
@@ -87,6 +88,18 @@ def format_recommendation(rec: dict[str, Any]) -> str:
     lines += ["", table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"], rows, align=">")]
     lines.append(f"({len(rec['candidates'])} candidates in all; Pareto front shown; --json for everything)")
     return "\n".join(lines)
+
+
+def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
+    """B_noise with its interval and evidence, and every caveat on it (tula_service.fit.efficiency_evidence)."""
+    noise = efficiency.get("noise_scale")
+    if not noise:
+        return [f"  epochs: {efficiency['note']}"] if efficiency.get("note") else []
+    interval = noise.get("interval")
+    line = (f"  noise scale B_noise {human_number(noise['value'])}"
+            + (f" [{human_number(interval[0])}, {human_number(interval[1])}]" if interval else "")
+            + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
+    return [line, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
 
 
 def _devices(candidate: dict[str, Any]) -> str:

@@ -20,6 +20,13 @@ diag(1 / (sqrt(v_hat) + eps)): Adam's update is P g, so its noise-to-signal rati
 far a larger batch helps. STATISTIC_FOR_OPTIMIZER says which one the model reads, chosen by measured error
 in benchmarks/statistical_efficiency.py (docs/validation.md: on the Adam tasks the preconditioned one
 predicted the epochs better); both are reported, and the raw one is used when the other is missing.
+
+SGD with momentum: no gradient statistic carries momentum's gain past the noise scale (where the step is
+curvature-limited, heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured in
+benchmarks/statistical_efficiency.py --momentum-ablation, momentum 0.9 raised the critical batch fitted to the
+epochs 2-4x on three CPU tasks while the noise scale read barely moved (docs/validation.md). So for SGD a
+noise scale from gradient statistics carries MOMENTUM_CAVEAT in its warnings; epochs measured at other
+batches (other_runs) hold the gain and carry none.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ from tula_service.spec.job_spec import JobSpec
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
 STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
+MOMENTUM_CAVEAT = (
+    "sgd: with momentum, the critical batch can be 2-4x the noise scale read from gradient statistics (momentum's "
+    "gain past B_noise is in no gradient statistic; measured on three CPU tasks, docs/validation.md), so epochs "
+    "above B_noise may be predicted too high and the pick too small; epochs measured at a batch a few times "
+    "B_noise (training.other_runs) settle it"
+)
 
 
 @dataclass
@@ -175,7 +188,10 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
         max_step_gain(training.optimizer, training.reference_lr, training.max_lr),
         min_epochs=chosen.min_epochs if chosen else None, optimizer=training.optimizer,
     )  # fmt: skip
-    return epochs, report(chosen, evidence, epochs)
+    summary = report(chosen, evidence, epochs)
+    if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
+        summary["warnings"] = [*summary["warnings"], MOMENTUM_CAVEAT]
+    return epochs, summary
 
 
 def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel) -> dict[str, Any]:
