@@ -115,6 +115,17 @@ def test_a_falling_early_trend_is_not_extended():
     assert estimate.slope_ == 0.0 and estimate.noise_scale_ == pytest.approx(last, rel=0.1)
 
 
+def test_a_trend_steeper_than_the_samples_is_extended_at_slope_one():
+    """B_noise grows no faster than the samples seen (noise_trajectory's docstring, item 2): a pilot's cubic trend
+    is extended from its last bin in proportion to the samples, not cubed."""
+    target = 1e7
+    steep = TrajectoryNoiseScale().fit(power_law_records(30, 1e5, slope=3.0), target)
+    last = steep.bins_[-1]
+    assert steep.slope_ == 1.0 and steep.extrapolated_
+    assert steep.noise_scale_ == pytest.approx(last.noise_scale * 0.75 * target / last.samples, rel=0.05)
+    assert steep.noise_scale_ < 100.0 * (0.75 * target / 1000.0) ** 3.0 / 1e3  # the cubic read gives thousands of times more
+
+
 def test_numerator_and_denominator_are_pooled_in_a_bin_before_dividing():
     # two records in one bin: |G|^2 of 2 and -0.5 (a noisy window) pool to 0.75, tr Sigma 150: B = 200
     records = [{"samples": 100, "batch": 8, "grad_sqr": 2.0, "trace_sigma": 100.0}, {"samples": 120, "batch": 8, "grad_sqr": -0.5, "trace_sigma": 50.0}]

@@ -13,7 +13,7 @@ E(B) = E_min (1 + B / B_noise) at a fixed B. So a schedule B(u) with step time T
     time = S_min int_0^1 T(B(u)) / g(x(u), B(u)) du,   samples = S_min int_0^1 B(u) / g du.
 
 - B_noise(u): the shape of the noise scale along the reference run or pilot (gradient-statistics records,
-  pooled in contiguous bins; past the records, their power-law trend with the slope floored at 0, as in
+  pooled in contiguous bins; past the records, their power-law trend with the slope held to [0, 1], as in
   tula_service.fit.perfmodel.noise_trajectory), taken non-decreasing (a running maximum: the noise scale grows
   as the loss falls, McCandlish et al.; an early dip is the initialization's transient or noise, and a
   schedule that follows it would flap), rescaled so that its progress-weighted mean equals the
