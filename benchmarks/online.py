@@ -6,7 +6,8 @@ thread, as the ground truth was made):
    job (POST /v1/jobs; a 1-device cluster, objective min_time) with the reference batch's LR and median epochs
    to the target from the ground truth (docs/validation/statistical_efficiency/ground_truth.json). Noise-scale
    evidence (--evidence): the service's pilot over PILOT_SHARE of the reference run's steps (default: what a
-   user who logged no reference run gets), or the ground truth's whole reference-run trajectory.
+   user who logged no reference run gets), or the ground truth's whole reference-run trajectory (seed 0's records on
+   the median run's clock, efficiency_tasks.as_one_run, so that they end at the reference epochs).
 2. Trained to the target, each over SEEDS seeds (a seed changes the initialization and the batch order):
    - (a) static: the chosen global batch, the recommended LR, its warm-up (linear from the reference LR);
    - (b) online: the same start, with the real client (profiler.tula_run.TulaRun; two micro-batches a step, as
@@ -60,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from efficiency_tasks import TASKS, BatchStream, Task, evaluate, mean_loss, reached, task_data, task_model, task_optimizer  # noqa: E402
+from efficiency_tasks import TASKS, BatchStream, Task, as_one_run, evaluate, mean_loss, reached, task_data, task_model, task_optimizer  # noqa: E402
 from live_server import api_server  # noqa: E402
 from statistical_efficiency import _contract_record as contract_record  # noqa: E402
 
@@ -97,7 +98,7 @@ def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot") -> dict
                 "reference_epochs": reference["epochs"]}  # fmt: skip
     profiling = {"time_cap_s": 2, "device": "cpu", "threads": 1}
     if evidence == "reference_run":
-        training["reference_run"] = {"gradient_stats": [contract_record(r) for r in reference["trajectory"]]}
+        training["reference_run"] = {"gradient_stats": [contract_record(r) for r in as_one_run(reference["trajectory"], reference)]}
     else:
         pilot_steps = max(10, round(PILOT_SHARE * reference["epochs"] * task.train_samples / task.reference_batch))
         profiling.update(pilot=True, pilot_steps=pilot_steps, pilot_record_every=max(1, pilot_steps // 20))

@@ -127,7 +127,7 @@ def pollux_task(app: pollux_traces.Application, root: Path | None = None) -> Tas
 
 
 def cpu_tasks(path: Path) -> list[Task]:
-    from efficiency_tasks import load_ground_truth
+    from efficiency_tasks import as_one_run, load_ground_truth
 
     truth = load_ground_truth(path)
     tasks = []
@@ -142,27 +142,11 @@ def cpu_tasks(path: Path) -> list[Task]:
             epochs={b: float(row["epochs"]) for b, row in reached.items()},
             epochs_range={b: (_or_inf(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
             seconds_per_epoch={b: float(row["epoch_s"]) for b, row in reached.items()},
-            trajectories={b: _as_one_run(row.get("trajectory") or [], row) for b, row in batches.items()},
+            trajectories={b: as_one_run(row.get("trajectory") or [], row) for b, row in batches.items()},
             notes=[f"batch {b}: did not reach the target in every seed" for b in batches if b not in reached],
             lr={b: float(row["lr"]) for b, row in batches.items()}, max_lr=_sweep_max_lr(batches.values()),
         ))  # fmt: skip
     return tasks
-
-
-def _as_one_run(records: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
-    """A batch's trajectory as one run's: the records are seed 0's, which reached the target after its own
-    epochs, while the batch's epochs are the median over seeds. A user's reference run gives records and
-    epochs of the same run, so its records end at the target. Seed 0's records are therefore read on the
-    median run's clock (samples x median / seed 0's epochs), so that they end at the target too. Without
-    this, a seed 0 faster than the median leaves the records short of the target, and they are extrapolated
-    (digits_mlp_sgd: seed 0 took 2.54 epochs, the median is 3.81), and a slower one has its last records
-    dropped as past the target."""
-    runs = row.get("runs") or []
-    own = runs[0].get("epochs") if runs and runs[0].get("reached", runs[0].get("outcome") == "reached") else None
-    median = row.get("epochs")
-    if not records or not own or median is None or not math.isfinite(median):
-        return records
-    return [{**r, "samples": round(r["samples"] * median / own)} for r in records]
 
 
 def _sweep_max_lr(batches) -> float | None:
@@ -176,14 +160,16 @@ def time_to_accuracy_tasks(path: Path) -> list[Task]:
     digits (standardized over all images) with small_cnn, SGD, trained to a test accuracy at every batch.
     Their trajectory is that benchmark's noise probe along each batch's seed-0 run (|G|^2 and tr(Sigma) on
     fresh training samples at log-spaced epochs and at the target), taken as records on the median run's clock
-    (_as_one_run)."""
+    (efficiency_tasks.as_one_run)."""
+    from efficiency_tasks import as_one_run
+
     results = json.loads(path.read_text())
     tasks = []
     for name, entry in results["tasks"].items():
         spec, truth = entry["task"], {int(b): row for b, row in entry["truth"].items()}
         reached = {b: row for b, row in truth.items() if row["reached_seeds"] == row["seeds"]}
         trajectories = {
-            b: _as_one_run([{"samples": int(probe["epoch"] * spec["train_samples"]), "batch": b, "grad_sqr": probe["true_grad_sq_norm"],
+            b: as_one_run([{"samples": int(probe["epoch"] * spec["train_samples"]), "batch": b, "grad_sqr": probe["true_grad_sq_norm"],
                              "trace_sigma": probe["trace_sigma"]} for probe in row["runs"][0].get("noise", [])], row)
             for b, row in truth.items()
         }  # fmt: skip

@@ -188,3 +188,14 @@ def test_measure_batch_trains_every_seed_at_the_chosen_lr():
     assert {r["seed"] for r in result["tuning"]} <= {0, 1} and result["trajectory"]
     lrs = {r["lr"] for r in result["tuning"] if r["lr_multiplier"] == result["lr_multiplier"]}
     assert lrs == {result["lr"]}
+
+
+def test_seed_zeros_records_are_read_on_the_median_runs_clock_so_they_end_at_the_target():
+    records = [{"samples": 100 * (i + 1), "batch": 10, "grad_sqr": 1.0, "trace_sigma": 5.0} for i in range(20)]  # seed 0 ends at 2000
+    fast = {"epochs": 3.0, "runs": [{"epochs": 2.0, "outcome": "reached"}]}
+    warped = et.as_one_run(records, fast)
+    assert [r["samples"] for r in warped] == [150 * (i + 1) for i in range(20)] and warped[-1]["samples"] == 3000
+    assert all(w["trace_sigma"] == r["trace_sigma"] for w, r in zip(warped, records))
+    missed = {"epochs": 3.0, "runs": [{"epochs": 40.0, "outcome": "max_epochs"}]}
+    assert et.as_one_run(records, missed) == records  # no clock to read them on: as they are
+    assert et.as_one_run(records, {"epochs": 3.0, "runs": [{"epochs": 2.0, "reached": True}]}) == warped  # time_to_accuracy's rows

@@ -124,14 +124,3 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     pollux = {r["task"]: r for r in results if r["source"] == "pollux"}
     assert set(pollux) == {"pollux-cifar10", "pollux-imagenet"}
     assert all(np.isfinite(r["median_abs_epochs_err_pct"]) and r["evidence"] == "reference_run" for r in pollux.values())
-
-
-def test_seed_zeros_records_are_read_on_the_median_runs_clock_so_they_end_at_the_target():
-    records = [{"samples": 100 * (i + 1), "batch": 10, "grad_sqr": 1.0, "trace_sigma": 5.0} for i in range(20)]  # seed 0 ends at 2000
-    fast = {"epochs": 3.0, "runs": [{"epochs": 2.0, "outcome": "reached"}]}
-    warped = se._as_one_run(records, fast)
-    assert [r["samples"] for r in warped] == [150 * (i + 1) for i in range(20)] and warped[-1]["samples"] == 3000
-    assert all(w["trace_sigma"] == r["trace_sigma"] for w, r in zip(warped, records))
-    missed = {"epochs": 3.0, "runs": [{"epochs": 40.0, "outcome": "max_epochs"}]}
-    assert se._as_one_run(records, missed) == records  # no clock to read them on: as they are
-    assert se._as_one_run(records, {"epochs": 3.0, "runs": [{"epochs": 2.0, "reached": True}]}) == warped  # time_to_accuracy's rows
