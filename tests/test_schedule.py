@@ -123,3 +123,16 @@ def test_without_a_noise_scale_there_is_only_the_constant_batch():
     schedule = rec["training_advice"]["batch_schedule"]
     assert schedule["recommended"] == "constant" and list(schedule["schedules"]) == ["constant"]
     assert "no noise scale" in schedule["why"]
+
+
+def test_a_shape_mostly_extrapolated_from_a_short_trajectory_keeps_the_batch_constant():
+    """Records over 20% of the run (below efficiency_evidence.WEAK_COVERAGE), extended by their trend: the schedules
+    are still computed and shown, but the recommendation stays constant and says why."""
+    rec = _plan_with(growing_records(records=10, growth=1.5), cluster={"gpus_per_node": 16, "interconnect_gbps": 1000})
+    schedule = rec["training_advice"]["batch_schedule"]
+    assert schedule["noise_profile"]["coverage"] == pytest.approx(0.2)
+    assert schedule["recommended"] == "constant" and "weak evidence" in schedule["why"] and "20%" in schedule["why"]
+    fastest = min(schedule["schedules"].values(), key=lambda s: s["total_time_s"]["value"])["total_time_s"]["value"]
+    assert fastest <= 0.95 * schedule["schedules"]["constant"]["total_time_s"]["value"]  # past the 5% that would recommend it
+    assert set(schedule["schedules"]) > {"constant", "time_optimal"}
+    assert any("extrapolated" in caveat for caveat in schedule["caveats"])

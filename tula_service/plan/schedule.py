@@ -48,8 +48,11 @@ B_ref) / (1 + B_noise(u) / B): the ratio of the best LRs for B and for B_ref at 
 Adam and capped at training.max_lr, as the plan's LR rule does.
 - "staged_doubling": start at the largest configuration not above B_noise(0) and double the batch whenever
   the noise scale passes twice the current batch (the dynamic-batch rule of the seeds), AdaScale LR.
-The recommendation is the fastest predicted, when at least MIN_GAIN faster than "constant"; every figure is
-"predicted", and the evidence (the trajectory's source, coverage, extrapolation) goes with it.
+The recommendation is the fastest predicted, when at least MIN_GAIN faster than "constant", and when the
+shape is not mostly an extrapolation: records that cover less than WEAK_COVERAGE of the run and are extended by
+their trend keep the batch constant (benchmarks/online.py: a pilot over 10% of a run read a noise scale 8x the
+whole run's and its recommended time_optimal schedule, predicted 10% faster, took 21% longer). Every figure
+is "predicted", and the evidence (the trajectory's source, coverage, extrapolation) goes with it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tula_service.fit.efficiency_evidence import WEAK_COVERAGE
 from tula_service.fit.perfmodel.noise_trajectory import bins_of, read_trend, record_arrays
 
 MIN_GAIN = 0.05  # a schedule is recommended over the constant batch only when predicted this much faster
@@ -257,6 +261,10 @@ def batch_schedule(profile: NoiseProfile | None, rows: list[dict[str, Any]], cho
     gain = 1.0 - (results[fastest]["total_time_s"]["value"] or math.inf) / constant_s if constant_s else 0.0
     if profile.flat:
         recommended, why = "constant", f"the noise scale's shape is flat ({profile.source}): a constant batch"
+    elif profile.extrapolated_from is not None and profile.coverage < WEAK_COVERAGE:
+        recommended = "constant"
+        why = (f"the records cover {profile.coverage:.0%} of the run, and the noise scale's shape past that is their "
+               f"trend extended (weak evidence; {fastest} is predicted {max(gain, 0.0):.1%} faster): a constant batch")  # fmt: skip
     elif fastest == "constant" or gain < MIN_GAIN:
         recommended = "constant"
         why = (f"the fastest schedule ({fastest}) is predicted {max(gain, 0.0):.1%} faster than the constant batch, "
