@@ -103,6 +103,7 @@ class Task:
     model_options: dict[str, int] = field(default_factory=dict)
     seq_len: int = 64  # stdlib_bytes only
     weight_decay: float = 0.0  # AdamW only
+    momentum: float = MOMENTUM  # SGD only (heavy ball, PyTorch's); 0 is plain SGD
 
     @property
     def higher_is_better(self) -> bool:
@@ -128,6 +129,13 @@ TASKS: dict[str, Task] = {
     "stdlib_gpt_adamw": Task("stdlib_bytes", "gpt", "adamw", 2048, 256, 2.5, "val_loss", powers_of_two(16, 512),
                              max_epochs=100, reference_batch=32, reference_lr=3e-3,
                              model_options={"layers": 2, "width": 32, "heads": 4}, seq_len=32, weight_decay=0.01),
+    # added 2026-12-02 (--add): plain SGD, where momentum's large-batch gain is absent (its LR_ref is digits_mlp_sgd's
+    # lr / (1 - 0.9), the same step in the small-batch limit; the grid stops at 512, where the ablation's plain SGD
+    # already needed 4x the epochs of momentum), and AdamW on an MLP
+    "digits_mlp_sgd_plain": Task("digits_x16_flat", "mlp1d", "sgd", 1437, 360, 0.96, "test_acc", powers_of_two(16, 512),
+                                 max_epochs=400, reference_batch=32, reference_lr=0.5, momentum=0.0),
+    "mnist1d_mlp_adamw": Task("mnist1d", "mlp1d", "adamw", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
+                              max_epochs=400, reference_batch=32, reference_lr=1e-3, weight_decay=0.01),
 }  # fmt: skip
 
 
@@ -152,7 +160,7 @@ def task_model(task: Task, seed: int) -> torch.nn.Module:
 
 def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     if task.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=task.momentum)
     if task.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr)
     if task.optimizer == "adamw":
@@ -563,6 +571,22 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
     return significant(truth)
 
 
+def add_to_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH) -> dict[str, Any]:
+    """Train the named tasks and merge them into the ground truth at `path` (its other tasks and meta are kept;
+    meta["added"] says what was added when, with its own meta)."""
+    existing = load_ground_truth(path)
+    scratch = path.with_name(path.stem + ".adding.json")
+    try:
+        added = generate_ground_truth(tasks, workers, scratch)
+    finally:
+        scratch.unlink(missing_ok=True)
+    existing["tasks"].update(added["tasks"])
+    existing["meta"].setdefault("added", []).append({"tasks": list(added["tasks"]), **{k: v for k, v in added["meta"].items() if k != "stdlib_text"}})
+    existing["meta"]["wall_s"] = existing["meta"].get("wall_s", 0.0) + added["meta"]["wall_s"]
+    path.write_text(json.dumps(significant(existing), separators=(",", ":")))
+    return existing
+
+
 def load_ground_truth(path: Path = DEFAULT_PATH) -> dict[str, Any]:
     """The cached ground truth (see generate_ground_truth); a batch's epochs are null where the target was missed."""
     if not Path(path).exists():
@@ -602,8 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser.add_argument("--add", action="store_true", help="train only --tasks and merge them into OUT, keeping its other tasks")
     args = parser.parse_args(argv)
-    truth = generate_ground_truth(args.tasks, args.workers, args.out)
+    truth = add_to_ground_truth(args.tasks, args.workers, args.out) if args.add else generate_ground_truth(args.tasks, args.workers, args.out)
     print(summary_table(truth))
     print(f"efficiency_tasks: tasks={len(truth['tasks'])} wall_s={truth['meta']['wall_s']:.0f} out={args.out}")
     return 0

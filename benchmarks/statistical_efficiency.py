@@ -403,12 +403,12 @@ def ablation_lr_scale(truth_momentum: float, momentum: float) -> float:
 
 def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path | None = None) -> list[dict[str, Any]]:
     """Does momentum set the critical batch? Each named SGD task of benchmarks/efficiency_tasks.py trained again at
-    every batch of its grid as its ground truth was (efficiency_tasks.measure_batch: LR tuned on seed 0, the grid
-    extended past a winning edge, the same seeds, target and warm-up), with momentum `momentum` instead of
-    efficiency_tasks.MOMENTUM and the LR grid moved by ablation_lr_scale. Reported per task: steps to the target
+    every batch of its grid as its ground truth was (efficiency_tasks.measure_batch: LR tuned on the median of the
+    tuning seeds, the grid extended past a winning edge, the same seeds, target and warm-up), with momentum `momentum` instead of
+    the task's own and the LR grid moved by ablation_lr_scale. Reported per task: steps to the target
     per batch against the ground truth's, the critical batch fitted to each, and the service's B_noise read from the
     new reference run with its median |epochs error| on the new epochs. Runs in this process, one torch thread
-    (efficiency_tasks.MOMENTUM is set for the duration and restored); minutes per task."""
+    (Task.momentum of a copy of each task); minutes per task."""
     import dataclasses
 
     import efficiency_tasks
@@ -418,17 +418,11 @@ def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path 
     if not_sgd:
         raise ValueError(f"the momentum ablation takes SGD tasks; got optimizer(s) {not_sgd}")
     truth = {t.name: t for t in cpu_tasks(truth_path or DEFAULT_OUT / "ground_truth.json")}
-    truth_momentum = efficiency_tasks.MOMENTUM
-    scale = ablation_lr_scale(truth_momentum, momentum)
     results = []
-    try:
-        efficiency_tasks.MOMENTUM = momentum
-        for name, spec in zip(names, specs):
-            scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * scale)
-            rows = {b: efficiency_tasks.measure_batch({"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches}
-            results.append(_ablation_result(truth[name], rows, momentum, truth_momentum))
-    finally:
-        efficiency_tasks.MOMENTUM = truth_momentum
+    for name, spec in zip(names, specs):
+        scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * ablation_lr_scale(spec.momentum, momentum), momentum=momentum)
+        rows = {b: efficiency_tasks.measure_batch({"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches}
+        results.append(_ablation_result(truth[name], rows, momentum, spec.momentum))
     return results
 
 
@@ -577,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="evaluate the cached ground truth into a temporary folder")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--ground-truth", type=Path, default=None, help="cached CPU ground truth (default: OUT/ground_truth.json)")
-    parser.add_argument("--regenerate-ground-truth", action="store_true", help="train the CPU tasks again (about 30 minutes)")
+    parser.add_argument("--regenerate-ground-truth", action="store_true", help="train the CPU tasks again (about 18 minutes with 2 workers)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--traces", type=Path, default=None, help="the pollux-traces folder (default: ../shared/data/pollux-traces)")
     parser.add_argument("--momentum-ablation", nargs="*", metavar="TASK", default=None,
@@ -591,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.momentum_ablation is not None:
         from efficiency_tasks import TASKS
 
-        names = args.momentum_ablation or [name for name, task in TASKS.items() if task.optimizer == "sgd"]
+        names = args.momentum_ablation or [name for name, task in TASKS.items() if task.optimizer == "sgd" and task.momentum > 0]
         ablation = momentum_ablation(names, args.momentum, truth_path)
         (out / "momentum_ablation.json").write_text(json.dumps(ablation, indent=1, default=float))
         for r in ablation:

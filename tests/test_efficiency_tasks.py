@@ -199,3 +199,19 @@ def test_seed_zeros_records_are_read_on_the_median_runs_clock_so_they_end_at_the
     missed = {"epochs": 3.0, "runs": [{"epochs": 40.0, "outcome": "max_epochs"}]}
     assert et.as_one_run(records, missed) == records  # no clock to read them on: as they are
     assert et.as_one_run(records, {"epochs": 3.0, "runs": [{"epochs": 2.0, "reached": True}]}) == warped  # time_to_accuracy's rows
+
+
+def test_adding_a_task_keeps_the_others_and_says_what_was_added(tmp_path, monkeypatch):
+    plain = replace(TINY, momentum=0.0, reference_lr=0.5)
+    monkeypatch.setattr(et, "TASKS", {"tiny": TINY, "tiny_plain": plain})
+    monkeypatch.setattr(et, "EPOCH_TIMING_ROUNDS", 1)
+    path = tmp_path / "ground_truth.json"
+    et.generate_ground_truth(["tiny"], workers=1, path=path)
+    before = et.load_ground_truth(path)
+    et.main(["--tasks", "tiny_plain", "--add", "--workers", "1", "--out", str(path)])
+    after = et.load_ground_truth(path)
+    assert after["tasks"]["tiny"] == before["tasks"]["tiny"] and after["tasks"]["tiny_plain"]["task"]["momentum"] == 0.0
+    assert [entry["tasks"] for entry in after["meta"]["added"]] == [["tiny_plain"]]
+    assert not list(tmp_path.glob("*.adding.json"))  # the scratch file is gone
+    optimizer = et.task_optimizer(plain, et.task_model(plain, 0), 0.1)
+    assert optimizer.param_groups[0]["momentum"] == 0.0
