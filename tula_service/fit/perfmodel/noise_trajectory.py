@@ -30,12 +30,11 @@ to the target; records past T (a run logged beyond the target) are not used.
    the whole run; measured, that misses by far more (the first half of the run, where the noise scale is
    small, carries most of S_min, and the runs at large batches did not pay for it as predicted), so which
    part of the run to read is the measured choice below, and the mean over it is the theory's.
-   Measured over 9 tasks (benchmarks/statistical_efficiency.py, docs/validation.md, 2026-12-02; medians
+   Measured over 11 tasks (benchmarks/statistical_efficiency.py, docs/validation.md, 2026-12-02; medians
    over tasks of the median |epochs error|, worst task in brackets): the first record (what initialization
-   gives) 35% (322%), the whole run pooled 55%, the second half pooled 29% (79%), the geometric mean of 8
-   pooled bins of it 20% (67%), their median 18% (70%), the progress-weighted mean 18% (64%); that mean
-   over the whole run 31% (113%), over 25-100% 19% (81%); power-law trends read at 25-75% of the run
-   26-30%.
+   gives) 35% (322%), the whole run pooled 44%, the second half pooled 28% (79%), the geometric mean of 8
+   pooled bins of it 13% (67%), their median 14% (70%), the progress-weighted mean 18% (64%, the smallest
+   worst task); that mean over the whole run 31% (113%), over 25-100% 16% (81%).
    Finite data: batches drawn without replacement from D samples have E|g_b|^2 = |G|^2 + s^2 (1/b - 1/D)
    (s^2 the per-sample variance), so the two-batch estimates tend to s^2 and |G|^2 - s^2 / D, and their
    ratio is s^2 / (|G|^2 - s^2 / D) = B' / (1 - B' / D), B' = s^2 / |G|^2: exactly the B_eff of E(B) when
