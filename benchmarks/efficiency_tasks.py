@@ -6,7 +6,7 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   may straddle two epochs), so every step has exactly B samples and epochs = steps B / D. Evaluation
   (test accuracy, or held-out loss for the GPT) every 1/EVALS_PER_EPOCH epoch (at least every step);
   the run stops when it reaches the target, or after max_epochs ("did not reach": infinitely slow).
-- LR tuned over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, for SGD with momentum 0.9 as
+- LR tuned over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, for SGD with or without momentum as
   for Adam/AdamW; a grid spaced by LR_STEP = sqrt 2), with a linear warm-up from lr / (B / B_ref) over
   WARMUP_EPOCHS when B > B_ref. A candidate LR trains seeds 0..TUNING_SEEDS-1 and scores the median steps to
   the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
