@@ -427,12 +427,14 @@ def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path 
 
 
 def _ablation_result(base: Task, rows: dict[int, dict[str, Any]], momentum: float, truth_momentum: float) -> dict[str, Any]:
+    from efficiency_tasks import as_one_run
+
     reached = {b: row for b, row in rows.items() if row["epochs"] is not None and math.isfinite(row["epochs"])}
     ablated = Task(
         name=f"{base.name} (momentum {momentum:g})", source="cpu", dataset_size=base.dataset_size, optimizer="sgd",
         reference_batch=base.reference_batch, target=base.target, epochs={b: float(row["epochs"]) for b, row in reached.items()},
         epochs_range={b: (float(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
-        seconds_per_epoch={}, trajectories={b: row["trajectory"] for b, row in rows.items()},
+        seconds_per_epoch={}, trajectories={b: as_one_run(row["trajectory"], row) for b, row in rows.items()},
     )  # fmt: skip
     ref = base.reference_batch
     model, report = service_model(ablated, ref)

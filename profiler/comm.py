@@ -265,12 +265,13 @@ def _collect(processes: list, results, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     by_rank: dict[int, Any] = {}
     while len(by_rank) < len(processes):
+        pending = [rank for rank in range(len(processes)) if rank not in by_rank]
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:  # checked before every wait, so ranks that answer quickly cannot outrun it
+            raise RankFailure(f"timed out after {timeout_s:g} s; ranks {pending} had not finished")
         try:
-            rank, status, payload = results.get(timeout=POLL_S)
+            rank, status, payload = results.get(timeout=min(POLL_S, left_s))
         except queue.Empty:
-            pending = [rank for rank in range(len(processes)) if rank not in by_rank]
-            if time.monotonic() > deadline:
-                raise RankFailure(f"timed out after {timeout_s:g} s; ranks {pending} had not finished") from None
             for rank in pending:
                 exitcode = processes[rank].exitcode
                 if exitcode not in (None, 0):
