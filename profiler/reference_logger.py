@@ -79,7 +79,11 @@ variability keeps a pair); the others count their samples and loss, with the per
 removed (registered again for the next pair; the accumulation count is checked on sampled steps).
 Such a step need not be split: `logger.sampling` says whether the coming step takes statistics, so a
 loop that splits its batch only for the statistics can run the other steps as one pass (their
-samples are read from the forward passes, whatever their number).
+samples are read from the forward passes, whatever their number). `set_sample_every(n)` changes the
+period during the run (TulaRun's overhead budget does). A window without a sampled step (n > every)
+writes no record, unless `counts_only_records=True`: then its record has the counts (samples, batch,
+step, loss, metric, window_steps 0) and null statistics, which a telemetry record allows and the
+reference-run contract does not (so the JSONL of a reference run should keep the default).
 On a small model whose step takes milliseconds the norms cost a tenth or more of the step
 (benchmarks/online.py measures it); sampling divides that by n / 2, and the window's estimates average
 fewer steps (window_steps says how many). No host synchronization per step, except
@@ -146,6 +150,7 @@ class GradientStatsLogger:
     pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's
     loss is divided by `accumulation` before backward(). grad_scaler: torch.amp.GradScaler under AMP.
     start_step, start_samples: counts already done (a resumed run); append: add to an existing file.
+    sample_every, counts_only_records: see the module docstring (Sampling).
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class GradientStatsLogger:
         start_samples: int = 0,
         append: bool = False,
         sample_every: int = 1,
+        counts_only_records: bool = False,
     ):
         counts = {"every": (every, 1), "sample_every": (sample_every, 1), "accumulation": (accumulation, 1), "device_batch": (1 if device_batch is None else device_batch, 1),
                   "start_step": (start_step, 0), "start_samples": (start_samples, 0)}  # fmt: skip
@@ -186,6 +192,8 @@ class GradientStatsLogger:
         self.steps = start_step
         self.samples = start_samples
         self.sample_every = sample_every
+        self._pending_sample_every: int | None = None
+        self.counts_only_records = counts_only_records
         self.last_record: dict[str, Any] | None = None
         self._device = self.parameters[0].device
         self._dtype = torch.float32 if self._device.type == "mps" else torch.float64
@@ -197,7 +205,6 @@ class GradientStatsLogger:
         self._tally = _StepTally()
         self._hooks = []  # the forward hook: every step
         self._grad_hooks: list[Any] = []  # per parameter: only on the steps that take statistics
-        self._not_sampled = None
         if device_batch is None:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         self._hook_gradients(self.sampling)
@@ -237,6 +244,19 @@ class GradientStatsLogger:
         """Whether the step under way takes statistics (module docstring, Sampling)."""
         return self.sample_every == 1 or self.steps % self.sample_every in (0, 1)
 
+    def set_sample_every(self, sample_every: int) -> None:
+        """Changes the sampling period from the coming step on; during a pair (the coming step is its second)
+        the change waits until the pair is done, so the step-to-step variability keeps it. The next pair
+        starts at the next step s with s % sample_every == 0."""
+        if not isinstance(sample_every, int) or sample_every < 1:
+            raise ValueError(f"sample_every must be a whole number >= 1, got {sample_every!r}")
+        if self.sample_every > 1 and self.steps % self.sample_every == 1:
+            self._pending_sample_every = sample_every
+            return
+        self._pending_sample_every = None
+        self.sample_every = sample_every
+        self._hook_gradients(self.sampling)
+
     def _sq_norm(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
 
@@ -263,13 +283,12 @@ class GradientStatsLogger:
         Returns the record when this step closes a window (on every rank), else None."""
         if self._closed:
             raise RuntimeError("step() after close(): make a new GradientStatsLogger")
-        tally, self._tally = self._tally, _StepTally()  # a step that raises below is dropped
-        if not self.sampling:  # no gradient hooks ran: count the samples and the loss only
-            sizes = self._unsampled_sizes(tally.forward_sizes)
-            if self._not_sampled is None:
-                self._not_sampled = torch.full((4,), math.nan, device=self._device, dtype=self._dtype)
-            squared_norms, precond_ok, micro_batches = self._not_sampled, False, self.accumulation
+        if not self.sampling:  # no gradient hooks ran, only the forward sizes were tallied: count the samples and the loss
+            forward_sizes, self._tally.forward_sizes = self._tally.forward_sizes, []  # a step that raises below is dropped
+            sizes = self._unsampled_sizes(forward_sizes)
+            squared_norms, precond_ok, micro_batches = None, False, self.accumulation
         else:
+            tally, self._tally = self._tally, _StepTally()  # a step that raises below is dropped
             micro_batches = max(tally.backward_counts.values(), default=0)
             if micro_batches == 0:
                 raise RuntimeError("step() found no backward pass since the last step: call it after backward(), before optimizer.step()")
@@ -288,6 +307,8 @@ class GradientStatsLogger:
         if metric is not None:
             self._metric = float(metric)
         self.steps += 1
+        if self._pending_sample_every is not None:
+            self.set_sample_every(self._pending_sample_every)
         self._hook_gradients(self.sampling)
         return self._write_window() if len(self._rows_device) >= self.every else None
 
@@ -344,12 +365,22 @@ class GradientStatsLogger:
     # -- once per window ---------------------------------------------------------------------------
 
     def _write_window(self) -> dict[str, Any] | None:
-        host = torch.tensor(self._rows_host, device=self._device, dtype=self._dtype)
-        rows = torch.cat([torch.stack(self._rows_device), host], dim=1)
-        self._rows_device, self._rows_host = [], []
-        if self.world_size > 1:
+        """The window's rows (device values nan on the steps not sampled), summed over the ranks, as a record."""
+        sampled = [i for i, row in enumerate(self._rows_device) if row is not None]
+        device = torch.stack([self._rows_device[i] for i in sampled]) if sampled else None
+        if self.world_size > 1:  # one all-reduce of the whole window; every rank samples the same steps
+            rows = torch.full((len(self._rows_host), 4), math.nan, device=self._device, dtype=self._dtype)
+            if device is not None:
+                rows[sampled] = device
+            rows = torch.cat([rows, torch.tensor(self._rows_host, device=self._device, dtype=self._dtype)], dim=1)
             dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.process_group)
-        record = self._record(rows.cpu().tolist())
+            rows = rows.cpu().tolist()
+        else:  # one process: the host values stay Python floats, one copy of the sampled rows from the device
+            rows = [[math.nan] * 4 + host for host in self._rows_host]
+            for i, values in zip(sampled, device.cpu().tolist() if device is not None else []):
+                rows[i][:4] = values
+        self._rows_device, self._rows_host = [], []
+        record = self._record(rows)
         self._metric = None
         if record is None:
             return None
@@ -384,7 +415,11 @@ class GradientStatsLogger:
                 steps.append((round(samples), samples / count, row[MICRO_SQ] / count, full_sq,
                               row[PRE_MICRO_SQ] / count if precond else math.nan, row[PRE_FULL_SQ] / world))  # fmt: skip
         if not steps:
-            return None
+            if not self.counts_only_records or not rows:
+                return None
+            return {**dict.fromkeys(RECORD_KEYS), "samples": self.samples, "step": self.steps, "window_steps": 0, "metric": self._metric,
+                    "batch": Counter(round(row[SAMPLES]) for row in rows).most_common(1)[0][0],
+                    "loss": statistics.fmean(losses) if losses else None}  # fmt: skip
         batch = Counter(s[0] for s in steps).most_common(1)[0][0]
         steps = [s for s in steps if s[0] == batch]
         micro_batch = round(steps[0][1])

@@ -24,6 +24,19 @@ step's way (issue 17).
   on the steps that take statistics (sample_every > 1) and runs the others whole reports the whole steps
   (accumulation 1, device_batch the batch on one device), which is what it trains with. Without a counted
   pass (the loop calls a submodule, not the model) the `accumulation` argument stands.
+- Overhead budget: with `overhead_budget=f` (e.g. 0.02) the client keeps its own cost near f of the step
+  by taking statistics on fewer steps. After each window it estimates, from the step times it measures
+  (medians over the last STEP_HISTORY plain steps and SAMPLED_HISTORY sampled ones, the seconds between
+  step() calls) and the time spent in its own step() calls,
+      overhead(n) = (2 (t_sampled - t_plain) / n + t_client) / (t_plain - t_client),
+  where t_sampled - t_plain is what a sampled step adds (the per-parameter norms, and the split into
+  micro-batches where the loop splits only for the statistics; intervals over PAUSE_FACTOR x the median
+  plain step held a pause, an evaluation say, and are left out of both), and picks the smallest period
+  n = sample_every x 2^j (at most MAX_SAMPLE_EVERY) with overhead(n) <= f; `overhead` holds the latest
+  estimate and whether the budget is met (it cannot be when t_client alone exceeds it). Fewer sampled
+  steps make each window's |G|^2 and tr(Sigma) noisier (window_steps says how many steps each averages);
+  a window with none still sends its record (samples, step time, loss) without statistics. Not counted:
+  the sender thread's posts, which run beside the loop, and the forward pre-hooks (microseconds).
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
   timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
   interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The
@@ -59,6 +72,11 @@ from torch import nn
 from profiler.reference_logger import GradientStatsLogger
 
 MAX_RECORDS_PER_POST = 1_000  # the server's bound per POST /v1/runs/{id}/telemetry
+BUDGET_MIN_SAMPLE_EVERY = 4  # under a budget at least 2 steps in 4 run without statistics: the plain steps to compare
+MAX_SAMPLE_EVERY = 1024  # the sparsest sampling a budget may ask for: one pair of steps in 1024
+STEP_HISTORY = 256  # plain steps kept for the budget's median step time
+SAMPLED_HISTORY = 16  # sampled steps kept for the median cost of a sampled step
+PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
 TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma")
@@ -69,7 +87,9 @@ class TulaRun:
     token: an API token, when the server wants one. timeout_s: per HTTP request. Other arguments are
     GradientStatsLogger's (every, accumulation, device_batch, loss_divided_by_accumulation, grad_scaler,
     sample_every: statistics on two consecutive steps in every n, to bound their cost on small models).
-    post_every_s: seconds between posts of the buffered records."""
+    post_every_s: seconds between posts of the buffered records. overhead_budget: the fraction of the step
+    time the client may cost (module docstring); sample_every is then the densest sampling (at least
+    BUDGET_MIN_SAMPLE_EVERY)."""
 
     def __init__(
         self,
@@ -89,15 +109,23 @@ class TulaRun:
         plan_every_s: float = 30.0,
         sample_every: int = 1,
         post_every_s: float = 1.0,
+        overhead_budget: float | None = None,
     ):
         if server is None and offline_path is None:
             raise ValueError("give the server's URL, or offline_path for the JSONL to upload later")
+        if overhead_budget is not None and not 0 < overhead_budget < 1:
+            raise ValueError(f"overhead_budget is a fraction of the step time in (0, 1), e.g. 0.02; got {overhead_budget!r}")
+        self.overhead_budget = overhead_budget
+        if overhead_budget is not None:
+            sample_every = max(sample_every, BUDGET_MIN_SAMPLE_EVERY)
+        self.min_sample_every = sample_every
+        self.overhead: dict[str, float] | None = None  # the budget's latest estimate (module docstring)
         self.server, self.run_id, self.token, self.timeout_s, self.plan_every_s = server, run_id, token, timeout_s, plan_every_s
         self.post_every_s = post_every_s
         self.accumulation = accumulation
         self.logger = GradientStatsLogger(os.devnull, model, optimizer, every=every, accumulation=accumulation, device_batch=device_batch,
                                           loss_divided_by_accumulation=loss_divided_by_accumulation, grad_scaler=grad_scaler,
-                                          sample_every=sample_every)  # fmt: skip
+                                          sample_every=sample_every, counts_only_records=True)  # fmt: skip
         self.leader = self.logger.rank == 0
         self.advice: dict[str, Any] | None = None
         self.sent = self.dropped = self.failed_posts = 0
@@ -110,6 +138,10 @@ class TulaRun:
         self._last_step_at: float | None = None
         self._step_times: list[tuple[int, float]] = []  # (forward passes, seconds) per step of the window
         self._passes = 0
+        self._plain_s: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)  # steps without statistics
+        self._sampled_s: collections.deque[float] = collections.deque(maxlen=SAMPLED_HISTORY)
+        self._client_s = 0.0  # seconds inside step(), over _client_steps calls
+        self._client_steps = 0
         self._pass_hook = model.register_forward_pre_hook(self._count_pass)
         self._thread = None
         if self.leader and server is not None:
@@ -125,15 +157,22 @@ class TulaRun:
     def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's backward passes, before optimizer.step(); the telemetry record when this step
         closes a window, else None."""
+        entered = time.perf_counter()
         now = time.monotonic()
         if self._last_step_at is not None:
-            self._step_times.append((self._passes, now - self._last_step_at))
+            seconds = now - self._last_step_at
+            self._step_times.append((self._passes, seconds))
+            (self._sampled_s if self.logger.sampling else self._plain_s).append(seconds)  # sampling: of the step now ending
         self._last_step_at, self._passes = now, 0
         stats = self.logger.step(loss=loss, metric=metric)
         if stats is None:
+            self._count_client(entered)
             return None
         record = self._record(stats, now)
         self._step_times = []
+        self._count_client(entered)
+        if self.overhead_budget is not None:
+            self._fit_sampling_to_budget()
         if self.leader:
             if self._offline is not None:
                 self._offline.write(json.dumps(record, allow_nan=False) + "\n")
@@ -162,6 +201,35 @@ class TulaRun:
             record["step_time_s"] = statistics.median(times)
         record.update({name: stats[name] for name in TELEMETRY_FIELDS if stats.get(name) is not None})
         return record
+
+    def _count_client(self, entered: float) -> None:
+        self._client_s += time.perf_counter() - entered
+        self._client_steps += 1
+
+    def _fit_sampling_to_budget(self) -> None:
+        """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget)."""
+        if not self._plain_s or not self._sampled_s or not self._client_steps:
+            return
+        client_s = self._client_s / self._client_steps
+        longest_s = PAUSE_FACTOR * statistics.median(self._plain_s)
+        plain = [seconds for seconds in self._plain_s if seconds <= longest_s]
+        sampled = [seconds for seconds in self._sampled_s if seconds <= longest_s]
+        if not sampled:
+            return
+        plain_s = statistics.median(plain)
+        bare_s = max(plain_s - client_s, 1e-9)  # a plain interval holds the client's own call as well
+        extra_s = max(statistics.median(sampled) - plain_s, 0.0)
+        room_s = self.overhead_budget * bare_s - client_s
+        needed = MAX_SAMPLE_EVERY if room_s <= 0 else 2.0 * extra_s / room_s
+        period = self.min_sample_every
+        while period < needed and period < MAX_SAMPLE_EVERY:
+            period *= 2
+        period = min(period, MAX_SAMPLE_EVERY)
+        if period != self.logger.sample_every:
+            self.logger.set_sample_every(period)
+        self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
+                         "step_s": bare_s, "client_s_per_step": client_s, "sampled_step_extra_s": extra_s,
+                         "budget": self.overhead_budget, "within_budget": room_s > 0 and period >= needed}  # fmt: skip
 
     @property
     def sampling(self) -> bool:

@@ -193,6 +193,46 @@ def test_a_step_without_statistics_may_run_as_one_pass():
     assert logger.last_record["samples"] == STEPS * BATCH and logger.last_record["window_steps"] == 4  # steps 0, 1, 3, 4
 
 
+def test_a_new_sampling_period_waits_for_the_pair_under_way_and_hooks_follow_it():
+    """sample_every 2 in 4 -> 8 asked on the second step of a pair: the pair finishes, then the next pair starts at
+    the next multiple of 8; the per-parameter hooks are there exactly on the sampled steps."""
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    sampled, hooked = [], []
+    with GradientStatsLogger(os.devnull, model, optimizer, every=100, accumulation=4, sample_every=4) as logger:
+        for step, batch in enumerate(_batches(steps=20)):
+            if step == 5:  # steps 4 and 5 are a pair: the change waits for step 5 to end
+                logger.set_sample_every(8)
+                assert logger.sample_every == 4
+            sampled.append(logger.sampling)
+            hooked.append(bool(logger._grad_hooks))
+            _train(model, optimizer, logger, [batch], micro_batches=4 if logger.sampling else 1)
+    assert [s for s, on in enumerate(sampled) if on] == [0, 1, 4, 5, 8, 9, 16, 17]
+    assert hooked == sampled
+    assert logger.last_record["window_steps"] == 8 and logger.last_record["samples"] == 20 * BATCH
+    with pytest.raises(ValueError, match="sample_every"):
+        logger.set_sample_every(0)
+
+
+def test_a_window_without_a_sampled_step_writes_its_counts_only_when_asked(tmp_path):
+    for counts_only in (False, True):
+        model = _tiny_model()
+        optimizer = _optimizer("sgd", model)
+        path = tmp_path / f"{counts_only}.jsonl"
+        with GradientStatsLogger(path, model, optimizer, every=3, accumulation=4, sample_every=6, counts_only_records=counts_only) as logger:
+            for batch in _batches(steps=6):
+                _train(model, optimizer, logger, [batch], micro_batches=4 if logger.sampling else 1, part=slice(0, 16 if logger.sampling else 32))
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert records[0]["step"] == 3 and records[0]["grad_sqr"] is not None  # steps 0 and 1 sampled
+        if not counts_only:
+            assert len(records) == 1  # the window of steps 3-5 had no statistics
+            continue
+        second = records[1]
+        assert set(second) == set(RECORD_KEYS)
+        assert (second["step"], second["window_steps"], second["batch"], second["samples"]) == (6, 0, 32, 2 * 16 + 4 * 32)
+        assert second["grad_sqr"] is None and second["trace_sigma"] is None and second["loss"] > 0
+
+
 def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path):
     model = _tiny_model()
     optimizer = _optimizer("adam", model)

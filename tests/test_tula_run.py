@@ -133,3 +133,80 @@ def test_records_of_a_loop_that_always_accumulates_say_so(tmp_path):
     run.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert all(r["accumulation"] == ACCUMULATION and r["device_batch"] == MICRO_BATCH for r in records)
+
+
+class _Clock:
+    """Stands for the time module inside profiler.tula_run: the loop moves it, so step times are exact."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+def _steps_with_sampled_cost(run: TulaRun, clock: _Clock, steps: int, plain_s: float, sampled_s: float) -> None:
+    """Steps that take plain_s on the clock and, when sampled, sampled_s (and the split into micro-batches)."""
+    model = run.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x = torch.randn(ACCUMULATION * MICRO_BATCH, 8)
+        pieces = ACCUMULATION if run.sampling else 1
+        clock.now += sampled_s if run.sampling else plain_s
+        for xs in x.chunk(pieces):
+            (torch.nn.functional.cross_entropy(model(xs), (xs[:, 0] > 0).long()) / pieces).backward()
+        run.step()
+        optimizer.step()
+
+
+def test_an_overhead_budget_stretches_the_sampling_until_the_sampled_steps_fit_it(tmp_path, monkeypatch):
+    """Plain steps of 2 ms, sampled ones of 6 ms (a clock the loop moves; the client's own calls take no time on
+    it): with a budget of 20% of the step, overhead(n) = 2 x 4 ms / n / 2 ms <= 0.2 needs n >= 20, so from 4 the
+    period doubles to 32. Windows without a sampled step still report their step time. Where a sampled step
+    costs no more than a plain one, the densest sampling stays."""
+    clock = _Clock()
+    monkeypatch.setattr("profiler.tula_run.time", clock)
+    path = tmp_path / "telemetry.jsonl"
+    run = _tula_run(None, "run-1", offline_path=path, overhead_budget=0.2)
+    assert run.logger.sample_every == 4  # at least BUDGET_MIN_SAMPLE_EVERY, so that plain steps exist to compare
+    _steps_with_sampled_cost(run, clock, 200, plain_s=0.002, sampled_s=0.006)
+    run.close()
+    assert run.logger.sample_every == run.overhead["sample_every"] == 32
+    assert run.overhead["within_budget"] and run.overhead["fraction"] == pytest.approx(2 * 0.004 / 32 / 0.002)
+    assert run.overhead["sampled_step_extra_s"] == pytest.approx(0.004)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(EVERY, 201, EVERY))
+    # the first window ran mostly sampled, split steps (0-1, 4-5, 8-9): its record says so; then plain steps
+    assert (records[0]["step_time_s"], records[0]["accumulation"]) == (pytest.approx(0.006), ACCUMULATION)
+    assert all((r["step_time_s"], r["accumulation"]) == (pytest.approx(0.002), 1) for r in records[1:])
+    with_statistics = [r["step"] for r in records if "grad_sqr" in r]
+    assert with_statistics == [10, 40, 70, 100, 130, 170, 200]  # the period set to 32 at step 10: pairs at 32-33, 64-65, ...
+
+    same_cost = _tula_run(None, "run-2", offline_path=tmp_path / "same.jsonl", overhead_budget=0.2)
+    _steps_with_sampled_cost(same_cost, clock, 60, plain_s=0.002, sampled_s=0.002)
+    same_cost.close()
+    assert same_cost.logger.sample_every == 4 and same_cost.overhead["within_budget"]
+
+    for budget in (0, 1, -0.1):
+        with pytest.raises(ValueError, match="overhead_budget"):
+            _tula_run(None, "run-3", offline_path=tmp_path / "x.jsonl", overhead_budget=budget)
+
+
+def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_when_none_does(tmp_path):
+    """overhead(n) = (2 x extra / n + client) / (plain - client), with the medians set by hand."""
+    run = _tula_run(None, "run-1", offline_path=tmp_path / "t.jsonl", overhead_budget=0.02, sample_every=5)
+    run._plain_s.extend([0.0101] * 9)  # 10 ms of training + 0.1 ms of the client's own call
+    run._sampled_s.extend([0.0201] * 3)  # a sampled step adds 10 ms
+    run._client_s, run._client_steps = 0.001, 10
+    run._fit_sampling_to_budget()
+    # room = 0.02 x 10 ms - 0.1 ms = 0.1 ms; n >= 2 x 10 / 0.1 = 200: 5 x 2^6 = 320
+    assert run.logger.sample_every == 320
+    assert run.overhead["fraction"] == pytest.approx((2 * 0.010 / 320 + 0.0001) / 0.010) and run.overhead["within_budget"]
+    run._client_s = 0.003  # the client alone costs 3% of the step: no period fits
+    run._fit_sampling_to_budget()
+    assert run.logger.sample_every == 1024 and not run.overhead["within_budget"]
+    run.close()
