@@ -32,7 +32,8 @@ thread, as the ground truth was made):
    median over rounds of the per-round ratio is kept too (the cost of an unsampled step). Next to it, the cost
    of splitting every step (what the statistics would cost without sampling, before any of their arithmetic),
    and the client's own estimate (TulaRun.overhead) with the sampling period it settled on. A second plain arm
-   (plain_again) measures the method's own resolution: its difference from plain is the A/A noise.
+   (plain_again) measures the method's own resolution: its difference from plain is the A/A noise; a second
+   client arm (client_offline) writes JSONL instead of posting, which isolates the sender thread's share.
 The training runs on one core and the server on the other (CPU affinity), as the server would run on a
 machine of its own: on this 2-core machine its re-planning would otherwise take the training's core.
 
@@ -190,7 +191,11 @@ def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> flo
     on the steps it samples, the others whole); the loss."""
     optimizer.zero_grad(set_to_none=True)
     total, pieces = 0.0, MICRO_BATCHES if client is None or client.sampling else 1
-    for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)):
+    if pieces == 1:  # a whole step as plain_step runs it: no chunk views, no division node in the graph
+        loss = mean_loss(model(inputs), targets)
+        loss.backward()
+        total = float(loss.detach())
+    for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)) if pieces > 1 else ():
         loss = mean_loss(model(x), y) / pieces
         loss.backward()
         total += float(loss.detach())
@@ -277,11 +282,16 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
     """Median per-step seconds of split steps with and without a TulaRun, and of plain steps (module docstring)."""
     run_id = httpx.post(f"{server}/v1/runs", json={"job_id": job_id}, timeout=30).raise_for_status().json()["id"]
     # the same architecture: the same step cost; plain_again is plain once more, the measurement's own A/A difference
-    models = {arm: task_model(task, 0) for arm in ("plain", "split", "client", "plain_again")}
+    # client_offline: the same client writing JSONL, without the sender thread (its posts and plan requests)
+    models = {arm: task_model(task, 0) for arm in ("plain", "split", "client", "client_offline", "plain_again")}
     optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
     start = {name: tensor.clone() for name, tensor in models["plain"].state_dict().items()}
     client = TulaRun(server, run_id, models["client"], optimizers["client"], every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
                      sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
+    offline_folder = tempfile.TemporaryDirectory(prefix="tula-online-offline-")
+    clients = {"client": client, "client_offline": TulaRun(None, run_id, models["client_offline"], optimizers["client_offline"], every=EVERY,
+                                                           accumulation=MICRO_BATCHES, sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET,
+                                                           offline_path=Path(offline_folder.name) / "telemetry.jsonl")}  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in models}
     try:
         for round_ in range(OVERHEAD_ROUNDS):
@@ -298,15 +308,19 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
                     if arm in ("plain", "plain_again"):
                         plain_step(model, optimizers[arm], inputs, targets)
                     else:
-                        split_step(model, optimizers[arm], inputs, targets, client if arm == "client" else None)
+                        split_step(model, optimizers[arm], inputs, targets, clients.get(arm))
                 times[arm].append((time.perf_counter() - started) / OVERHEAD_STEPS)
     finally:
         client.close(flush_timeout_s=5)
+        clients["client_offline"].close()
+        offline_folder.cleanup()
     paired = {name: statistics.median(a / b for a, b in zip(times[num], times[den]))
               for name, num, den in (("overhead", "client", "plain"), ("split_cost", "split", "plain"))}  # fmt: skip
     return {**{f"{arm}_step_s": statistics.median(seconds) for arm, seconds in times.items()}, "client_estimate": client.overhead,
             "overhead_pct": 100 * (sum(times["client"]) / sum(times["plain"]) - 1), "overhead_median_round_pct": 100 * (paired["overhead"] - 1),
             "a_a_pct": 100 * (sum(times["plain_again"]) / sum(times["plain"]) - 1),
+            "offline_pct": 100 * (sum(times["client_offline"]) / sum(times["plain"]) - 1),
+            "offline_client_estimate": clients["client_offline"].overhead,
             "split_cost_pct": 100 * (paired["split_cost"] - 1),
             "overhead_ms_per_step": 1e3 * (sum(times["client"]) - sum(times["plain"])) / len(times["plain"])}  # fmt: skip
 
@@ -374,14 +388,14 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             decisions = [f"{d['from']}->{d['to']}@{d['step']}" for run in runs for d in run.get("decisions", [])]
             lines.append(f"| {r['task']} | {r['evidence']} | {r['chosen_batch']} | {_fmt(r['noise_scale'])} | {arm} | {_fmt(r['median_train_s'][arm])} | "
                          f"{_fmt(r['ratio_vs_static'][arm])} | {statistics.median(run['steps'] for run in runs):g} | {', '.join(decisions[:6]) or '-'} |")  # fmt: skip
-    lines += ["", "| task | recommended schedule | why | plain step ms | telemetry overhead % (ms a step) | A/A % | splitting every step % "
-              "| client's own estimate %, statistics on 2 steps in |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| task | recommended schedule | why | plain step ms | telemetry overhead % (ms a step) | offline client % | A/A % "
+              "| splitting every step % | client's own estimate %, statistics on 2 steps in |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         cost = r["overhead"]
         own = cost.get("client_estimate") or {}
         estimate = f"{100 * own['fraction']:.2f}, {own['sample_every']}" + ("" if own["within_budget"] else " (over budget)") if own else "-"
         lines.append(f"| {r['task']} | {r['recommended_schedule']} | {r['schedule_why']} | {1e3 * cost['plain_step_s']:.2f} | "
-                     f"{cost['overhead_pct']:.2f} ({cost['overhead_ms_per_step']:.3f}) | {cost['a_a_pct']:+.2f} | {cost['split_cost_pct']:.1f} | {estimate} |")  # fmt: skip
+                     f"{cost['overhead_pct']:.2f} ({cost['overhead_ms_per_step']:.3f}) | {cost['offline_pct']:.2f} | {cost['a_a_pct']:+.2f} | {cost['split_cost_pct']:.1f} | {estimate} |")  # fmt: skip
     replayed = [r["ratio_vs_static"]["online_replayed"] for r in results]
     lines += ["", f"Online decisions replayed without telemetry, median ratio over tasks: {_fmt(statistics.median(x if x is not None else math.inf for x in replayed))}."]
     lines += ["", summary_line(results)]
@@ -427,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_task(name, truth[name], server, seeds, args.evidence)
             results.append(result)
             print(f"{name}: chosen {result['chosen_batch']}, ratio vs static {json.dumps({k: _fmt(v) for k, v in result['ratio_vs_static'].items()})}, "
-                  f"overhead {result['overhead']['overhead_pct']:.2f}% (A/A {result['overhead']['a_a_pct']:+.2f}%)", flush=True)  # fmt: skip
+                  f"overhead {result['overhead']['overhead_pct']:.2f}% (offline {result['overhead']['offline_pct']:.2f}%, A/A {result['overhead']['a_a_pct']:+.2f}%)", flush=True)  # fmt: skip
     meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else "") + f" --evidence {args.evidence}", "date": dt.date.today().isoformat(),
             "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", "seeds": seeds}  # fmt: skip
     (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
