@@ -35,7 +35,8 @@ step's way (issue 17).
   n = sample_every x 2^j (at most MAX_SAMPLE_EVERY) with overhead(n) <= f; `overhead` holds the latest
   estimate and whether the budget is met (it cannot be when t_client alone exceeds it). Fewer sampled
   steps make each window's |G|^2 and tr(Sigma) noisier (window_steps says how many steps each averages);
-  a window with none still sends its record (samples, step time, loss) without statistics. Not counted:
+  a window with none still sends its record (samples, step time, loss) without statistics, with or without a
+  budget, as does a window whose every step was left out of them (clipped, overflowed). Not counted:
   the sender thread's posts, which run beside the loop, and the forward pre-hooks (microseconds).
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
   timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
