@@ -27,9 +27,9 @@ thread, as the ground truth was made):
    statistics, records, the sender thread posting to the server and fetching advice; the sampled steps split
    in two micro-batches, the others whole) against plain steps, alternated over OVERHEAD_ROUNDS rounds (the
    order reversed every other round); each arm's round starts from the same weights, optimizer state and
-   batches, so that the arms' models do not drift apart in speed. The overhead is the ratio of the arms' total seconds: the sampled steps,
-   rare under the overhead budget, count in proportion (a median over rounds would leave them out); the
-   median over rounds of the per-round ratio is kept too (the cost of an unsampled step). Next to it, the cost
+   batches, so that the arms' models do not drift apart in speed. The overhead is the ratio of the arms' total
+   seconds: the sampled steps, rare under the overhead budget, count in proportion (a median over rounds would
+   leave them out); the median over rounds of the per-round ratio is kept too. Next to it, the cost
    of splitting every step (what the statistics would cost without sampling, before any of their arithmetic),
    and the client's own estimate (TulaRun.overhead) with the sampling period it settled on. A second plain arm
    (plain_again) measures the method's own resolution: its difference from plain is the A/A noise; a second
@@ -195,10 +195,11 @@ def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> flo
         loss = mean_loss(model(inputs), targets)
         loss.backward()
         total = float(loss.detach())
-    for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)) if pieces > 1 else ():
-        loss = mean_loss(model(x), y) / pieces
-        loss.backward()
-        total += float(loss.detach())
+    else:
+        for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)):
+            loss = mean_loss(model(x), y) / pieces
+            loss.backward()
+            total += float(loss.detach())
     if client is not None:
         client.step(loss=total)
     optimizer.step()
@@ -279,19 +280,19 @@ def static_stages(rec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) -> dict[str, float]:
-    """Median per-step seconds of split steps with and without a TulaRun, and of plain steps (module docstring)."""
+    """Per-step seconds of plain steps, split steps, and steps with a TulaRun (posting, and offline), and the
+    overhead ratios (module docstring)."""
     run_id = httpx.post(f"{server}/v1/runs", json={"job_id": job_id}, timeout=30).raise_for_status().json()["id"]
     # the same architecture: the same step cost; plain_again is plain once more, the measurement's own A/A difference
     # client_offline: the same client writing JSONL, without the sender thread (its posts and plan requests)
     models = {arm: task_model(task, 0) for arm in ("plain", "split", "client", "client_offline", "plain_again")}
     optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
     start = {name: tensor.clone() for name, tensor in models["plain"].state_dict().items()}
-    client = TulaRun(server, run_id, models["client"], optimizers["client"], every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
-                     sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
     offline_folder = tempfile.TemporaryDirectory(prefix="tula-online-offline-")
-    clients = {"client": client, "client_offline": TulaRun(None, run_id, models["client_offline"], optimizers["client_offline"], every=EVERY,
-                                                           accumulation=MICRO_BATCHES, sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET,
-                                                           offline_path=Path(offline_folder.name) / "telemetry.jsonl")}  # fmt: skip
+    options = {"every": EVERY, "accumulation": MICRO_BATCHES, "sample_every": SAMPLE_EVERY, "overhead_budget": OVERHEAD_BUDGET}
+    clients = {"client": TulaRun(server, run_id, models["client"], optimizers["client"], plan_every_s=PLAN_EVERY_S, **options),
+               "client_offline": TulaRun(None, run_id, models["client_offline"], optimizers["client_offline"],
+                                         offline_path=Path(offline_folder.name) / "telemetry.jsonl", **options)}  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in models}
     try:
         for round_ in range(OVERHEAD_ROUNDS):
@@ -311,12 +312,12 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
                         split_step(model, optimizers[arm], inputs, targets, clients.get(arm))
                 times[arm].append((time.perf_counter() - started) / OVERHEAD_STEPS)
     finally:
-        client.close(flush_timeout_s=5)
-        clients["client_offline"].close()
+        for client in clients.values():
+            client.close(flush_timeout_s=5)
         offline_folder.cleanup()
     paired = {name: statistics.median(a / b for a, b in zip(times[num], times[den]))
               for name, num, den in (("overhead", "client", "plain"), ("split_cost", "split", "plain"))}  # fmt: skip
-    return {**{f"{arm}_step_s": statistics.median(seconds) for arm, seconds in times.items()}, "client_estimate": client.overhead,
+    return {**{f"{arm}_step_s": statistics.median(seconds) for arm, seconds in times.items()}, "client_estimate": clients["client"].overhead,
             "overhead_pct": 100 * (sum(times["client"]) / sum(times["plain"]) - 1), "overhead_median_round_pct": 100 * (paired["overhead"] - 1),
             "a_a_pct": 100 * (sum(times["plain_again"]) / sum(times["plain"]) - 1),
             "offline_pct": 100 * (sum(times["client_offline"]) / sum(times["plain"]) - 1),

@@ -225,7 +225,7 @@ class TulaRun:
         period = self.min_sample_every
         while period < needed and period < MAX_SAMPLE_EVERY:
             period *= 2
-        period = min(period, MAX_SAMPLE_EVERY)
+        period = min(period, max(MAX_SAMPLE_EVERY, self.min_sample_every))  # never denser than asked
         if period != self.logger.sample_every:
             self.logger.set_sample_every(period)
         self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
