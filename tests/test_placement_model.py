@@ -39,9 +39,9 @@ def synthetic_rows(shape: Shape = TRUTH, theta: np.ndarray = TRUE_THETA, noise: 
         for batch in BATCHES:
             compute_s = 0.02 + 4e-4 * batch
             step_s = float(generator._predict_vector(theta, shape, g, m, n, np.array([compute_s]))[0]) if n[0] > 1 else compute_s
-            contended_s = (1 + theta[5] * (g[0] - 1)) * compute_s if n[0] > 1 else compute_s
             step_s *= np.exp(noise * rng.standard_normal())
-            sync_s = max(step_s - contended_s * np.exp(noise * rng.standard_normal()), 0.0)
+            # the compute part is T_c(b) itself: the straggler's wait is in the sync (placement docstring)
+            sync_s = max(step_s - compute_s * np.exp(noise * rng.standard_normal()), 0.0)
             rows.append(StepRow(tuple(int(c) for c in placement), batch, step_s, min(sync_s, 0.99 * step_s)))
     return rows
 
@@ -86,6 +86,35 @@ def test_no_overlap_truth_is_chosen_as_no_overlap():
     shapes = (truth, TRUTH)
     model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=shapes).fit(synthetic_rows(truth, theta))
     assert model.shape_ == truth  # the fitted gamma cannot beat gamma = 1 by the tie margin
+
+
+def test_contention_is_a_wait_in_the_sync_not_a_slower_compute_part():
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES, shapes=(TRUTH,)).fit(synthetic_rows(noise=0.0))
+    compute_s = float(model.compute_.predict(np.array([64.0]))[0])
+    overlapped_s = float(model.predict_placements(["4"], [64])[0]) - model.theta_[5] * 3 * compute_s
+    assert model.params_()["kappa"]["value"] == pytest.approx(0.06, rel=0.05)
+    assert overlapped_s == pytest.approx(float(PlacementStepModel._predict_vector(model, model.theta_ * [1, 1, 1, 1, 1, 0], TRUTH, 4, 1, 4, compute_s)))
+
+
+def one_batch_rows(batch: float = 64) -> list[StepRow]:
+    """What a profiler measures: single-GPU rows at every batch, multi-GPU placements at one shared batch."""
+    return [row for row in synthetic_rows() if sum(row.placement) == 1 or row.device_batch == batch]
+
+
+def test_from_one_batch_gamma_is_assumed_two_and_only_ring_topologies_compete():
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES).fit(one_batch_rows())
+    eligible = {name for name, c in model.candidates_.items() if c["eligible"]}
+    assert eligible and all("gamma_assumed" in name and not name.startswith("shared_nic") for name in eligible)
+    assert model.shape_.topology in ("hierarchical", "flat") and not model.shape_.overlap
+    gamma = model.params_()["gamma"]
+    assert gamma["value"] == 2.0 and gamma["source"].startswith("assumed (2: every multi-device row is at one per-GPU batch")
+
+
+def test_from_two_batches_gamma_is_fitted_again():
+    rows = [row for row in synthetic_rows() if sum(row.placement) == 1 or row.device_batch in (32, 128)]
+    model = PlacementStepModel(intra=INTRA, inter=INTER, gradient_bytes=GRADIENT_BYTES).fit(rows)
+    assert model.assumed_gamma_ == 1.0
+    assert any(c["eligible"] for name, c in model.candidates_.items() if "gamma_fitted" in name and name.startswith("shared_nic"))
 
 
 def test_without_multi_device_rows_the_given_links_are_assumed():

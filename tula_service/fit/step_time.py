@@ -15,9 +15,10 @@ micro-step (compute only):
   model of tula_service.fit.perfmodel.placement fitted to them together with the single-device compute
   points (Pollux's approach: fit the throughput model to measured steps, Qiao et al. OSDI 2021),
 
-      T_iter = ((c T_c(b))^gamma + T_r(g, m, n)^gamma)^(1/gamma),   T_micro = c T_c(b),   c = 1 + kappa (g - 1),
+      T_iter = (T_c(b)^gamma + T_r(g, m, n)^gamma)^(1/gamma) + kappa (g - 1) T_c(b),   T_micro = (1 + kappa (g - 1)) T_c(b),
 
-  with its shape chosen by leave-one-placement-out error and that error reported.
+  with its shape chosen by leave-one-placement-out error and that error reported. kappa (g - 1) T_c(b) is the
+  wait for the slowest of a node's g GPUs: it grows on every micro-step and shows at the all-reduce.
 
 In both, T_step = (a - 1) T_micro + T_iter for a accumulation steps (design.md).
 """
@@ -93,8 +94,8 @@ class MeasuredStepTime:
     def describe(self) -> dict[str, Any]:
         return {
             "model": "placement",
-            "formula": "T_iter = ((c T_c(b))^gamma + T_r(placement)^gamma)^(1/gamma), c = 1 + kappa (g - 1); "
-            "T_step = (a - 1) c T_c(b) + T_iter",
+            "formula": "T_iter = (T_c(b)^gamma + T_r(placement)^gamma)^(1/gamma) + kappa (g - 1) T_c(b); "
+            "T_step = (a - 1) (1 + kappa (g - 1)) T_c(b) + T_iter",
             "multi_device_steps": self.rows,
             "placements": self.placements,
             "held_out_median_rel_err": self.held_out_rel_err(),

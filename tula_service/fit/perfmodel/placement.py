@@ -1,7 +1,6 @@
 """Placement-aware step time on several GPUs over several nodes, fitted to measured multi-device steps.
 
-    T_step(p, b) = ( (c(p) * T_c(b))^gamma + T_r(p)^gamma )^(1/gamma),   gamma in [1, 10]
-    c(p)         = 1 + kappa * (g - 1),                                    kappa in [0, 1]
+    T_step(p, b) = ( T_c(b)^gamma + T_r(p)^gamma )^(1/gamma) + kappa (g - 1) T_c(b),   gamma in [1, 10], kappa in [0, 1]
     T_r(p)       = ring(g, S, intra) + [m > 1] * ring(m, k(p) * S, inter)            (shared_nic, hierarchical)
                  = ring(g, S, intra) if m == 1 else ring(n, S, inter)               (flat)
     ring(n, S, link) = 2 (n - 1) * latency_s + 2 (n - 1) / n * S / bandwidth
@@ -17,21 +16,41 @@ Topologies (k(p), the inter-node bytes per gradient byte):
 - hierarchical: k = 1 / g. Reduce-scatter inside the node, all-reduce a 1/g shard across nodes
                 (`network.HierarchicalAllReduce`, Jia et al. 2018): sync(22) < sync(11).
 - flat:         one ring over all n GPUs, every hop paced by the inter-node link once m > 1.
-c(p) is host contention: GPUs sharing a node share its PCIe root and CPUs, so each computes slower
-(kappa = 0 is "none"). T_c(b) is the single-device compute model chosen by `select_compute_model`.
+kappa (g - 1) T_c(b) is host contention, a straggler's wait: the g GPUs of a node share its PCIe root and
+CPUs, the slowest of them falls behind by a share of its compute, and the others wait for it in the
+all-reduce, where no backward pass is left to hide the wait (kappa = 0 is "none"). So the wait is added
+outside the overlap, and the compute part T - sync is T_c(b) itself. On the Pollux traces (cifar10) the
+exposed sync of one node with 4 GPUs grows with the batch, 0.014 s at 32 to 0.09 s at 1024, while 4
+nodes with one GPU each stay at 0.003 s from 257 up; the compute part does not grow with g. T_c(b) is
+the single-device compute model chosen by `select_compute_model`. One accumulation micro-step costs
+(1 + kappa (g - 1)) T_c(b): the straggler falls behind on every micro-step (`step_time.MeasuredStepTime`).
+
+Overlap is identifiable only from rows at two or more per-GPU batches: at one batch, gamma and the links
+trade off exactly. There, gamma is assumed to be 2 (`ONE_BATCH_GAMMA`), overlap-fitted shapes and
+shared_nic are not candidates, and the report says so. Why 2: at T_r = T_c the p-norm gives 2^(1/gamma)
+T_c, from 2 T_c (gamma = 1, no overlap) to T_c (gamma -> inf, perfect overlap); 1/gamma = 1/2 is the
+midpoint, the value whose worst-case log error over all gammas is smallest. Why not shared_nic: at one
+batch the exposed sync's ratios between placements are inflated by the overlap it hides, and shared_nic
+is the topology that grows fastest with the GPUs per node. On the Pollux traces (cifar10) the exposed
+sync of 22 over 11 is 1.7-2.2 at batches 32-91, where little is hidden (a flat ring says 1.5, plus the
+wait for each node's slower GPU), 2.8 at 182 and 9.6 at 257: the overlap's signature, not a NIC's. A ring crossing m nodes sends 2 (n - 1) / n S bytes
+through each node's NIC however many of its GPUs the ring visits. Picked from one batch (182) by
+leave-one-placement-out, shared_nic misses the other placements and batches by 19% (cifar10) and 84%
+(imagenet, with gamma = 2); flat misses by 7% and 6%.
 
 Fit: latency, bandwidth per link, gamma and kappa together by `scipy.optimize.least_squares` on log
 residuals log(T_pred / T_measured) of the multi-device rows (and, where sync_time_s is measured, of
-the compute part T - sync against c(p) T_c(b)), inside physical bounds. With the all-reduce benchmark
+the compute part T - sync against T_c(b)), inside physical bounds. With the all-reduce benchmark
 measured on one node's GPUs (`comm_rows`, NCCL) and the gradient's size S known, its points join the fit
 as ring(w, M bytes, intra) against the measured seconds, log residuals weighted by sqrt(rows / points) so
 that the benchmark, however many points it has, weighs as much as the steps: the intra-node link is then
 fitted jointly from both. Each candidate shape
-(topology x overlap fitted or gamma = 1 x contention or not x latency fitted or assumed) is scored by
+(topology x gamma fitted or assumed x contention or not x latency fitted or assumed) is scored by
 its held-out relative step-time error over the multi-device rows, leaving one placement out at a
 time (k-fold over placements when there are more than `MAX_LOO_FOLDS`); the lowest median wins, the
 shape with fewer free parameters on ties. Too few rows for any shape: the given links, gamma = 1 and
-kappa = 0 are used and labelled "assumed".
+kappa = 0 are used and labelled "assumed". The assumed gamma is 1 (no overlap) where rows at two or more
+batches could have fitted it, 2 where they could not (above).
 """
 
 from __future__ import annotations
@@ -52,6 +71,8 @@ LATENCY_BOUNDS_S = (1e-7, 1e-1)
 BANDWIDTH_BOUNDS_GBPS = (0.1, 2000.0)
 UNKNOWN_BYTES_TRANSFER_BOUNDS_S = (1e-7, 100.0)  # seconds to move one whole gradient when S is unknown
 MAX_LOO_FOLDS = 12
+ONE_BATCH_GAMMA = 2.0  # assumed where every multi-device row is at one per-GPU batch (module docstring)
+ONE_BATCH_TOPOLOGIES = ("hierarchical", "flat")  # no shared_nic from one batch (module docstring)
 TIE_TOLERANCE = 2e-3  # a richer shape must beat a simpler one by 0.2 percentage point of median error
 
 
@@ -95,13 +116,13 @@ class CommRow:
 @dataclass(frozen=True)
 class Shape:
     topology: str = "shared_nic"
-    overlap: bool = True  # gamma fitted; False: gamma = 1 (no overlap)
+    overlap: bool = True  # gamma fitted; False: gamma assumed (1, or ONE_BATCH_GAMMA from one batch)
     contention: bool = True  # kappa fitted; False: kappa = 0
     fit_latency: bool = True  # latencies fitted; False: the given links' latencies (assumed)
 
     @property
     def name(self) -> str:
-        parts = [self.topology, "overlap" if self.overlap else "no_overlap"]
+        parts = [self.topology, "gamma_fitted" if self.overlap else "gamma_assumed"]
         parts += ["contention"] if self.contention else []
         parts += [] if self.fit_latency else ["assumed_latency"]
         return "+".join(parts)
@@ -202,12 +223,13 @@ class PlacementStepModel:
     shapes: tuple[Shape, ...] = CANDIDATE_SHAPES
     comm_rows: tuple[CommRow, ...] = ()  # the intra-node all-reduce benchmark; used when gradient_bytes is known
     shape_: Shape = field(default=Shape(), init=False)
+    assumed_gamma_: float = field(default=1.0, init=False)
 
     # (lat_intra_s, xfer_intra_s, lat_inter_s, xfer_inter_s, gamma, kappa); xfer = S / bandwidth
     def _assumed_vector(self) -> np.ndarray:
         size = self.gradient_bytes if self.gradient_bytes else 1.0  # unknown S: xfer is seconds per gradient
         to_s = lambda link: size * 8.0 / (link.bandwidth_gbps * 1e9)  # noqa: E731
-        return np.array([self.intra.latency_s, to_s(self.intra), self.inter.latency_s, to_s(self.inter), 1.0, 0.0])
+        return np.array([self.intra.latency_s, to_s(self.intra), self.inter.latency_s, to_s(self.inter), self.assumed_gamma_, 0.0])
 
     def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
         if self.gradient_bytes:
@@ -221,7 +243,7 @@ class PlacementStepModel:
     def _predict_vector(self, theta, shape: Shape, g, m, n, compute_s) -> np.ndarray:
         lat_a, xfer_a, lat_e, xfer_e, gamma, kappa = theta
         allreduce_s = _allreduce_s(shape.topology, g, m, n, lat_a, xfer_a, lat_e, xfer_e)
-        return _combine((1.0 + kappa * (g - 1.0)) * compute_s, allreduce_s, gamma)
+        return _combine(compute_s, allreduce_s, gamma) + kappa * (g - 1.0) * compute_s
 
     def _fit_shape(self, shape: Shape, data: _Data) -> tuple[np.ndarray, float]:
         """Least squares over the shape's free parameters (log-scaled links): (theta, log RMSE)."""
@@ -241,7 +263,7 @@ class PlacementStepModel:
         def residuals(x):
             theta = unpack(x)
             step = np.log(self._predict_vector(theta, shape, data.g, data.m, data.n, compute_s) / data.step_s)
-            part = np.log((1.0 + theta[5] * (data.g[has_part] - 1.0)) * compute_s[has_part] / data.compute_part_s[has_part])
+            part = np.log(compute_s[has_part] / data.compute_part_s[has_part])
             if comm is None:
                 return np.concatenate([step, part])
             world, share, seconds, weight = comm
@@ -294,12 +316,16 @@ class PlacementStepModel:
             [r.device_batch for r in single], [r.step_time_s for r in single]
         )
         multi = _Data.of([r for r in rows if sum(r.placement) > 1])
+        one_batch = np.unique(multi.batch).size < 2
+        self.assumed_gamma_ = ONE_BATCH_GAMMA if one_batch and multi.step_s.size else 1.0
         equations = multi.step_s.size + int(np.isfinite(multi.compute_part_s).sum())
         placements = np.unique(multi.group).size
         self.candidates_ = {}
         for shape in self.shapes:
             # each training fold leaves a placement out; it must still hold more equations than parameters
             eligible = placements >= 3 and int(shape.free().sum()) < equations * (placements - 1) / placements
+            identifiable = not one_batch or (not shape.overlap and shape.topology in ONE_BATCH_TOPOLOGIES)
+            eligible = eligible and identifiable
             entry = {"free_params": int(shape.free().sum()), "eligible": bool(eligible), "held_out": None}
             if eligible:
                 errors = self._held_out_errors(shape, multi)
@@ -307,10 +333,11 @@ class PlacementStepModel:
             self.candidates_[shape.name] = entry
         scored = [s for s in self.shapes if self.candidates_[s.name]["eligible"]]
         if not scored:
-            self.shape_, self.theta_, self.fit_log_rmse_ = Shape("shared_nic", False, False, False), self._assumed_vector(), None
+            # the hierarchical ring over the given links: the analytic model's (step_time.AnalyticStepTime)
+            self.shape_, self.theta_, self.fit_log_rmse_ = Shape("hierarchical", False, False, False), self._assumed_vector(), None
             self.why_ = (f"{multi.step_s.size} multi-device rows on {placements} placements cannot fit a link: "
-                         "the given links, gamma = 1 and kappa = 0 are assumed")  # fmt: skip
-            self.sources_ = dict.fromkeys(("intra", "inter", "gamma", "kappa"), "assumed")
+                         f"the given links, gamma = {self.assumed_gamma_:g} and kappa = 0 are assumed")  # fmt: skip
+            self.sources_ = dict.fromkeys(("intra", "inter", "kappa"), "assumed") | {"gamma": self._assumed_gamma_source()}
             return self
         scored.sort(key=lambda s: (self.candidates_[s.name]["held_out"]["median_rel_err"], int(s.free().sum())))
         best = scored[0]
@@ -327,12 +354,18 @@ class PlacementStepModel:
         self.sources_ = {
             "intra": "fitted" if has_intra else "assumed",
             "inter": "fitted" if has_inter else "assumed",
-            "gamma": "fitted" if best.overlap else "assumed (1: no overlap)",
+            "gamma": "fitted" if best.overlap else self._assumed_gamma_source(),
             "kappa": "fitted" if best.contention else "assumed (0: no contention)",
         }
         if not has_inter:  # nothing measured the inter link: keep the given one
             self.theta_[2:4] = self._assumed_vector()[2:4]
         return self
+
+    def _assumed_gamma_source(self) -> str:
+        if self.assumed_gamma_ == 1.0:
+            return "assumed (1: no overlap)"
+        return (f"assumed ({self.assumed_gamma_:g}: every multi-device row is at one per-GPU batch, where the overlap cannot "
+                "be told from the links; halfway in 1/gamma between no overlap and perfect overlap)")
 
     def predict(self, g, m, n, device_batch) -> np.ndarray:
         """Seconds per step, broadcast over (g, m, n) placement features and the per-GPU batch."""
