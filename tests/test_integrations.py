@@ -26,7 +26,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from profiler.integrations.huggingface import TulaTrainerCallback  # noqa: E402
 from profiler.integrations.lightning import TulaLightningCallback  # noqa: E402
-from profiler.tula_run import TulaRun  # noqa: E402
+from profiler.tula_run import BUDGET_MIN_SAMPLE_EVERY, TulaRun  # noqa: E402
 from tests.api_fixtures import run_on_a_server  # noqa: E402
 from tests.integration_models import MICRO_BATCH, LightningClassifier, MeanLoss, Samples, TrueGradient, data  # noqa: E402
 
@@ -128,6 +128,22 @@ def test_lightning_with_a_dead_server_trains_on_and_keeps_the_records_offline(de
     _assert_statistics(records, [10, 20, 31, 41])  # the trainer's step numbers, across the gap
     _assert_true_scale(records, module.true_grad_sqr, dropped=frozenset({21, 42}))
     assert tula.closed and tula.run.sent == 0 and tula.run.failed_posts >= 1 and tula.advice is None
+
+
+def _assert_sampling_options_reach_the_run(tula, records: list[dict]) -> None:
+    """sample_every and overhead_budget passed to a callback set its TulaRun's sampling: the budget's floor of
+    sampling (at least BUDGET_MIN_SAMPLE_EVERY), its estimate, and a record per window whether sampled or not."""
+    assert tula.run.overhead_budget == 0.5 and tula.run.min_sample_every == max(4, BUDGET_MIN_SAMPLE_EVERY)
+    assert tula.run.logger.sample_every >= tula.run.min_sample_every
+    assert tula.run.overhead is not None and tula.run.overhead["budget"] == 0.5
+    assert [r["step"] for r in records] == [10, 20, 30, 40] and all(r["step_time_s"] > 0 for r in records)
+
+
+def test_lightning_callback_passes_sampling_and_the_overhead_budget_to_its_run(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    tula = TulaLightningCallback(None, "run-1", every=EVERY, offline_path=path, sample_every=4, overhead_budget=0.5, post_every_s=0.5)
+    _fit_lightning(tula, STEPS * ACCUMULATION)
+    _assert_sampling_options_reach_the_run(tula, _jsonl(path))
 
 
 def _ddp_run(command: list[str], tmp_path) -> tuple[dict, list[dict], dict[int, float]]:
@@ -242,6 +258,13 @@ def test_hf_trainer_with_a_dead_server_trains_on_and_keeps_the_records_offline(d
     _assert_statistics(records, [10, 20, 31, 41])  # the Trainer's step numbers, across the gap
     _assert_true_scale(records, truth.true_grad_sqr, dropped=frozenset({21, 42}))
     assert tula.closed and tula.run.sent == 0 and tula.run.failed_posts >= 1 and tula.advice is None
+
+
+def test_hf_callback_passes_sampling_and_the_overhead_budget_to_its_run(tmp_path):
+    path = tmp_path / "telemetry.jsonl"
+    tula = TulaTrainerCallback(None, "run-1", every=EVERY, offline_path=path, sample_every=4, overhead_budget=0.5, post_every_s=0.5)
+    _train_hf(tula, tmp_path, STEPS * ACCUMULATION)
+    _assert_sampling_options_reach_the_run(tula, _jsonl(path))
 
 
 @pytest.mark.parametrize(

@@ -66,11 +66,15 @@ class TulaLightningCallback(pl.Callback):
         offline_path: str | Path | None = None,
         timeout_s: float = 2.0,
         plan_every_s: float = 30.0,
+        sample_every: int = 1,
+        post_every_s: float = 1.0,
+        overhead_budget: float | None = None,
         flush_timeout_s: float = 10.0,
     ):
         self.server, self.run_id, self.accumulation, self.flush_timeout_s = server, run_id, accumulation, flush_timeout_s
         self.options = {"every": every, "device_batch": device_batch, "token": token, "offline_path": offline_path,
-                        "timeout_s": timeout_s, "plan_every_s": plan_every_s}  # fmt: skip
+                        "timeout_s": timeout_s, "plan_every_s": plan_every_s, "sample_every": sample_every,
+                        "post_every_s": post_every_s, "overhead_budget": overhead_budget}  # fmt: skip
         self.run: TulaRun | None = None
         self.dropped_steps = 0
         self.closed = False
