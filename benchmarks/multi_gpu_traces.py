@@ -5,6 +5,9 @@ Both are fitted on the same rows and judged on the rest (held-out rows of placem
   measured range, plus placements 2, 3, 4, 11, 22, 1111 at one shared per-GPU batch: the lower median
   of the batches all six were measured at.
 - generous: every single-GPU row plus 30% of all rows drawn at random (5 seeds; 1 with --quick).
+- two batches (a robustness check, not in the summary line): the profiled rows plus the six placements at a
+  second batch, each of the other profiled single-GPU batches in turn: how the shape choice holds up when
+  the multi-GPU rows are few but gamma is identifiable.
 AdaptDL runs in its own venv (`/tmp/tula-adaptdl-venv`, built once: `pip install --no-deps adaptdl` plus
 autograd, numpy, scipy), in a subprocess fed JSON; it gets accum_step_time = step - sync (the compute
 part) and optim_step_time = step, as its trainer measures them. If the venv cannot be built, AdaptDL
@@ -97,6 +100,14 @@ def profiled_split(rows: list[dict]) -> np.ndarray:
     shared_batch = ordered[(len(ordered) - 1) // 2]  # the lower median
     return np.array([(r["placement"] == "1" and r["local_bsz"] in chosen)
                      or (r["placement"] in PROFILED_PLACEMENTS and r["local_bsz"] == shared_batch) for r in rows])  # fmt: skip
+
+
+def two_batch_splits(rows: list[dict]) -> dict[float, np.ndarray]:
+    """The profiled split plus the profiled placements at each other profiled single-GPU batch, one at a time."""
+    profiled = profiled_split(rows)
+    shared = {r["local_bsz"] for r, k in zip(rows, profiled) if k and r["placement"] != "1"}
+    others = sorted({r["local_bsz"] for r, k in zip(rows, profiled) if k and r["placement"] == "1"} - shared)
+    return {b: profiled | np.array([r["placement"] in PROFILED_PLACEMENTS and r["local_bsz"] == b for r in rows]) for b in others}
 
 
 def generous_split(rows: list[dict], seed: int) -> np.ndarray:
@@ -194,6 +205,7 @@ def main() -> None:
         traces += len(rows)
         results[app_name] = {"profiled": evaluate(app_name, rows, profiled_split(rows), python),
                              "generous": [evaluate(app_name, rows, generous_split(rows, seed), python) for seed in seeds]}  # fmt: skip
+        results[app_name]["two_batches"] = {str(b): evaluate(app_name, rows, split, python) for b, split in two_batch_splits(rows).items()}
         note = noise_note(rows)
         for split in ("profiled", "generous"):
             reports = results[app_name][split] if split == "generous" else [results[app_name][split]]
@@ -216,6 +228,10 @@ def main() -> None:
                 regret = [d["throughput_regret"] for d in picks.values()]
                 print(f"          {who} decisions: best (placement, batch, accumulation) right for {same}/{len(picks)} GPU counts,"
                       f" throughput regret median {np.median(regret):.1%} max {np.max(regret):.1%}")
+        two = results[app_name]["two_batches"]
+        print("          two batches (profiled + the six placements at a second batch): ours "
+              + ", ".join(f"{b}: {r['ours']['median']:.1%} ({r['model']['chosen']})" for b, r in two.items())
+              + ("; adaptdl " + ", ".join(f"{b}: {r['adaptdl']['median']:.1%}" for b, r in two.items()) if python else ""))
         params = results[app_name]["profiled"]["model"]["params"]
         print(f"          profiled fit: {json.dumps(params, default=float)[:400]}")
         if note:

@@ -13,8 +13,8 @@ from tula_service.plan.recommend import plan
 from tula_service.spec.job_spec import JobSpec
 
 BATCHES = [8, 16, 32, 64, 128]
-# a cluster of 4 nodes x 4 GPUs that share one NIC and one host per node: each GPU a node adds slows the others
-# by 25% (kappa), and sync over two nodes of 2 GPUs takes about twice that over two nodes of 1
+# a cluster of 4 nodes x 4 GPUs that share one NIC and one host per node: each GPU a node adds makes the others
+# wait 25% of a compute step (kappa) at the all-reduce, and the nodes are joined by a flat ring
 TRUTH = {"lat_a": 2e-4, "xfer_a": 0.004, "lat_e": 1e-3, "xfer_e": 0.03, "gamma": 2.0, "kappa": 0.25}
 CLUSTER = {"nodes": 4, "gpus_per_node": 4, "interconnect_gbps": 100}
 
@@ -25,8 +25,9 @@ def compute_s(batch: float) -> float:
 
 def true_step_s(placement: list[int], batch: float) -> float:
     g, m, n = float(max(placement)), float(len(placement)), float(sum(placement))
-    sync = float(_allreduce_s("shared_nic", g, m, n, TRUTH["lat_a"], TRUTH["xfer_a"], TRUTH["lat_e"], TRUTH["xfer_e"]))
-    return float(_combine(np.array((1 + TRUTH["kappa"] * (g - 1)) * compute_s(batch)), np.array(sync), TRUTH["gamma"]))
+    sync = float(_allreduce_s("flat", g, m, n, TRUTH["lat_a"], TRUTH["xfer_a"], TRUTH["lat_e"], TRUTH["xfer_e"]))
+    overlapped_s = float(_combine(np.array(compute_s(batch)), np.array(sync), TRUTH["gamma"]))
+    return overlapped_s + TRUTH["kappa"] * (g - 1) * compute_s(batch)
 
 
 def step(placement: list[int], batch: int) -> dict:

@@ -1,8 +1,8 @@
 """Placement-aware step time on several GPUs over several nodes, fitted to measured multi-device steps.
 
     T_step(p, b) = ( T_c(b)^gamma + T_r(p)^gamma )^(1/gamma) + kappa (g - 1) T_c(b),   gamma in [1, 10], kappa in [0, 1]
-    T_r(p)       = ring(g, S, intra) + [m > 1] * ring(m, k(p) * S, inter)            (shared_nic, hierarchical)
-                 = ring(g, S, intra) if m == 1 else ring(n, S, inter)               (flat)
+    T_r(p)       = ring(g, S, intra) + [m > 1] * ring(m, S / g, inter)             (hierarchical)
+                 = ring(g, S, intra) if m == 1 else ring(n, S, inter)          (flat)
     ring(n, S, link) = 2 (n - 1) * latency_s + 2 (n - 1) / n * S / bandwidth
 
 for a placement p = (GPUs on node 1, GPUs on node 2, ...) with n GPUs on m nodes, g on the busiest node,
@@ -10,12 +10,20 @@ and a per-GPU batch b. Sources: the overlap p-norm and "fit the throughput model
 Pollux's (Qiao et al., OSDI 2021, sec. 3.2; `adaptdl/goodput.py`); the ring cost is Patarasuk & Yuan
 2009 and Thakur, Rabenseifner & Gropp 2005 (2(n-1) hops, 2(n-1)/n S bytes per device).
 
-Topologies (k(p), the inter-node bytes per gradient byte):
-- shared_nic:   k = g. The g GPUs of a node share one NIC, so the busiest node's NIC carries g rings'
-                worth of inter-node bytes (g4dn: PCIe GPUs, one Ethernet NIC): sync(22) ~ 2 x sync(11).
-- hierarchical: k = 1 / g. Reduce-scatter inside the node, all-reduce a 1/g shard across nodes
+Topologies:
+- hierarchical: reduce-scatter inside the node, all-reduce a 1/g shard across nodes
                 (`network.HierarchicalAllReduce`, Jia et al. 2018): sync(22) < sync(11).
-- flat:         one ring over all n GPUs, every hop paced by the inter-node link once m > 1.
+- flat:         one ring over all n GPUs, every hop paced by the inter-node link once m > 1. The GPUs of a
+                node share its NIC, and a ring crossing m nodes sends 2 (n - 1) / n S bytes through each
+                NIC however many of the node's GPUs it visits.
+A topology with g rings' worth of bytes through a node's NIC (inter-node cost growing with g) was a
+candidate until 2026-12-02, to explain an exposed sync of 22 at 1.7-2.8x that of 11 on the Pollux traces
+(cifar10). That ratio is mostly the overlap's: 1.7-2.2 at batches 32-91, where little of the all-reduce is
+hidden (a flat ring says 1.5, plus the wait for each node's slower GPU), 2.8 at 182 and 9.6 at 257. It was
+never chosen from rich data (30% of all rows, 5 seeds, both applications), was chosen in 5 of 10 sparse
+fits (6 placements at one or two batches, gamma assumed 2), and then missed the other rows by 14-84% where a
+ring topology missed by 6-16% (docs/validation.md).
+
 kappa (g - 1) T_c(b) is host contention, a straggler's wait: the g GPUs of a node share its PCIe root and
 CPUs, the slowest of them falls behind by a share of its compute, and the others wait for it in the
 all-reduce, where no backward pass is left to hide the wait (kappa = 0 is "none"). So the wait is added
@@ -25,18 +33,11 @@ nodes with one GPU each stay at 0.003 s from 257 up; the compute part does not g
 the single-device compute model chosen by `select_compute_model`. One accumulation micro-step costs
 (1 + kappa (g - 1)) T_c(b): the straggler falls behind on every micro-step (`step_time.MeasuredStepTime`).
 
-Overlap is identifiable only from rows at two or more per-GPU batches: at one batch, gamma and the links
-trade off exactly. There, gamma is assumed to be 2 (`ONE_BATCH_GAMMA`), overlap-fitted shapes and
-shared_nic are not candidates, and the report says so. Why 2: at T_r = T_c the p-norm gives 2^(1/gamma)
-T_c, from 2 T_c (gamma = 1, no overlap) to T_c (gamma -> inf, perfect overlap); 1/gamma = 1/2 is the
-midpoint, the value whose worst-case log error over all gammas is smallest. Why not shared_nic: at one
-batch the exposed sync's ratios between placements are inflated by the overlap it hides, and shared_nic
-is the topology that grows fastest with the GPUs per node. On the Pollux traces (cifar10) the exposed
-sync of 22 over 11 is 1.7-2.2 at batches 32-91, where little is hidden (a flat ring says 1.5, plus the
-wait for each node's slower GPU), 2.8 at 182 and 9.6 at 257: the overlap's signature, not a NIC's. A ring crossing m nodes sends 2 (n - 1) / n S bytes
-through each node's NIC however many of its GPUs the ring visits. Picked from one batch (182) by
-leave-one-placement-out, shared_nic misses the other placements and batches by 19% (cifar10) and 84%
-(imagenet, with gamma = 2); flat misses by 7% and 6%.
+gamma is fitted, or assumed to be 2 (`ASSUMED_GAMMA`): at T_r = T_c the p-norm gives 2^(1/gamma) T_c, from
+2 T_c (gamma = 1, no overlap) to T_c (gamma -> inf, perfect overlap); 1/gamma = 1/2 is the midpoint, the
+value whose worst-case log error over all gammas is smallest. It is not identifiable from rows at one
+per-GPU batch, where gamma and the links trade off exactly: there only gamma-assumed shapes compete, and
+the report says why.
 
 Fit: latency, bandwidth per link, gamma and kappa together by `scipy.optimize.least_squares` on log
 residuals log(T_pred / T_measured) of the multi-device rows (and, where sync_time_s is measured, of
@@ -48,9 +49,8 @@ fitted jointly from both. Each candidate shape
 (topology x gamma fitted or assumed x contention or not x latency fitted or assumed) is scored by
 its held-out relative step-time error over the multi-device rows, leaving one placement out at a
 time (k-fold over placements when there are more than `MAX_LOO_FOLDS`); the lowest median wins, the
-shape with fewer free parameters on ties. Too few rows for any shape: the given links, gamma = 1 and
-kappa = 0 are used and labelled "assumed". The assumed gamma is 1 (no overlap) where rows at two or more
-batches could have fitted it, 2 where they could not (above).
+shape with fewer free parameters on ties. Too few rows for any shape: the given links, gamma = 2 and
+kappa = 0 are used and labelled "assumed".
 """
 
 from __future__ import annotations
@@ -64,15 +64,14 @@ from scipy.optimize import least_squares
 from tula_service.fit.perfmodel.compute import select_compute_model
 from tula_service.fit.perfmodel.network import Link
 
-TOPOLOGIES = ("shared_nic", "hierarchical", "flat")
+TOPOLOGIES = ("hierarchical", "flat")
 GAMMA_BOUNDS = (1.0, 10.0)
 KAPPA_BOUNDS = (0.0, 1.0)
 LATENCY_BOUNDS_S = (1e-7, 1e-1)
 BANDWIDTH_BOUNDS_GBPS = (0.1, 2000.0)
 UNKNOWN_BYTES_TRANSFER_BOUNDS_S = (1e-7, 100.0)  # seconds to move one whole gradient when S is unknown
 MAX_LOO_FOLDS = 12
-ONE_BATCH_GAMMA = 2.0  # assumed where every multi-device row is at one per-GPU batch (module docstring)
-ONE_BATCH_TOPOLOGIES = ("hierarchical", "flat")  # no shared_nic from one batch (module docstring)
+ASSUMED_GAMMA = 2.0  # halfway in 1/gamma between no overlap and perfect overlap (module docstring)
 TIE_TOLERANCE = 2e-3  # a richer shape must beat a simpler one by 0.2 percentage point of median error
 
 
@@ -115,10 +114,14 @@ class CommRow:
 
 @dataclass(frozen=True)
 class Shape:
-    topology: str = "shared_nic"
-    overlap: bool = True  # gamma fitted; False: gamma assumed (1, or ONE_BATCH_GAMMA from one batch)
+    topology: str = "flat"
+    overlap: bool = True  # gamma fitted; False: gamma = ASSUMED_GAMMA
     contention: bool = True  # kappa fitted; False: kappa = 0
     fit_latency: bool = True  # latencies fitted; False: the given links' latencies (assumed)
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
 
     @property
     def name(self) -> str:
@@ -148,8 +151,7 @@ def _allreduce_s(topology: str, g, m, n, lat_a, xfer_a, lat_e, xfer_e) -> np.nda
     intra = _ring(g, lat_a, xfer_a)
     if topology == "flat":
         return np.where(m > 1, _ring(n, lat_e, xfer_e), intra)
-    nic_share = g if topology == "shared_nic" else 1.0 / g
-    return intra + _ring(m, lat_e, nic_share * xfer_e)
+    return intra + _ring(m, lat_e, xfer_e / g)
 
 
 def _combine(compute_s: np.ndarray, allreduce_s: np.ndarray, gamma: float) -> np.ndarray:
@@ -223,13 +225,12 @@ class PlacementStepModel:
     shapes: tuple[Shape, ...] = CANDIDATE_SHAPES
     comm_rows: tuple[CommRow, ...] = ()  # the intra-node all-reduce benchmark; used when gradient_bytes is known
     shape_: Shape = field(default=Shape(), init=False)
-    assumed_gamma_: float = field(default=1.0, init=False)
 
     # (lat_intra_s, xfer_intra_s, lat_inter_s, xfer_inter_s, gamma, kappa); xfer = S / bandwidth
     def _assumed_vector(self) -> np.ndarray:
         size = self.gradient_bytes if self.gradient_bytes else 1.0  # unknown S: xfer is seconds per gradient
         to_s = lambda link: size * 8.0 / (link.bandwidth_gbps * 1e9)  # noqa: E731
-        return np.array([self.intra.latency_s, to_s(self.intra), self.inter.latency_s, to_s(self.inter), self.assumed_gamma_, 0.0])
+        return np.array([self.intra.latency_s, to_s(self.intra), self.inter.latency_s, to_s(self.inter), ASSUMED_GAMMA, 0.0])
 
     def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
         if self.gradient_bytes:
@@ -317,15 +318,13 @@ class PlacementStepModel:
         )
         multi = _Data.of([r for r in rows if sum(r.placement) > 1])
         one_batch = np.unique(multi.batch).size < 2
-        self.assumed_gamma_ = ONE_BATCH_GAMMA if one_batch and multi.step_s.size else 1.0
         equations = multi.step_s.size + int(np.isfinite(multi.compute_part_s).sum())
         placements = np.unique(multi.group).size
         self.candidates_ = {}
         for shape in self.shapes:
             # each training fold leaves a placement out; it must still hold more equations than parameters
             eligible = placements >= 3 and int(shape.free().sum()) < equations * (placements - 1) / placements
-            identifiable = not one_batch or (not shape.overlap and shape.topology in ONE_BATCH_TOPOLOGIES)
-            eligible = eligible and identifiable
+            eligible = eligible and not (one_batch and shape.overlap)  # gamma is not identifiable from one batch
             entry = {"free_params": int(shape.free().sum()), "eligible": bool(eligible), "held_out": None}
             if eligible:
                 errors = self._held_out_errors(shape, multi)
@@ -336,8 +335,8 @@ class PlacementStepModel:
             # the hierarchical ring over the given links: the analytic model's (step_time.AnalyticStepTime)
             self.shape_, self.theta_, self.fit_log_rmse_ = Shape("hierarchical", False, False, False), self._assumed_vector(), None
             self.why_ = (f"{multi.step_s.size} multi-device rows on {placements} placements cannot fit a link: "
-                         f"the given links, gamma = {self.assumed_gamma_:g} and kappa = 0 are assumed")  # fmt: skip
-            self.sources_ = dict.fromkeys(("intra", "inter", "kappa"), "assumed") | {"gamma": self._assumed_gamma_source()}
+                         f"the given links, gamma = {ASSUMED_GAMMA:g} and kappa = 0 are assumed")  # fmt: skip
+            self.sources_ = dict.fromkeys(("intra", "inter", "kappa"), "assumed") | {"gamma": self._assumed_gamma_source("too few multi-device rows to fit it")}
             return self
         scored.sort(key=lambda s: (self.candidates_[s.name]["held_out"]["median_rel_err"], int(s.free().sum())))
         best = scored[0]
@@ -354,18 +353,18 @@ class PlacementStepModel:
         self.sources_ = {
             "intra": "fitted" if has_intra else "assumed",
             "inter": "fitted" if has_inter else "assumed",
-            "gamma": "fitted" if best.overlap else self._assumed_gamma_source(),
+            "gamma": "fitted" if best.overlap else self._assumed_gamma_source(
+                "every multi-device row is at one per-GPU batch, where the overlap cannot be told from the links" if one_batch
+                else "the shape with gamma assumed predicted the held-out placements best"),
             "kappa": "fitted" if best.contention else "assumed (0: no contention)",
         }
         if not has_inter:  # nothing measured the inter link: keep the given one
             self.theta_[2:4] = self._assumed_vector()[2:4]
         return self
 
-    def _assumed_gamma_source(self) -> str:
-        if self.assumed_gamma_ == 1.0:
-            return "assumed (1: no overlap)"
-        return (f"assumed ({self.assumed_gamma_:g}: every multi-device row is at one per-GPU batch, where the overlap cannot "
-                "be told from the links; halfway in 1/gamma between no overlap and perfect overlap)")
+    @staticmethod
+    def _assumed_gamma_source(why: str) -> str:
+        return f"assumed ({ASSUMED_GAMMA:g}, halfway in 1/gamma between no overlap and perfect overlap: {why})"
 
     def predict(self, g, m, n, device_batch) -> np.ndarray:
         """Seconds per step, broadcast over (g, m, n) placement features and the per-GPU batch."""
