@@ -161,7 +161,7 @@ def evaluate(app_name: str, rows: list[dict], train: np.ndarray, python: Path | 
     placements, batch = [r["placement"] for r in rows], np.array([r["local_bsz"] for r in rows])
     ours = model.predict_placements(placements, batch)
     g, m, n = placement_features(placements)
-    ours_compute = (1.0 + model.theta_[5] * (g - 1.0)) * model.compute_.predict(batch)
+    ours_compute = model.micro_step_s(g, batch)
     measured = np.array([r["step_time_s"] for r in rows])
     test = ~train
     multi_node_small = test & (m > 1) & (batch <= np.median(batch))

@@ -93,7 +93,7 @@ def test_contention_is_a_wait_in_the_sync_not_a_slower_compute_part():
     compute_s = float(model.compute_.predict(np.array([64.0]))[0])
     overlapped_s = float(model.predict_placements(["4"], [64])[0]) - model.theta_[5] * 3 * compute_s
     assert model.params_()["kappa"]["value"] == pytest.approx(0.06, rel=0.05)
-    assert overlapped_s == pytest.approx(float(PlacementStepModel._predict_vector(model, model.theta_ * [1, 1, 1, 1, 1, 0], TRUTH, 4, 1, 4, compute_s)))
+    assert overlapped_s == pytest.approx(float(model._predict_vector(model.theta_ * [1, 1, 1, 1, 1, 0], TRUTH, 4, 1, 4, compute_s)))
 
 
 def one_batch_rows(batch: float = 64) -> list[StepRow]:

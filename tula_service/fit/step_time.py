@@ -84,8 +84,7 @@ class MeasuredStepTime:
         return self.model.predict(per_node, nodes, devices, device_batch)
 
     def micro_s(self, device_batch, per_node) -> np.ndarray:
-        kappa = float(self.model.theta_[5])
-        return (1.0 + kappa * (np.asarray(per_node, dtype=float) - 1.0)) * self.model.compute_.predict(device_batch)
+        return self.model.micro_step_s(per_node, device_batch)
 
     def held_out_rel_err(self) -> float | None:
         held_out = self.model.candidates_.get(self.model.shape_.name, {}).get("held_out")

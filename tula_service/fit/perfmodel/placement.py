@@ -372,6 +372,11 @@ class PlacementStepModel:
         step_s = self._predict_vector(self.theta_, self.shape_, g, m, n, self.compute_.predict(batch))
         return np.where(n > 1, step_s, self.compute_.predict(batch))
 
+    def micro_step_s(self, g, device_batch) -> np.ndarray:
+        """Seconds of one accumulation micro-step (no all-reduce) with g GPUs on the busiest node:
+        (1 + kappa (g - 1)) T_c(b), the straggler falling behind on every micro-step (module docstring)."""
+        return (1.0 + float(self.theta_[5]) * (np.asarray(g, dtype=float) - 1.0)) * self.compute_.predict(device_batch)
+
     def predict_placements(self, placements, device_batch) -> np.ndarray:
         g, m, n = placement_features(placements)
         return self.predict(g, m, n, device_batch)
