@@ -290,7 +290,7 @@ def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words
 def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats():
     from tests.handmade import measurement
     from tula_service.cli.printing import format_recommendation
-    from tula_service.fit.efficiency_evidence import MOMENTUM_CAVEAT
+    from tula_service.fit.efficiency_evidence import ASSUMED_LR, MOMENTUM_CAVEAT
     from tula_service.plan.recommend import plan
     from tula_service.spec.job_spec import JobSpec
 
@@ -299,6 +299,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     line = next(line for line in lines if line.startswith("  noise scale B_noise"))
     assert line == "  noise scale B_noise 100 from initialization (weak evidence)"  # the hand-made points' B_noise
     assert f"    - {MOMENTUM_CAVEAT}" in lines and any("grows 10-1000x" in line for line in lines)
+    assert f"  epochs assume: {ASSUMED_LR['advised_rule']}" in lines
     stats = [{"samples": 25_000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 400.0 + 10 * i} for i in range(20)]
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

@@ -157,3 +157,14 @@ def test_sgd_noise_scales_from_statistics_carry_the_momentum_caveat_and_measured
     assert MOMENTUM_CAVEAT not in efficiency({"optimizer": "adam", "reference_run": {"gradient_stats": adam}})["warnings"]
     measured = {"reference_run": {"gradient_stats": stats}, "other_runs": [{"batch": 256, "epochs": 12.0}]}
     assert MOMENTUM_CAVEAT not in efficiency(measured)["warnings"]
+
+
+def test_the_epochs_say_which_lr_they_are_predicted_for():
+    from tula_service.fit.efficiency_evidence import ASSUMED_LR
+
+    stats = records(lambda s: 500.0)
+    assert efficiency({"reference_run": {"gradient_stats": stats}})["assumes_lr"] == ASSUMED_LR["advised_rule"]
+    assert efficiency()["assumes_lr"] == ASSUMED_LR["advised_rule"]  # the initial weights' statistics too
+    measured = {"reference_run": {"gradient_stats": stats}, "other_runs": [{"batch": 256, "epochs": 12.0}]}
+    assert efficiency(measured)["assumes_lr"] == ASSUMED_LR["measured_runs"]
+    assert "AdaScale" in ASSUMED_LR["advised_rule"]

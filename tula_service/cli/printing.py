@@ -99,7 +99,8 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     line = (f"  noise scale B_noise {human_number(noise['value'])}"
             + (f" [{human_number(interval[0])}, {human_number(interval[1])}]" if interval else "")
             + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
-    return [line, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
+    assumes = [f"  epochs assume: {efficiency['assumes_lr']}"] if efficiency.get("assumes_lr") else []
+    return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
 
 
 def _devices(candidate: dict[str, Any]) -> str:

@@ -397,6 +397,7 @@ class FittedEfficiency(_Detail):
     evidence: EvidenceReport
     max_step_gain: ExplainedValue | None
     min_epochs: SourcedValue
+    assumes_lr: str | None = Field(None, description="the LR protocol the epochs are predicted for: the advised rule, or the measured runs' LRs")
     source: Literal["fitted"]
     warnings: list[str]
     weak: bool
