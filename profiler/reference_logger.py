@@ -143,7 +143,8 @@ class _StepTally:
 class GradientStatsLogger:
     """Writes gradient-statistics records of a training run to a JSONL file (see the module docstring).
 
-    path: the JSONL file (rank 0 writes it). model: the module as trained (the DDP wrapper under DDP).
+    path: the JSONL file (rank 0 writes it); None writes none (the records are only returned by step(), as
+    TulaRun takes them). model: the module as trained (the DDP wrapper under DDP).
     optimizer: for the Adam/AdamW precond pair and for grad_scaler's unscaling; optional otherwise.
     every: optimizer steps per record. accumulation: micro-batches (backward calls) per optimizer step
     on each rank. device_batch: samples per micro-batch on one rank; None reads it from each forward
@@ -155,7 +156,7 @@ class GradientStatsLogger:
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | None,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
@@ -208,7 +209,7 @@ class GradientStatsLogger:
         if device_batch is None:
             self._hooks.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         self._hook_gradients(self.sampling)
-        self._file = open(path, "a" if append else "w") if self.rank == 0 else None
+        self._file = open(path, "a" if append else "w") if self.rank == 0 and path is not None else None
         self._closed = False
 
     # -- during backward ---------------------------------------------------------------------------

@@ -25,7 +25,8 @@ step's way (issue 17).
   (accumulation 1, device_batch the batch on one device), which is what it trains with. Without a counted
   pass (the loop calls a submodule, not the model) the `accumulation` argument stands.
 - Overhead budget: with `overhead_budget=f` (e.g. 0.02) the client keeps its own cost near f of the step
-  by taking statistics on fewer steps. After each window it estimates, from the step times it measures
+  by taking statistics on fewer steps. At the end of a window that followed a sampled step (else every
+  BUDGET_REFIT_WINDOWS windows) it estimates, from the step times it measures
   (medians over the last STEP_HISTORY plain steps and SAMPLED_HISTORY sampled ones, the seconds between
   step() calls) and the time spent in its own step() calls,
       overhead(n) = (2 (t_sampled - t_plain) / n + t_client) / (t_plain - t_client),
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import statistics
 import threading
 import time
@@ -77,6 +77,7 @@ BUDGET_MIN_SAMPLE_EVERY = 4  # under a budget at least 2 steps in 4 run without 
 MAX_SAMPLE_EVERY = 1024  # the sparsest sampling a budget may ask for: one pair of steps in 1024
 STEP_HISTORY = 256  # plain steps kept for the budget's median step time
 SAMPLED_HISTORY = 16  # sampled steps kept for the median cost of a sampled step
+BUDGET_REFIT_WINDOWS = 8  # without a new sampled step, the budget's period is fitted again every 8 windows
 PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
@@ -124,7 +125,7 @@ class TulaRun:
         self.server, self.run_id, self.token, self.timeout_s, self.plan_every_s = server, run_id, token, timeout_s, plan_every_s
         self.post_every_s = post_every_s
         self.accumulation = accumulation
-        self.logger = GradientStatsLogger(os.devnull, model, optimizer, every=every, accumulation=accumulation, device_batch=device_batch,
+        self.logger = GradientStatsLogger(None, model, optimizer, every=every, accumulation=accumulation, device_batch=device_batch,
                                           loss_divided_by_accumulation=loss_divided_by_accumulation, grad_scaler=grad_scaler,
                                           sample_every=sample_every, counts_only_records=True)  # fmt: skip
         self.leader = self.logger.rank == 0
@@ -141,6 +142,7 @@ class TulaRun:
         self._passes = 0
         self._plain_s: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)  # steps without statistics
         self._sampled_s: collections.deque[float] = collections.deque(maxlen=SAMPLED_HISTORY)
+        self._sampled_count = self._sampled_count_at_fit = self._windows_since_fit = 0
         self._client_s = 0.0  # seconds inside step(), over _client_steps calls
         self._client_steps = 0
         self._pass_hook = model.register_forward_pre_hook(self._count_pass)
@@ -163,7 +165,11 @@ class TulaRun:
         if self._last_step_at is not None:
             seconds = now - self._last_step_at
             self._step_times.append((self._passes, seconds))
-            (self._sampled_s if self.logger.sampling else self._plain_s).append(seconds)  # sampling: of the step now ending
+            if self.logger.sampling:  # of the step now ending
+                self._sampled_s.append(seconds)
+                self._sampled_count += 1
+            else:
+                self._plain_s.append(seconds)
         self._last_step_at, self._passes = now, 0
         stats = self.logger.step(loss=loss, metric=metric)
         if stats is None:
@@ -172,7 +178,7 @@ class TulaRun:
         record = self._record(stats, now)
         self._step_times = []
         self._count_client(entered)
-        if self.overhead_budget is not None:
+        if self.overhead_budget is not None and self._refit_due():
             self._fit_sampling_to_budget()
         if self.leader:
             if self._offline is not None:
@@ -206,6 +212,18 @@ class TulaRun:
     def _count_client(self, entered: float) -> None:
         self._client_s += time.perf_counter() - entered
         self._client_steps += 1
+
+    def _refit_due(self) -> bool:
+        """Whether the budget's period is worth fitting again at this window's end: a sampled step has been
+        timed since the last fit (the cost of one is the estimate's scarce input), or BUDGET_REFIT_WINDOWS
+        windows have passed (the plain steps' median drifts slowly). The fit sorts hundreds of step times, so
+        doing it at every window end cost more than the window's record on millisecond steps."""
+        self._windows_since_fit += 1
+        sampled_seen = self._sampled_count != self._sampled_count_at_fit
+        if not sampled_seen and self._windows_since_fit < BUDGET_REFIT_WINDOWS:
+            return False
+        self._windows_since_fit, self._sampled_count_at_fit = 0, self._sampled_count
+        return True
 
     def _fit_sampling_to_budget(self) -> None:
         """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget)."""

@@ -113,6 +113,18 @@ def test_records_follow_the_contract_and_each_line_is_on_disk_when_its_window_cl
     assert read_gradient_stats(path) == lines  # the service's reader takes the file as written
 
 
+def test_without_a_path_the_records_are_returned_and_no_file_is_written(tmp_path, monkeypatch):
+    """TulaRun takes the records from step() and sends them itself: no JSONL to write, not even to os.devnull."""
+    monkeypatch.chdir(tmp_path)
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(None, model, optimizer, every=3, accumulation=4)
+    records = _train(model, optimizer, logger, _batches(6), micro_batches=4)
+    logger.close()
+    assert [r["step"] for r in records] == [3, 6] and all(r["trace_sigma"] > 0 for r in records)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_loss_is_the_window_mean_and_metric_the_last_passed(tmp_path):
     model = _tiny_model()
     logger = GradientStatsLogger(tmp_path / "s.jsonl", model, every=2, accumulation=2)

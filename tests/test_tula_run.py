@@ -196,6 +196,24 @@ def test_an_overhead_budget_stretches_the_sampling_until_the_sampled_steps_fit_i
             _tula_run(None, "run-3", offline_path=tmp_path / "x.jsonl", overhead_budget=budget)
 
 
+def test_the_budget_is_fitted_again_after_a_sampled_step_or_every_few_windows_not_at_every_window(tmp_path, monkeypatch):
+    """The fit sorts hundreds of step times: at every window's end it cost more than the record on millisecond
+    steps. With 2 steps in 1024 sampled, a window (EVERY steps) seldom holds a sampled step."""
+    from profiler.tula_run import BUDGET_REFIT_WINDOWS
+
+    clock = _Clock()
+    monkeypatch.setattr("profiler.tula_run.time", clock)
+    run = _tula_run(None, "run-1", offline_path=tmp_path / "t.jsonl", overhead_budget=0.02, sample_every=1024)
+    fits: list[int] = []
+    fit = run._fit_sampling_to_budget
+    monkeypatch.setattr(run, "_fit_sampling_to_budget", lambda: (fits.append(run.logger.steps), fit())[1])
+    _steps_with_sampled_cost(run, clock, 40 * EVERY, plain_s=0.002, sampled_s=0.004)
+    run.close()
+    # the first window holds the pair at steps 0-1; after it, only every BUDGET_REFIT_WINDOWS windows
+    assert fits == [EVERY + k * BUDGET_REFIT_WINDOWS * EVERY for k in range(5)]  # 40 windows: 1 + 39 // 8 fits
+    assert run.overhead is not None and run.overhead["sample_every"] == 1024
+
+
 def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_when_none_does(tmp_path):
     """overhead(n) = (2 x extra / n + client) / (plain - client), with the medians set by hand."""
     run = _tula_run(None, "run-1", offline_path=tmp_path / "t.jsonl", overhead_budget=0.02, sample_every=5)
