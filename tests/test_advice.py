@@ -106,6 +106,17 @@ def test_lr_advice_never_exceeds_max_lr_and_says_so():
     assert "max_lr" in lr["why"]
 
 
+def test_a_raised_lr_says_whether_its_stability_is_the_users_evidence_or_assumed():
+    from tula_service.plan.advice import LR_STABILITY_ASSUMED
+
+    rule = _plan(objective="min_time", training={"reference_batch": 8, "reference_lr": 0.1})["training_advice"]["lr_rule"]
+    assert rule["multiplier"]["value"] > 1 and rule["stability"] == {"source": "assumed", "why": LR_STABILITY_ASSUMED}
+    capped = _plan(objective="min_time", training={"reference_batch": 8, "reference_lr": 0.1, "max_lr": 0.15})["training_advice"]["lr_rule"]
+    assert capped["stability"]["source"] == "spec" and "max_lr" in capped["stability"]["why"]
+    below = _plan(objective="min_time", training={"reference_batch": 512})["training_advice"]["lr_rule"]
+    assert below["multiplier"]["value"] <= 1 and below.get("stability") is None  # the LR is not raised
+
+
 def test_max_lr_makes_the_plan_expect_more_epochs_at_large_batches_and_reports_the_gain():
     free = _plan(objective="min_time", training={"reference_lr": 0.1})
     capped = _plan(objective="min_time", training={"reference_lr": 0.1, "max_lr": 0.2})

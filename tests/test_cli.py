@@ -291,6 +291,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     from tests.handmade import measurement
     from tula_service.cli.printing import format_recommendation
     from tula_service.fit.efficiency_evidence import ASSUMED_LR, MOMENTUM_CAVEAT
+    from tula_service.plan.advice import LR_STABILITY_ASSUMED
     from tula_service.plan.recommend import plan
     from tula_service.spec.job_spec import JobSpec
 
@@ -300,6 +301,10 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     assert line == "  noise scale B_noise 100 from initialization (weak evidence)"  # the hand-made points' B_noise
     assert f"    - {MOMENTUM_CAVEAT}" in lines and any("grows 10-1000x" in line for line in lines)
     assert f"  epochs assume: {ASSUMED_LR['advised_rule']}" in lines
+    assert f"    - LR stability {LR_STABILITY_ASSUMED}" not in lines  # the chosen batch is the reference: the LR is not raised
+    small_reference = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_batch": 8}))
+    raised = format_recommendation(plan(small_reference, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
+    assert f"    - LR stability {LR_STABILITY_ASSUMED}" in raised
     stats = [{"samples": 25_000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 400.0 + 10 * i} for i in range(20)]
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

@@ -6,6 +6,9 @@
       r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)),
   in [1, k], as is for SGD and its square root for Adam (Pollux/AdaptDL); the formula lives with the epochs
   model (tula_service.fit.perfmodel.efficiency: EfficiencyModel.step_gain, lr_multiplier).
+  Above the reference LR, stability is the user's evidence (training.max_lr caps the LR) or an assumption,
+  and the rule says which ("stability"): where the noise scale read is too high, the rule raises the LR
+  too far (benchmarks/advised_lr.py, docs/validation.md).
 - Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
   batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
 - The batch schedule over the run (tula_service.plan.schedule) is chosen by predicted time to the target.
@@ -28,6 +31,12 @@ import numpy as np
 
 from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 
+LR_STABILITY_ASSUMED = (
+    "assumed: the reference run shows the optimizer stable at the reference LR only, and this rule raises it. Measured "
+    "(benchmarks/advised_lr.py): plain SGD read a noise scale 2.5x its critical batch, and the rule's 2.1x LR at 4x the "
+    "reference batch took 2.8x the epochs of the best LR there; at 8x and 16x no seed reached the target. Give "
+    "training.max_lr, the largest LR that trained, to cap it"
+)
 AGS_DEFAULT_DELTA = 0.5
 AGS_MAX_SCALE = 2.0
 WARMUP_MAX_EPOCHS = 5.0
@@ -62,7 +71,16 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
         max_lr = spec.training.max_lr
         if max_lr is not None and lr > max_lr:
             result["lr"].update(value=max_lr, capped_from=lr, why=f"the rule's {lr:.4g} is above training.max_lr: capped (spec)")
+    if factor > 1.0:
+        result["stability"] = _stability(spec.training.max_lr)
     return result
+
+
+def _stability(max_lr: float | None) -> dict[str, str]:
+    """Whether the LR the rule raises is known to train (module docstring, LR rule)."""
+    if max_lr is not None:
+        return {"source": "spec", "why": "never above training.max_lr, the largest LR the user's runs trained with"}
+    return {"source": "assumed", "why": LR_STABILITY_ASSUMED}
 
 
 def warmup(spec, chosen: dict[str, Any]) -> dict[str, Any]:

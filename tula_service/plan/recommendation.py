@@ -129,6 +129,13 @@ class LearningRate(BaseModel):
     why: str | None = None
 
 
+class ExplainedSource(BaseModel):
+    """A statement of the advice without a number: where it came from and why."""
+
+    source: Literal["spec", "assumed"]
+    why: str
+
+
 class LrRule(BaseModel):
     batch_ratio_k: float = Field(description="global batch / training.reference_batch")
     optimizer: Literal["sgd", "adam", "adamw"]
@@ -137,6 +144,7 @@ class LrRule(BaseModel):
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")
     why: str
     lr: LearningRate | None = Field(None, description="only with training.reference_lr")
+    stability: ExplainedSource | None = Field(None, description="when the rule raises the LR: whether the raised LR is known to train (spec: capped at training.max_lr) or assumed")
 
 
 class Warmup(BaseModel):
