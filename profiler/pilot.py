@@ -18,6 +18,14 @@ P g, P = diag(1 / (sqrt(v_hat) + eps)) with v_hat the bias-corrected exp_avg_sq 
 step's own gradient is not in its preconditioner), one P for all micro-batches and the full gradient of
 the step; the first step has no v_hat yet, so its precond estimates are missing from the first record.
 
+LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta lambda_max) (profiler.sharpness) on
+one fixed batch of the reference batch's size, in full precision, goes into the last record as
+"stability_headroom" (and the pilot's "stability" says how it was measured). It runs after the budget, and
+costs about 40 backward passes of that batch. A pilot sees the start of the
+run, where the sharpness is still rising, and its SGD has momentum 0.9 (as every profiling point): a
+plain-SGD run has about half that headroom. A measurement that fails (out of memory: the double backward
+needs more than a training step; a model without second derivatives) is reported, not raised.
+
 Records follow the shared gradient-statistics contract (`tula_service.spec.job_spec.GradientStatsRecord`).
 """
 
@@ -45,6 +53,7 @@ from profiler.measure import (
     pick_device,
 )
 from profiler.memory import apply_memory_limit
+from profiler.sharpness import stability_headroom
 
 DEFAULT_LR = 0.01  # what the compute points train with when the spec gives no reference_lr
 WARMUP_FRACTION = 0.10
@@ -237,6 +246,22 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
     return stats
 
 
+def measure_stability(trainer: Trainer, workload, batch: int, seed: int) -> dict[str, Any]:
+    """The stability headroom at the pilot's last weights (module docstring): on one batch drawn with its own
+    seed, fp32 (no autocast, no loss scaling); a failure is reported as data."""
+    inputs, targets = trainer.to_device(*workload.data.batch(batch, torch.Generator().manual_seed(seed + 1)))
+    how = {"batch": batch, "method": "power iteration on Hessian-vector products (profiler.sharpness), fp32"}
+    try:
+        measured = stability_headroom(lambda: workload.loss_fn(trainer.model(inputs), targets), list(trainer.model.parameters()), trainer.optimizer)
+    except Exception as error:  # noqa: BLE001 - an OOM or a missing second derivative is data, not a failed pilot
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {**how, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    if measured is None:
+        return {**how, "error": "no stability threshold known for this optimizer, or no positive curvature at these weights"}
+    return {**how, **measured}
+
+
 def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
     """Train at request["batch_size"] (the reference batch) and return the pilot measurement; see
     `tula_service.dispatch.jobs.pilot_request` for the request's keys."""
@@ -339,6 +364,9 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
     train_seconds = time.perf_counter() - train_started
     if window.steps:  # the partial window the budget cut short
         trajectory.append(window.record(samples=steps * step_batch, batch=step_batch, step=steps))
+    stability = measure_stability(trainer, workload, step_batch, seed) if trajectory and "diverged" not in run else None
+    if stability and stability.get("stability_headroom"):
+        trajectory[-1]["stability_headroom"] = stability["stability_headroom"]
     return {
         "steps": steps,
         "samples": steps * step_batch,
@@ -355,6 +383,7 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
             "step_batch": step_batch,
             "preconditioned": "adam v_hat before the step" if precondition else None,
         },
+        "stability": stability,
         "options": {"dtype": request.get("dtype", "fp32"), "channels_last": bool(request.get("channels_last", False))},
         "memory_limit": limit,
         "workload": {"model": request["model"], "dataset": request["dataset"].get("name")},

@@ -89,6 +89,11 @@ On a small model whose step takes milliseconds the norms cost a tenth or more of
 fewer steps (window_steps says how many). No host synchronization per step, except
 `grad_scaler.get_scale()` under AMP.
 
+LR stability. `logger.measure_stability(loss_fn)` between optimizer.step() and the next forward pass (every
+few hundred steps; about 2 x 20 backward passes of loss_fn on a fixed batch) measures how far the LR could
+grow before the top Hessian direction is unstable (profiler.sharpness), and the next record carries the
+smallest since the last as "stability_headroom": the service caps the LR it advises there.
+
 Not supported: FSDP, ZeRO or tensor parallelism (a rank holds a shard, not a gradient), and other
 backward passes through the model's parameters between two step() calls (they would count as
 micro-batches: step() then raises).
@@ -110,6 +115,7 @@ import torch.distributed as dist
 from torch import nn
 
 from profiler.gradstats import two_batch_estimates
+from profiler.sharpness import stability_headroom
 
 RECORD_KEYS = (
     "samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step",
@@ -202,6 +208,7 @@ class GradientStatsLogger:
         self._rows_device: list[torch.Tensor] = []
         self._rows_host: list[list[float]] = []
         self._metric: float | None = None
+        self._stability_headroom: float | None = None
         self._prev_norm: float | None = None
         self._tally = _StepTally()
         self._hooks = []  # the forward hook: every step
@@ -385,6 +392,8 @@ class GradientStatsLogger:
         self._metric = None
         if record is None:
             return None
+        if self._stability_headroom is not None:
+            record["stability_headroom"], self._stability_headroom = self._stability_headroom, None
         self.last_record = record
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -439,6 +448,28 @@ class GradientStatsLogger:
             "precond_grad_sqr": statistics.fmean(g for g, _ in precond) if precond else None,
             "precond_trace_sigma": statistics.fmean(t for _, t in precond) if precond else None,
         }
+
+    # -- LR stability ------------------------------------------------------------------------------
+
+    def measure_stability(self, loss_fn: Any) -> dict[str, float] | None:
+        """Measures the stability headroom (2 + 2 beta) / (eta lambda_max) now (profiler.sharpness) and puts the
+        smallest since the last record into the next record as "stability_headroom". Call it between
+        optimizer.step() and the next forward pass, every few hundred steps: it costs about 2 x 20 backward
+        passes of loss_fn, which builds a loss on a fixed batch (under DDP, through the unwrapped module).
+        Needs the optimizer; returns the measurement, or None where no threshold is known for it."""
+        if self.optimizer is None:
+            raise ValueError("measure_stability needs the optimizer: its LR and momentum set the threshold")
+        hooked, forward_sizes = bool(self._grad_hooks), list(self._tally.forward_sizes)
+        self._hook_gradients(False)  # the measurement's own passes are not training steps
+        try:
+            measured = stability_headroom(loss_fn, self.parameters, self.optimizer)
+        finally:
+            self._tally.forward_sizes = forward_sizes
+            self._hook_gradients(hooked)
+        if measured is not None:
+            previous = self._stability_headroom
+            self._stability_headroom = measured["stability_headroom"] if previous is None else min(previous, measured["stability_headroom"])
+        return measured
 
     # -- the end -----------------------------------------------------------------------------------
 

@@ -310,3 +310,21 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
                 if line.startswith("  noise scale B_noise"))  # fmt: skip
     assert line.endswith("from reference run") and " [" in line and ", " in line
+
+
+def test_a_raised_lr_capped_by_a_measured_headroom_says_so():
+    from tests.handmade import measurement
+    from tula_service.cli.printing import format_recommendation
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
+
+    stats = [{"samples": 25_000 * (i + 1), "batch": 8, "grad_sqr": 1.0, "trace_sigma": 400.0} for i in range(20)]
+    stats[-1]["stability_headroom"] = 1.3
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], objective="min_time",
+                                            training={"reference_batch": 8, "reference_run": {"gradient_stats": stats}}))  # fmt: skip
+    rec = plan(spec, [measurement(b) for b in (8, 16, 32, 64)])
+    assert rec["training_advice"]["lr_rule"]["batch_ratio_k"] > 1  # the chosen batch is above the reference
+    lines = format_recommendation(rec).splitlines()
+    stability = next(line for line in lines if line.startswith("    - LR stability"))
+    assert stability.startswith("    - LR stability measured: never above 1.3x the reference LR")
+    assert any(line.startswith("  LR x1.30 (adascale, fitted)") for line in lines)

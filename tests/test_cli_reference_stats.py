@@ -104,6 +104,9 @@ def test_more_records_than_a_spec_holds_are_merged_into_windows_that_keep_the_no
     assert TrajectoryNoiseScale(window=(0.5, 1.0)).fit(merged, target).noise_scale_ == pytest.approx(
         TrajectoryNoiseScale(window=(0.5, 1.0)).fit(records, target).noise_scale_, rel=0.01)
     JobSpec.model_validate(with_reference_stats(spec_dict(), merged))  # a spec holds them
+    records[100]["stability_headroom"], records[101]["stability_headroom"] = 3.0, 1.5  # merged into one window: the smaller
+    headrooms = [r["stability_headroom"] for r in coarsen_records(records, MAX_GRADIENT_STATS_RECORDS) if "stability_headroom" in r]
+    assert headrooms in ([1.5], [3.0, 1.5])  # the smallest in each window that held one
 
 
 # -- the spec the CLI builds --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tests.handmade import measurement, spec_dict
+from tula_service.fit.perfmodel.efficiency import adascale_gain
 from tula_service.plan.recommend import plan
 from tula_service.plan.whatif import WhatIf, replan
 from tula_service.spec.job_spec import JobSpec
@@ -168,3 +169,87 @@ def test_the_epochs_say_which_lr_they_are_predicted_for():
     measured = {"reference_run": {"gradient_stats": stats}, "other_runs": [{"batch": 256, "epochs": 12.0}]}
     assert efficiency(measured)["assumes_lr"] == ASSUMED_LR["measured_runs"]
     assert "AdaScale" in ASSUMED_LR["advised_rule"]
+
+
+def _with_headroom(stats, headrooms):
+    """Records with a measured stability headroom on the last len(headrooms) of them."""
+    stats = [dict(r) for r in stats]
+    for record, value in zip(stats[-len(headrooms):], headrooms):
+        record["stability_headroom"] = value
+    return stats
+
+
+def test_a_measured_stability_headroom_caps_the_advised_lr_and_raises_the_epochs_it_caps():
+    stats = records(lambda s: 500.0)
+    free = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={
+        "reference_lr": 0.1, "reference_run": {"gradient_stats": stats}})), POINTS)  # fmt: skip
+    capped = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={
+        "reference_lr": 0.1, "reference_run": {"gradient_stats": _with_headroom(stats, [1.6, 1.2, 1.4])}})), POINTS)  # fmt: skip
+    report = capped["models"]["efficiency"]["lr_headroom"]
+    assert report["value"] == 1.2 and report["source"] == "measured" and "reference_run, second half: 3 records" in report["evidence"]
+    assert free["models"]["efficiency"]["lr_headroom"] is None
+    epochs = lambda rec: {r["global_batch"]: r["epochs"]["value"] for r in rec["candidates"] if r["devices"] == 1}  # noqa: E731
+    free_epochs, capped_epochs = epochs(free), epochs(capped)
+    assert capped_epochs[32] == pytest.approx(free_epochs[32])  # the reference batch runs at the reference LR either way
+    assert capped_epochs[128] > free_epochs[128] * 1.05  # the AdaScale gain at 4x the reference (about 3.3) is capped at 1.2
+    from tula_service.fit.perfmodel.efficiency import EpochModel
+    from tula_service.plan.advice import lr_rule
+
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1}))
+    rule = lr_rule(spec, 128, EpochModel(32, 10.0, 500.0, lr_headroom=1.2))
+    assert rule["multiplier"]["value"] == pytest.approx(1.2) and rule["lr"]["value"] == pytest.approx(0.12)
+    assert rule["stability"]["source"] == "measured" and "1.2x" in rule["stability"]["why"] and "capped" in rule["why"]
+    roomy = lr_rule(spec, 128, EpochModel(32, 10.0, 500.0, lr_headroom=50.0))
+    assert roomy["multiplier"]["value"] == pytest.approx(adascale_gain(4, 500.0, 32)) and "capped" not in roomy["why"]
+
+
+def test_with_max_lr_too_the_lower_cap_wins_and_a_headroom_above_the_rule_changes_nothing():
+    from tula_service.fit.perfmodel.efficiency import EpochModel
+    from tula_service.plan.advice import lr_rule
+
+    stats = _with_headroom(records(lambda s: 500.0), [1.2])
+    with_max_lr = efficiency({"reference_lr": 0.1, "max_lr": 0.3, "reference_run": {"gradient_stats": stats}})
+    assert with_max_lr["lr_headroom"]["value"] == 1.2 and with_max_lr["max_step_gain"]["value"] == pytest.approx(3.0)
+    for max_lr, source, lr in ((0.3, "measured", 0.12), (0.11, "spec", 0.11)):
+        spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1, "max_lr": max_lr}))
+        rule = lr_rule(spec, 128, EpochModel(32, 10.0, 500.0, lr_headroom=1.2))
+        assert rule["stability"]["source"] == source and rule["lr"]["value"] == pytest.approx(lr)
+    roomy = _with_headroom(records(lambda s: 500.0), [50.0])
+    assert efficiency({"reference_run": {"gradient_stats": roomy}})["noise_scale"]["value"] == pytest.approx(
+        efficiency({"reference_run": {"gradient_stats": records(lambda s: 500.0)}})["noise_scale"]["value"])
+
+
+def test_a_non_positive_stability_headroom_is_a_named_422_field():
+    bad = _with_headroom(records(lambda s: 500.0), [0.0])
+    with pytest.raises(ValueError, match="stability_headroom"):
+        JobSpec.model_validate(spec_dict(training={"reference_run": {"gradient_stats": bad}}))
+
+
+def test_the_capped_step_costs_the_quadratic_models_extra_steps():
+    """McCandlish et al. 2018, Sec. 2.2: progress 2x - x^2 (1 + B_noise / B) of the best step, with x the step over
+    eps_max; the reference LR is the best at B_ref, x_ref = 1 / (1 + B_noise / B_ref), and the cap is h x_ref."""
+    from tula_service.fit.perfmodel.efficiency import EpochModel
+
+    noise, reference, headroom = 80.0, 32, 1.1
+    model, free = EpochModel(reference, 4.0, noise, lr_headroom=headroom), EpochModel(reference, 4.0, noise)
+    cap = headroom / (1 + noise / reference)
+    for batch in (64, 128, 256):
+        best = 1 / (1 + noise / batch)
+        by_hand = best / (2 * cap - cap**2 * (1 + noise / batch))
+        assert float(model.predict(batch)) == pytest.approx(float(free.predict(batch)) * by_hand)
+        assert by_hand > 1 and model.lr_capped(batch) and model.lr_multiplier(batch) == pytest.approx(headroom)
+    assert float(model.predict(32)) == pytest.approx(4.0) and float(model.predict(16)) == pytest.approx(float(free.predict(16)))
+    adam = EpochModel(reference, 4.0, noise, optimizer="adam", lr_headroom=headroom)
+    assert adam.cap_gain() == pytest.approx(headroom**2) and adam.lr_multiplier(1024) == pytest.approx(headroom)
+    assert EpochModel(reference, 4.0, noise, lr_headroom=0.5).lr_headroom == 1.0  # already past the edge: no raise at all
+
+
+def test_the_headroom_is_read_where_the_noise_scale_is_the_second_half_of_the_run():
+    """An early dip (the sharpness swings at the start of a run) does not cap the LR when the second half was measured."""
+    stats = [dict(r) for r in records(lambda s: 500.0)]  # 30 records up to the target
+    stats[5]["stability_headroom"], stats[20]["stability_headroom"], stats[28]["stability_headroom"] = 0.4, 2.5, 1.8
+    report = efficiency({"reference_run": {"gradient_stats": stats}})["lr_headroom"]
+    assert report["value"] == 1.8 and report["evidence"].startswith("reference_run, second half: 2 records")
+    del stats[20]["stability_headroom"], stats[28]["stability_headroom"]
+    early = efficiency({"reference_run": {"gradient_stats": stats}})["lr_headroom"]
+    assert early["value"] == 0.4 and early["evidence"].startswith("reference_run, first half only")

@@ -71,6 +71,11 @@ def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
     assert pilot["warmup_steps"] == warmup_steps_for(30) == 3
     assert pilot["gradient"]["micro_batches"] == 4 and pilot["gradient"]["micro_batch"] == 4
     assert pilot["threads"] == 1 and pilot["host_load"]["cores"] >= 1 and pilot["elapsed_s"] >= pilot["train_seconds"]
+    stability = pilot["stability"]  # measured once, at the last weights, into the last record only
+    assert stability["batch"] == 16 and stability["lr"] == 0.01 and stability["sharpness"] > 0
+    assert stability["stability_headroom"] == pytest.approx(3.8 / (0.01 * stability["sharpness"]))  # momentum 0.9
+    assert pilot["trajectory"][-1]["stability_headroom"] == stability["stability_headroom"]
+    assert all("stability_headroom" not in r for r in pilot["trajectory"][:-1])
 
 
 def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_falls():
@@ -81,6 +86,8 @@ def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_fall
     for record in records:
         assert math.isfinite(record["precond_grad_sqr"]) and record["precond_trace_sigma"] > 0
     assert records[-1]["loss"] < records[0]["loss"]  # it trains: the statistics are taken along training
+    headroom = pilot["stability"]["stability_headroom"]  # Adam: (2 + 2 beta1) / (1 - beta1) / (eta lambda_max), preconditioned
+    assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
 
 
 def test_pilot_stops_at_its_time_budget():
@@ -134,6 +141,7 @@ def test_a_diverging_loss_ends_the_pilot_with_what_it_has():
     pilot = _pilot("cnn1d", MNIST1D, 16, lr=1e4, pilot_steps=100, pilot_record_every=5)
     assert pilot["status"] == "ok" and pilot["stopped_by"] == "diverged" and pilot["steps"] < 100
     assert "diverged" in pilot and pilot["diverged"]["step"] == pilot["steps"] + 1
+    assert pilot["stability"] is None  # no headroom is read off weights that diverged
     _assert_contract(pilot["trajectory"], 16)
 
 
@@ -209,3 +217,15 @@ def test_a_job_with_a_pilot_ends_done_with_its_trajectory_and_threads_reach_the_
     assert measurement["threads"] == 1 and measurement["threads_source"] == "spec"
     assert all(p.measurement["threads"] == 1 for p in finished.points if p.kind == "grid")
     assert finished.recommendation["profiled"]["failed"] == []  # planned from the compute points as before
+
+
+def test_a_stability_measurement_that_fails_is_reported_and_the_pilot_keeps_its_records(monkeypatch):
+    import profiler.pilot as pilot_module
+
+    def no_second_derivative(*args, **kwargs):
+        raise RuntimeError("derivative for some_kernel_backward is not implemented")
+
+    monkeypatch.setattr(pilot_module, "stability_headroom", no_second_derivative)
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10)
+    assert pilot["status"] == "ok" and [r["step"] for r in pilot["trajectory"]] == [10, 20]
+    assert "not implemented" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])

@@ -419,3 +419,35 @@ def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro
                 else:
                     assert ddp_record[key] == pytest.approx(single_record[key], rel=1e-4), (optimizer_name, key)
         assert (written[-1]["precond_grad_sqr"] is not None) == (optimizer_name == "adam")
+
+
+def test_a_stability_measurement_goes_into_the_next_record_and_leaves_the_statistics_alone(tmp_path):
+    """measure_stability() between steps: its own forward and backward passes are not counted as micro-batches,
+    and the next record carries the smallest headroom measured since the last one."""
+    fixed_inputs, fixed_targets = _batches(1, 64)[0]
+
+    def run(measure: bool):
+        model = _tiny_model()
+        optimizer = _optimizer("sgd", model)
+        logger = GradientStatsLogger(tmp_path / f"stats-{measure}.jsonl", model, optimizer, every=3, accumulation=4)
+        loss_fn = lambda: F.cross_entropy(model(fixed_inputs), fixed_targets)  # noqa: E731
+        records, measured = [], []
+        for index, batch in enumerate(_batches(6)):
+            records += _train(model, optimizer, logger, [batch], micro_batches=4)
+            if measure and index in (0, 1):
+                measured.append(logger.measure_stability(loss_fn))
+        logger.close()
+        return records, measured
+
+    plain, _ = run(False)
+    records, measured = run(True)
+    assert all(m is not None and m["stability_headroom"] > 0 and m["lr"] == 0.3 for m in measured)
+    assert records[0]["stability_headroom"] == min(m["stability_headroom"] for m in measured)
+    assert "stability_headroom" not in records[1] and all("stability_headroom" not in r for r in plain)
+    for ours, theirs in zip(records, plain):
+        assert ours["samples"] == theirs["samples"] and ours["grad_sqr"] == pytest.approx(theirs["grad_sqr"], rel=1e-9)
+    from tula_service.spec.job_spec import GradientStatsRecord
+
+    assert GradientStatsRecord.model_validate(records[0]).stability_headroom == records[0]["stability_headroom"]
+    with pytest.raises(ValueError, match="optimizer"):
+        GradientStatsLogger(None, _tiny_model(), None, every=3, accumulation=4).measure_stability(lambda: None)

@@ -27,6 +27,13 @@ training were measured on the CPU tasks (benchmarks/advised_lr.py against benchm
 at the advised LR the epochs followed the prediction closely on most tasks, while an LR tuned at every batch went
 past the rule at large batches and needed fewer epochs there.
 
+LR stability. Records may carry a measured stability headroom (profiler.sharpness): how far the LR could grow at
+that point of the run before the top Hessian direction is unstable. The smallest over the reference run's
+records (else the pilot's) caps the LR the rule advises and sets the epochs of the capped step
+(perfmodel.efficiency: EpochModel lr_headroom); with training.max_lr as well, the lower of the two caps the LR.
+Measured (benchmarks/stability_headroom.py, docs/validation.md): plain SGD, where the advised LR overshot, had
+a headroom of about 1.1; the momentum and Adam tasks 2.7-32, above every LR the rule advised.
+
 SGD: no gradient statistic carries momentum's gain past the noise scale (where the step is curvature-limited,
 heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured (benchmarks/statistical_efficiency.py,
 docs/validation.md): momentum 0.9 put the critical batch fitted to the epochs 2-4x above the noise scale read on
@@ -56,8 +63,9 @@ MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by about 2x either way. On CPU tasks with momentum 0.9 the critical "
     "batch of epochs trained at the advised LR was 0.9-1.9x the noise scale read, and with the LR tuned at every batch "
     "0.9-3.1x; without momentum the noise scale read was 2.5x the critical batch, and at the advised LR 1 seed in 8 "
-    "reached the target at 8x the reference batch (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at a batch a few "
-    "times B_noise (training.other_runs) settle it; training.max_lr caps the advised LR"
+    "reached the target at 8x the reference batch, every seed with the LR capped at the stability headroom measured "
+    "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at a batch a few "
+    "times B_noise (training.other_runs) settle it; training.max_lr or a measured headroom caps the advised LR"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
@@ -189,6 +197,34 @@ def gather(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurem
     return [evidence for evidence in found if evidence is not None]
 
 
+LR_HEADROOM_WHY = (
+    "the smallest stability headroom (2 + 2 beta) / (eta lambda_max) measured along the run (profiler.sharpness; "
+    "Cohen et al. 2021, 2022): the LR the rule advises is capped at this many times the reference LR. A lower bound on "
+    "what trains (sharpness adapts to the LR), so a capped LR is safe rather than fast"
+)
+
+
+def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None) -> dict[str, Any] | None:
+    """The smallest stability_headroom over the second half of the reference run to the target (the part its
+    noise scale is read from; the first half when none was measured there), else over the pilot's records, with
+    its evidence; None without one. With training.max_lr too, the LR is capped at the lower of the two.
+
+    The second half because the sharpness swings early in a run: measured at 8 points of the CPU tasks' reference
+    runs (benchmarks/stability_headroom.py), the headroom at 1/8-1/4 of the run dipped to 0.2-0.5x its later
+    values on plain SGD and on a CNN, and a cap at that dip bound where an LR 4x the reference trained."""
+    reference = spec.training.reference_run
+    measured = [r for r in (reference.gradient_stats if reference else []) if r.stability_headroom is not None]
+    late = [r for r in measured if r.samples >= target_samples(spec) / 2]
+    candidates = [("reference_run, second half", late), ("reference_run, first half only", measured),
+                  ("pilot (the start of the run)", [r for r in (pilot.trajectory if pilot else []) if r.stability_headroom is not None])]  # fmt: skip
+    for source, records in candidates:
+        if records:
+            smallest = min(records, key=lambda r: r.stability_headroom)
+            return {"value": smallest.stability_headroom, "source": "measured",
+                    "evidence": f"{source}: {len(records)} records, smallest at {smallest.samples} samples", "why": LR_HEADROOM_WHY}  # fmt: skip
+    return None
+
+
 def choose(evidence: list[NoiseEvidence]) -> NoiseEvidence | None:
     return next((e for e in evidence if e.noise_scale), None)
 
@@ -198,18 +234,20 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     evidence = gather(spec, points, pilot)
     chosen = choose(evidence)
     training = spec.training
+    headroom = measured_lr_headroom(spec, pilot)
     epochs = EpochModel(
         training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
         max_step_gain(training.optimizer, training.reference_lr, training.max_lr),
         min_epochs=chosen.min_epochs if chosen else None, optimizer=training.optimizer,
+        lr_headroom=headroom["value"] if headroom and chosen and chosen.source != "other_runs" else None,
     )  # fmt: skip
-    summary = report(chosen, evidence, epochs)
+    summary = report(chosen, evidence, epochs, headroom)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
         summary["warnings"] = [*summary["warnings"], MOMENTUM_CAVEAT]
     return epochs, summary
 
 
-def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel) -> dict[str, Any]:
+def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel, headroom: dict[str, Any] | None = None) -> dict[str, Any]:
     candidates = [e.summary() | {"ratio_to_used": (e.noise_scale / chosen.noise_scale) if chosen and e.noise_scale else None}
                   for e in evidence]  # fmt: skip
     if chosen is None:
@@ -229,7 +267,8 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
     return {
         "formula": "E(B) = E_min (1 + B / B_noise), "
         + ("E_min and B_noise fitted to the measured runs" if fitted_min else "E_min from the reference run")
-        + ("; never below E_ref B / (B_ref max_step_gain)" if floor else ""),
+        + ("; never below E_ref B / (B_ref max_step_gain)" if floor else "")
+        + ("; the LR capped at lr_headroom times the reference, times the capped step's extra steps" if epochs.lr_headroom else ""),
         "noise_scale": {"value": chosen.noise_scale, "interval": list(chosen.interval) if chosen.interval else None,
                         "stderr": chosen.stderr, "source": "fitted", "evidence": chosen.source},  # fmt: skip
         "evidence": {"used": chosen.source, "order": list(EVIDENCE_ORDER), "candidates": candidates},
@@ -238,6 +277,7 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
             "why": "training.max_lr / reference_lr (squared for Adam): the LR, and with it the progress per step, "
             "cannot grow past max_lr, so a step is worth at most this many reference steps",
         } if floor else None,  # fmt: skip
+        "lr_headroom": headroom if epochs.lr_headroom else None,
         "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
         "assumes_lr": ASSUMED_LR["measured_runs" if chosen.source == "other_runs" else "advised_rule"],
         "source": "fitted",

@@ -6,8 +6,9 @@
       r(k) = (sigma^2 + |G|^2) / (sigma^2 / k + |G|^2) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)),
   in [1, k], as is for SGD and its square root for Adam (Pollux/AdaptDL); the formula lives with the epochs
   model (tula_service.fit.perfmodel.efficiency: EfficiencyModel.step_gain, lr_multiplier).
-  Above the reference LR, stability is the user's evidence (training.max_lr caps the LR) or an assumption,
-  and the rule says which ("stability"): where the noise scale read is too high, the rule raises the LR
+  Above the reference LR, stability is the user's evidence (training.max_lr caps the LR), the stability
+  headroom measured along the run (profiler.sharpness; the efficiency model caps its multiplier there) or an
+  assumption, and the rule says which ("stability"): where the noise scale read is too high, the rule raises the LR
   too far (benchmarks/advised_lr.py, docs/validation.md).
 - Warm-up: gradual (linear) warm-up to the scaled LR over min(5 epochs, 10% of training) when the
   batch grows (Goyal et al. 2017 use 5 epochs at k = 32).
@@ -35,7 +36,8 @@ LR_STABILITY_ASSUMED = (
     "assumed: the reference run shows the optimizer stable at the reference LR only, and this rule raises it. Measured "
     "(benchmarks/advised_lr.py): plain SGD read a noise scale 2.5x its critical batch, and the rule's 2.1x LR at 4x the "
     "reference batch took 2.8x the epochs of the best LR there; at 8x and 16x 1 seed in 8 reached the target. Give "
-    "training.max_lr, the largest LR that trained, to cap it"
+    "training.max_lr, the largest LR that trained, or measure the stability headroom along the reference run "
+    "(GradientStatsLogger.measure_stability), to cap it"
 )
 AGS_DEFAULT_DELTA = 0.5
 AGS_MAX_SCALE = 2.0
@@ -47,6 +49,7 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
     k = global_batch / spec.training.reference_batch
     rules = {"linear": k, "sqrt": math.sqrt(k)}
     noise_scale = efficiency.noise_scale
+    capped = bool(noise_scale) and efficiency.lr_capped(global_batch)
     if noise_scale:
         rules["adascale"] = efficiency.lr_multiplier(global_batch)
     recommended = "adascale" if noise_scale else ("linear" if spec.training.optimizer == "sgd" else "sqrt")
@@ -60,6 +63,7 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
         "why": (
             f"AdaScale gain from the efficiency model's B_noise ({noise_scale:.3g})"
             + (" (square root for Adam)" if spec.training.optimizer != "sgd" else "")
+            + (f", capped at the measured stability headroom ({efficiency.lr_headroom:.3g}x the reference LR)" if capped else "")
             if noise_scale
             else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else "square-root scaling for Adam")
             + "; no noise measurement for AdaScale"
@@ -72,14 +76,18 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
         if max_lr is not None and lr > max_lr:
             result["lr"].update(value=max_lr, capped_from=lr, why=f"the rule's {lr:.4g} is above training.max_lr: capped (spec)")
     if factor > 1.0:
-        result["stability"] = _stability(spec.training.max_lr)
+        result["stability"] = _stability(spec.training, efficiency.lr_headroom if noise_scale else None)
     return result
 
 
-def _stability(max_lr: float | None) -> dict[str, str]:
-    """Whether the LR the rule raises is known to train (module docstring, LR rule)."""
-    if max_lr is not None:
+def _stability(training, lr_headroom: float | None) -> dict[str, str]:
+    """Whether the LR the rule raises is known to train (module docstring, LR rule): the lower cap says."""
+    max_lr = training.max_lr
+    if max_lr is not None and (lr_headroom is None or max_lr <= lr_headroom * training.reference_lr):
         return {"source": "spec", "why": "never above training.max_lr, the largest LR the user's runs trained with"}
+    if lr_headroom is not None:
+        return {"source": "measured", "why": f"measured: never above {lr_headroom:.3g}x the reference LR, the stability headroom measured along the "
+                "run (profiler.sharpness: (2 + 2 beta) / (eta lambda_max)); a lower bound on what trains, so the cap is safe, not fast"}  # fmt: skip
     return {"source": "assumed", "why": LR_STABILITY_ASSUMED}
 
 

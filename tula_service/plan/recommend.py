@@ -294,7 +294,8 @@ def measured_variability(
 
 def stage_lr_multiplier(spec: JobSpec, epochs: EpochModel, global_batch: int, noise_scale: float | None) -> float:
     """The LR multiplier of a schedule's stage: the plan's rule at the run's mean noise scale (None), else the AdaScale
-    gain at the stage's own (tula_service.plan.schedule); capped at training.max_lr / reference_lr."""
+    gain at the stage's own (tula_service.plan.schedule); capped at training.max_lr / reference_lr, and at the measured
+    stability headroom (EpochModel.lr_headroom)."""
     if noise_scale is None:
         multiplier = lr_rule(spec, global_batch, epochs)["multiplier"]["value"]
     else:
@@ -303,6 +304,8 @@ def stage_lr_multiplier(spec: JobSpec, epochs: EpochModel, global_batch: int, no
     training = spec.training
     if training.max_lr is not None and training.reference_lr:
         multiplier = min(multiplier, training.max_lr / training.reference_lr)
+    if epochs.lr_headroom is not None:
+        multiplier = min(multiplier, epochs.lr_headroom)
     return multiplier
 
 

@@ -132,7 +132,7 @@ class LearningRate(BaseModel):
 class ExplainedSource(BaseModel):
     """A statement of the advice without a number: where it came from and why."""
 
-    source: Literal["spec", "assumed"]
+    source: Literal["spec", "measured", "assumed"]
     why: str
 
 
@@ -144,7 +144,7 @@ class LrRule(BaseModel):
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")
     why: str
     lr: LearningRate | None = Field(None, description="only with training.reference_lr")
-    stability: ExplainedSource | None = Field(None, description="when the rule raises the LR: whether the raised LR is known to train (spec: capped at training.max_lr) or assumed")
+    stability: ExplainedSource | None = Field(None, description="when the rule raises the LR: whether the raised LR is known to train (spec: capped at training.max_lr; measured: capped at the measured stability headroom) or assumed")
 
 
 class Warmup(BaseModel):
@@ -404,6 +404,7 @@ class FittedEfficiency(_Detail):
     noise_scale: NoiseScale
     evidence: EvidenceReport
     max_step_gain: ExplainedValue | None
+    lr_headroom: ExplainedValue | None = Field(None, description="measured stability headroom that caps the advised LR (none: not measured, or training.max_lr given)")
     min_epochs: SourcedValue
     assumes_lr: str | None = Field(None, description="the LR protocol the epochs are predicted for: the advised rule, or the measured runs' LRs")
     source: Literal["fitted"]

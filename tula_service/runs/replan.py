@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from tula_service.fit.efficiency_evidence import target_samples
+from tula_service.fit.efficiency_evidence import measured_lr_headroom
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
 from tula_service.measurement import parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule
@@ -254,5 +255,7 @@ def _epoch_model(spec: JobSpec, efficiency: dict[str, Any]) -> EpochModel:
 def _epoch_model_at(spec: JobSpec, noise_scale: float | None) -> EpochModel:
     """The spec's epochs model at a given B_noise (E_min from the reference run)."""
     training = spec.training
+    headroom = measured_lr_headroom(spec, None)
     return EpochModel(training.reference_batch, training.reference_epochs, noise_scale,
-                      max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer)  # fmt: skip
+                      max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer,
+                      lr_headroom=headroom["value"] if headroom else None)  # fmt: skip

@@ -325,6 +325,11 @@ class GradientStatsRecord(_Strict):
     )
     precond_grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
     precond_trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+    stability_headroom: MeasuredNumber | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="the factor by which the LR could grow before the top Hessian direction is unstable, (2 + 2 beta) / (eta "
+        "lambda_max) (Adam: / (1 - beta1), preconditioned), measured at this record (profiler.sharpness)",
+    )  # fmt: skip
 
 
 MAX_GRADIENT_STATS_RECORDS = 2_000  # ~600 kB of JSON, inside the 1 MiB request cap; `tula submit` merges longer files

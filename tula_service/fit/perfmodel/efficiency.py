@@ -29,6 +29,18 @@ reference_lr for SGD, its square for Adam), so S(B) >= S_ref / g, i.e.
 
     E(B) = max(E_min (1 + B / B_noise), E_ref B / (B_ref g)).
 
+A measured stability headroom h (the LR can grow h-fold before the top Hessian direction is unstable,
+profiler.sharpness) caps the LR the rule advises at h times the reference (for Adam too: h bounds the LR), and
+the epochs follow from the quadratic model of the loss along the step (McCandlish et al. 2018, Sec. 2.2): a
+step of size eps at batch B makes progress dL(eps) = eps |G|^2 - (eps^2 / 2) |G|^2 L (1 + B_noise / B), best
+at eps_opt(B) = eps_max / (1 + B_noise / B). In units of eps_max, x = eps / eps_max, the progress is
+2 x - x^2 (1 + B_noise / B) of the most a step can make, 1 / (1 + B_noise / B) at x_opt. The reference LR is
+taken to be the best at B_ref (x_ref = 1 / (1 + B_noise / B_ref): assumed, the user tuned it there), so the
+cap is x_c = c x_ref with c the step gain h allows (h for SGD, h^2 for Adam, as for max_step_gain). Where
+x_opt(B) > x_c the step runs at x_c and
+
+    E(B) = E_min (1 + B / B_noise) * [1 / (1 + B_noise / B)] / [2 x_c - x_c^2 (1 + B_noise / B)].
+
 The same B_noise sets how much one step at a larger batch is worth, and so how far the LR may grow: the
 AdaScale gain (Johnson et al. 2020) of a batch k = B / B_ref times the reference,
 
@@ -74,6 +86,7 @@ class EfficiencyModel(Protocol):
 
     noise_scale: float | None
     reference_batch: int
+    lr_headroom: float | None  # the measured stability headroom that caps the LR (None: not measured)
 
     def predict(self, global_batch: np.ndarray | float) -> np.ndarray:
         """Epochs to the target at each global batch."""
@@ -83,6 +96,9 @@ class EfficiencyModel(Protocol):
 
     def lr_multiplier(self, global_batch: float) -> float | None:
         """The LR at global_batch over the reference LR that realizes step_gain (None: not measured)."""
+
+    def lr_capped(self, global_batch: float) -> bool:
+        """Whether the measured stability headroom, not the step gain's rule, sets the LR at global_batch."""
 
 
 class NoiseScaleModel:
@@ -113,16 +129,21 @@ class NoiseScaleModel:
 
 class EpochModel:
     """E(B) = E_min (1 + B / B_noise), E_min from the reference run; E_ref max(1, B / B_ref) without B_noise;
-    with a max_step_gain g, never below E_ref B / (B_ref g) (see the module docstring)."""
+    with a max_step_gain g, never below E_ref B / (B_ref g); with a measured LR headroom h, the LR capped at h
+    times the reference and the epochs of that capped step (see the module docstring)."""
 
     def __init__(
         self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
-        min_epochs: float | None = None, optimizer: str = "sgd",
+        min_epochs: float | None = None, optimizer: str = "sgd", lr_headroom: float | None = None,
     ):  # fmt: skip
         """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run.
-        optimizer: how the LR buys a step gain (lr_multiplier_of_gain)."""
+        optimizer: how the LR buys a step gain (lr_multiplier_of_gain). lr_headroom: the measured stability
+        headroom h (>= 1 caps the LR there; below 1 the reference LR is already past it, and the cap is 1)."""
         if max_step_gain is not None and max_step_gain < 1:
             raise ValueError(f"max_step_gain must be >= 1 (a step at the reference LR is worth one reference step), got {max_step_gain}")
+        if lr_headroom is not None and not lr_headroom > 0:
+            raise ValueError(f"lr_headroom must be > 0, got {lr_headroom}")
+        self.lr_headroom = None if lr_headroom is None else max(1.0, float(lr_headroom))
         self.reference_batch = reference_batch
         self.reference_epochs = reference_epochs
         self.noise_scale = noise_scale
@@ -137,20 +158,43 @@ class EpochModel:
         batch = np.asarray(global_batch, dtype=float)
         if not self.noise_scale:
             return self.reference_epochs * np.maximum(1.0, batch / self.reference_batch)
-        epochs = self.min_epochs * (1.0 + batch / self.noise_scale)
+        epochs = self.min_epochs * (1.0 + batch / self.noise_scale) * self.capped_step_factor(batch)
         if self.max_step_gain:
             epochs = np.maximum(epochs, self.step_floor_epochs(batch))
         return epochs
 
+    def capped_step_factor(self, global_batch: np.ndarray | float) -> np.ndarray:
+        """How many more steps the LR cap costs at B: [1 / (1 + B_noise / B)] / [2 x_c - x_c^2 (1 + B_noise / B)]
+        where the best step x_opt(B) is above the cap x_c, else 1 (module docstring)."""
+        batch = np.asarray(global_batch, dtype=float)
+        if not self.noise_scale or self.lr_headroom is None:
+            return np.ones_like(batch)
+        noise_over_batch = 1.0 + self.noise_scale / batch
+        cap = self.cap_gain() / (1.0 + self.noise_scale / self.reference_batch)
+        capped = np.minimum(cap, 1.0 / noise_over_batch)
+        return (1.0 / noise_over_batch) / (2.0 * capped - capped**2 * noise_over_batch)
+
+    def cap_gain(self) -> float:
+        """The step gain the LR headroom allows: h for SGD, h^2 for Adam/AdamW (as max_step_gain)."""
+        return float(max_step_gain(self.optimizer, 1.0, self.lr_headroom))
+
     def step_gain(self, global_batch: float) -> float | None:
-        """The AdaScale gain r(B / B_ref) of this model's B_noise (module docstring); None without one."""
+        """The AdaScale gain r(B / B_ref) of this model's B_noise (module docstring), or with an LR headroom the
+        gain of the capped step, min(r, h) (h^2 for Adam); None without a noise scale."""
         if not self.noise_scale:
             return None
-        return adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch)
+        gain = adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch)
+        return min(gain, self.cap_gain()) if self.lr_headroom is not None else gain
 
     def lr_multiplier(self, global_batch: float) -> float | None:
         gain = self.step_gain(global_batch)
         return None if gain is None else lr_multiplier_of_gain(gain, self.optimizer)
+
+    def lr_capped(self, global_batch: float) -> bool:
+        """Whether the measured headroom, not the AdaScale gain, sets the LR at this batch."""
+        if not self.noise_scale or self.lr_headroom is None:
+            return False
+        return adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch) > self.cap_gain()
 
     def step_floor_epochs(self, global_batch: np.ndarray | float) -> np.ndarray:
         """E_ref B / (B_ref g): the epochs of S_ref / g steps at batch B."""

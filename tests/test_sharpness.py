@@ -1,0 +1,86 @@
+"""The stability headroom (profiler.sharpness): power iteration on Hessian-vector products against the exact
+spectrum of a quadratic, and the threshold it reports against gradient descent's own divergence."""
+
+import math
+
+import pytest
+import torch
+
+from profiler.sharpness import adam_preconditioner, stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
+
+
+def _least_squares(seed=0, samples=64, features=6):
+    """loss(w) = |X w - y|^2 / (2 n): Hessian X^T X / n, known exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(samples, features, generator=generator, dtype=torch.float64) * torch.linspace(0.2, 2.0, features, dtype=torch.float64)
+    targets = torch.randn(samples, generator=generator, dtype=torch.float64)
+    weight = torch.nn.Parameter(torch.zeros(features, dtype=torch.float64))
+    loss_fn = lambda: ((inputs @ weight - targets) ** 2).sum() / (2 * samples)  # noqa: E731
+    hessian = inputs.T @ inputs / samples
+    return weight, loss_fn, hessian
+
+
+def test_power_iteration_finds_the_top_eigenvalue_of_the_hessian():
+    weight, loss_fn, hessian = _least_squares()
+    exact = float(torch.linalg.eigvalsh(hessian)[-1])
+    assert top_hessian_eigenvalue(loss_fn, [weight], iterations=500, tolerance=0.0) == pytest.approx(exact, rel=1e-4)
+
+
+def test_a_preconditioner_gives_the_top_eigenvalue_of_p_half_h_p_half():
+    weight, loss_fn, hessian = _least_squares(seed=1)
+    precond = torch.linspace(0.5, 3.0, hessian.shape[0], dtype=torch.float64)
+    scale = precond.sqrt()
+    exact = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :])[-1])
+    assert top_hessian_eigenvalue(loss_fn, [weight], precond, iterations=500, tolerance=0.0) == pytest.approx(exact, rel=1e-4)
+
+
+def _descend(lr, momentum, steps=400):
+    weight, loss_fn, _ = _least_squares(seed=2)
+    optimizer = torch.optim.SGD([weight], lr=lr, momentum=momentum)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+    return float(loss_fn().detach()), weight, loss_fn, optimizer
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_headroom_says_where_sgd_diverges(momentum):
+    """On a quadratic the headroom is exact: an LR a little below headroom x lr trains, a little above diverges."""
+    weight, loss_fn, hessian = _least_squares(seed=2)
+    lam = float(torch.linalg.eigvalsh(hessian)[-1])
+    probe = torch.optim.SGD([weight], lr=0.01, momentum=momentum)
+    measured = stability_headroom(loss_fn, [weight], probe, iterations=500, tolerance=0.0)
+    assert measured["sharpness"] == pytest.approx(lam, rel=1e-4)
+    edge_lr = 0.01 * measured["stability_headroom"]
+    assert edge_lr == pytest.approx((2 + 2 * momentum) / lam, rel=1e-4)
+    below, *_ = _descend(0.95 * edge_lr, momentum)
+    above, *_ = _descend(1.05 * edge_lr, momentum)
+    start = float(loss_fn().detach())
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+def test_adam_has_a_threshold_from_beta1_and_no_headroom_before_its_first_step():
+    weight, loss_fn, _ = _least_squares(seed=3)
+    adam = torch.optim.Adam([weight], lr=1e-2, betas=(0.9, 0.999))
+    assert stability_threshold_times_lr(adam) == pytest.approx(38.0)
+    assert adam_preconditioner(adam, [weight]) is None and stability_headroom(loss_fn, [weight], adam) is None
+    adam.zero_grad()
+    loss_fn().backward()
+    adam.step()
+    measured = stability_headroom(loss_fn, [weight], adam, iterations=100, tolerance=0.0)
+    assert measured is not None and measured["stability_headroom"] == pytest.approx(38.0 / (1e-2 * measured["sharpness"]))
+
+
+def test_optimizers_without_a_known_threshold_get_no_headroom():
+    weight, loss_fn, _ = _least_squares()
+    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, nesterov=True)) is None
+    assert stability_headroom(loss_fn, [weight], torch.optim.RMSprop([weight], lr=0.1)) is None
+
+
+def test_attention_layers_have_a_second_derivative_here():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True, dropout=0.0)
+    inputs = torch.randn(4, 5, 8)
+    loss_fn = lambda: layer(inputs).pow(2).mean()  # noqa: E731
+    assert math.isfinite(top_hessian_eigenvalue(loss_fn, list(layer.parameters()), iterations=3))
