@@ -85,7 +85,8 @@ def _train(job: dict[str, Any]) -> dict[str, Any]:
 
 def train_advised(names: list[str], workers: int, path: Path) -> dict[str, Any]:
     """Train every (task, batch, seed) of the named efficiency_tasks tasks at the advised LR; write and return
-    {"meta", "tasks": {name: {"advice": ..., "batches": {B: summary and runs}}}}."""
+    {"meta", "tasks": {name: {"advice": ..., "batches": {B: summary and runs}}}}. The cached runs of the tasks not
+    named are kept (each task's entry says when it was trained)."""
     from efficiency_tasks import TASKS, summarize_runs, write_stdlib_token_file
 
     started = time.perf_counter()
@@ -112,14 +113,15 @@ def train_advised(names: list[str], workers: int, path: Path) -> dict[str, Any]:
         for b, rows in sorted(runs[name].items()):
             rows.sort(key=lambda r: r["seed"])
             batches[str(b)] = {**summarize_runs([{**r, "lr_multiplier": advice[name]["multipliers"][str(b)]} for r in rows]), "runs": rows}
-        tasks[name] = {"advice": advice[name], "batches": batches}
+        tasks[name] = {"advice": advice[name], "batches": batches, "trained": dt.date.today().isoformat()}
         line = " ".join(f"{b}:{row['epochs']:.3g}" for b, row in batches.items())
         print(f"  [{time.perf_counter() - started:5.0f} s] {name} epochs under the advice: {line}", file=sys.stderr, flush=True)
+    kept = json.loads(path.read_text())["tasks"] if path.exists() else {}
     result = {
         "meta": {"generated_by": "benchmarks/advised_lr.py", "date": dt.date.today().isoformat(),
                  "machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "workers": workers,
-                 "wall_s": time.perf_counter() - started},
-        "tasks": tasks,
+                 "wall_s": time.perf_counter() - started, "trained_this_time": names},
+        "tasks": {**kept, **tasks},
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, separators=(",", ":"), default=float))

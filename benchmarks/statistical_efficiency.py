@@ -142,11 +142,42 @@ def cpu_tasks(path: Path) -> list[Task]:
             epochs={b: float(row["epochs"]) for b, row in reached.items()},
             epochs_range={b: (_or_inf(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
             seconds_per_epoch={b: float(row["epoch_s"]) for b, row in reached.items()},
-            trajectories={b: as_one_run(row.get("trajectory") or [], row) for b, row in batches.items()},
+            trajectories={b: with_measured_headroom(name, b, int(task["reference_batch"]), as_one_run(row.get("trajectory") or [], row))
+                          for b, row in batches.items()},  # fmt: skip
             notes=[f"batch {b}: did not reach the target in every seed" for b in batches if b not in reached],
             lr={b: float(row["lr"]) for b, row in batches.items()}, max_lr=_sweep_max_lr(batches.values()),
         ))  # fmt: skip
     return tasks
+
+
+HEADROOM_KEY = "stability_headroom"
+HEADROOM_CACHE = DEFAULT_OUT / "stability_headroom.json"  # benchmarks/stability_headroom.py: 8 points along each reference run
+
+
+def attach_headroom(records: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the records, each measured headroom on the record whose samples are nearest to the point's
+    (ties: the later record), as a user's logger puts a measure_stability() into its next record; two points on
+    one record keep the smaller headroom. Points without a headroom (none measurable there) are skipped."""
+    out = [dict(r) for r in records]
+    if not out:
+        return out
+    for point in points:
+        value = point.get(HEADROOM_KEY)
+        if value is None:
+            continue
+        nearest = min(range(len(out)), key=lambda i: (abs(out[i]["samples"] - point["samples"]), -out[i]["samples"]))
+        previous = out[nearest].get(HEADROOM_KEY)
+        out[nearest][HEADROOM_KEY] = float(value) if previous is None else min(previous, float(value))
+    return out
+
+
+def with_measured_headroom(name: str, batch: int, reference_batch: int, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference run's records with the stability headroom measured along it (HEADROOM_CACHE), the records a user's
+    logger with measure_stability() writes; other batches' runs, and tasks not measured, as they are."""
+    if batch != reference_batch or not HEADROOM_CACHE.exists():
+        return records
+    measured = json.loads(HEADROOM_CACHE.read_text())["tasks"].get(name)
+    return attach_headroom(records, measured["points"]) if measured else records
 
 
 def _sweep_max_lr(batches) -> float | None:
@@ -215,7 +246,7 @@ def service_model(task: Task, reference_batch: int, with_max_lr: bool = False) -
 
 def _contract_record(record: dict) -> dict:
     keys = ("samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step", "window_steps", "variability",
-            "precond_grad_sqr", "precond_trace_sigma")  # fmt: skip
+            "precond_grad_sqr", "precond_trace_sigma", "stability_headroom")  # fmt: skip
     return {key: record[key] for key in keys if record.get(key) is not None}
 
 
