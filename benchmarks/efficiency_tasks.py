@@ -12,7 +12,9 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
   the same at any LR, so steps decide without timing noise; a tie keeps the earlier multiplier). When the
   winner is an edge of the grid, the grid goes on by LR_STEP past it (to at most MAX_LR_MULTIPLIER or its
-  inverse) until the winner is inside. A seed's run stops once it has taken as many steps as the best median
+  inverse) until the winner is inside. When no candidate reaches the target, the grid goes on downwards (a
+  large batch's sqrt-scaled LR can sit past what trains: plain SGD at 16x its reference batch trained only
+  below the grid's first three LRs) until one does or the bound is reached. A seed's run stops once it has taken as many steps as the best median
   so far (it cannot change the winner: a better median comes from seeds below that), and a candidate stops
   once most of its seeds missed. The remaining seeds (to Task.seeds) then train at the chosen LR; a seed
   changes the initialization and the batch order, never the data. Recorded: epochs (median, min, max over
@@ -419,6 +421,8 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int)
             best = {"multiplier": multiplier, "lr": lr, "median_steps": score, "runs": runs}
         if not multipliers and best is not None:
             multipliers = [m for m in [next_multiplier(best["multiplier"], tried)] if m]
+        elif not multipliers and min(tried) / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
+            multipliers = [min(tried) / LR_STEP]  # nothing reached the target yet: smaller LRs (module docstring)
     return best, tuning
 
 

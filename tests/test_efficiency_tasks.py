@@ -180,6 +180,25 @@ def test_the_lr_is_chosen_by_the_median_over_the_tuning_seeds_and_pruning_never_
     assert et.median_steps([{"reached": True, "steps": 10}, {"reached": True, "steps": 30}, {"reached": False, "steps": 5}], 3) == 30
 
 
+def test_when_no_lr_of_the_grid_reaches_the_target_the_grid_goes_on_downwards(monkeypatch):
+    """Plain SGD at 16x its reference batch: the sqrt-scaled LR and its neighbours all missed, a smaller one reaches."""
+    step = et.LR_STEP
+
+    def fake_run(run):
+        reached = run["lr_multiplier"] < 0.4  # only below 1 / 2 sqrt 2
+        steps = 100 if reached else 400
+        return {"reached": reached, "outcome": "reached" if reached else "max_epochs", "steps": steps, "seed": run["seed"],
+                "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
+
+    monkeypatch.setattr(et, "train_to_target", fake_run)
+    best, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
+    tried = sorted({round(r["lr_multiplier"], 6) for r in tuning})
+    assert best["multiplier"] == pytest.approx(1 / step**3) and tried[0] == pytest.approx(1 / step**4)  # one past it: inside
+    monkeypatch.setattr(et, "train_to_target", lambda run: {**fake_run(run), "reached": False, "outcome": "max_epochs"})
+    nothing, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
+    assert nothing is None and min(r["lr_multiplier"] for r in tuning) == pytest.approx(1 / et.MAX_LR_MULTIPLIER)  # to the bound
+
+
 def test_measure_batch_trains_every_seed_at_the_chosen_lr():
     task = replace(TINY, seeds=3)
     result = et.measure_batch({"task": asdict(task), "batch": 32, "tuning_seeds": 2})
