@@ -53,7 +53,7 @@ from profiler.measure import (
     pick_device,
 )
 from profiler.memory import apply_memory_limit
-from profiler.sharpness import stability_headroom
+from profiler.sharpness import adam_preconditioner_sq, stability_headroom
 
 DEFAULT_LR = 0.01  # what the compute points train with when the spec gives no reference_lr
 WARMUP_FRACTION = 0.10
@@ -172,26 +172,6 @@ def settled(records: list[dict[str, Any]], record_steps: list[list[StepStats]], 
     total_change = sum(abs(b - a) for a, b in zip(scales, scales[1:])) / scales[0]
     rel_stderr = pooled_rel_stderr([step for i in last for step in record_steps[i]])
     return total_change < SETTLE_TOLERANCE and rel_stderr is not None and rel_stderr < SETTLE_TOLERANCE
-
-
-def adam_preconditioner_sq(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """P^2 per parameter, P = 1 / (sqrt(v_hat) + eps), v_hat = exp_avg_sq / (1 - beta2^t), from the
-    optimizer's state as it is now (before this step). None before the first step; a parameter with no
-    state yet (no gradient so far) gets P = 0, leaving it out of the preconditioned norms."""
-    if not any("exp_avg_sq" in (optimizer.state.get(p) or {}) for p in params):
-        return None
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    squares = []
-    for param in params:
-        state = optimizer.state.get(param) or {}
-        if "exp_avg_sq" not in state:
-            squares.append(torch.zeros_like(param))
-            continue
-        group = group_of[id(param)]
-        beta2, eps = group["betas"][1], group["eps"]
-        v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** float(state["step"]))
-        squares.append((v_hat.sqrt() + eps).reciprocal().square())
-    return squares
 
 
 def _sq_norm(grads: list[torch.Tensor | None], weights: list[torch.Tensor] | None = None) -> float:

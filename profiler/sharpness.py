@@ -76,20 +76,31 @@ def top_hessian_eigenvalue(
     return eigenvalue
 
 
-def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """P = 1 / (sqrt(exp_avg_sq / (1 - beta2^t)) + eps) of an Adam/AdamW, flat in the order of params; None
-    before its first step (no second moment yet)."""
-    parts = []
-    for p in params:
-        if not p.requires_grad:
-            continue
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        state = optimizer.state.get(p, {})
+def adam_preconditioner_sq(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """P^2 per parameter, P = 1 / (sqrt(v_hat) + eps), v_hat = exp_avg_sq / (1 - beta2^t), from the
+    optimizer's state as it is now (before this step). None before the first step; a parameter with no
+    state yet (no gradient so far) gets P = 0, leaving it out of the preconditioned norms."""
+    if not any("exp_avg_sq" in (optimizer.state.get(p) or {}) for p in params):
+        return None
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    squares = []
+    for param in params:
+        state = optimizer.state.get(param) or {}
         if "exp_avg_sq" not in state:
-            return None
-        correction = 1.0 - group["betas"][1] ** float(state["step"])
-        parts.append(1.0 / ((state["exp_avg_sq"] / correction).sqrt() + group["eps"]))
-    return _flat(parts)
+            squares.append(torch.zeros_like(param))
+            continue
+        group = group_of[id(param)]
+        beta2, eps = group["betas"][1], group["eps"]
+        v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** float(state["step"]))
+        squares.append((v_hat.sqrt() + eps).reciprocal().square())
+    return squares
+
+
+def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+    """P = 1 / (sqrt(v_hat) + eps) of an Adam/AdamW, flat in the order of params (adam_preconditioner_sq's root);
+    None before its first step (no second moment yet)."""
+    squares = adam_preconditioner_sq(optimizer, [p for p in params if p.requires_grad])
+    return None if squares is None else _flat([square.sqrt() for square in squares])
 
 
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:

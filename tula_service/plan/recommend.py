@@ -300,12 +300,10 @@ def stage_lr_multiplier(spec: JobSpec, epochs: EpochModel, global_batch: int, no
         multiplier = lr_rule(spec, global_batch, epochs)["multiplier"]["value"]
     else:
         gain = adascale_gain(global_batch / spec.training.reference_batch, noise_scale, spec.training.reference_batch)
-        multiplier = lr_multiplier_of_gain(gain, spec.training.optimizer)
+        multiplier = lr_multiplier_of_gain(epochs.capped_gain(gain), spec.training.optimizer)
     training = spec.training
     if training.max_lr is not None and training.reference_lr:
         multiplier = min(multiplier, training.max_lr / training.reference_lr)
-    if epochs.lr_headroom is not None:
-        multiplier = min(multiplier, epochs.lr_headroom)
     return multiplier
 
 

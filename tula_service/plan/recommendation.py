@@ -404,7 +404,7 @@ class FittedEfficiency(_Detail):
     noise_scale: NoiseScale
     evidence: EvidenceReport
     max_step_gain: ExplainedValue | None
-    lr_headroom: ExplainedValue | None = Field(None, description="measured stability headroom that caps the advised LR (none: not measured, or training.max_lr given)")
+    lr_headroom: ExplainedValue | None = Field(None, description="measured stability headroom that caps the advised LR (with training.max_lr, the lower cap wins); none: not measured, or the epochs come from training.other_runs")
     min_epochs: SourcedValue
     assumes_lr: str | None = Field(None, description="the LR protocol the epochs are predicted for: the advised rule, or the measured runs' LRs")
     source: Literal["fitted"]

@@ -41,8 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.fit.efficiency_evidence import target_samples
-from tula_service.fit.efficiency_evidence import measured_lr_headroom
+from tula_service.fit.efficiency_evidence import measured_lr_headroom, target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
 from tula_service.measurement import parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule

@@ -178,13 +178,16 @@ class EpochModel:
         """The step gain the LR headroom allows: h for SGD, h^2 for Adam/AdamW (as max_step_gain)."""
         return float(max_step_gain(self.optimizer, 1.0, self.lr_headroom))
 
+    def capped_gain(self, gain: float) -> float:
+        """A step gain as the LR headroom allows it: min(gain, h) (h^2 for Adam); the gain itself without one."""
+        return min(gain, self.cap_gain()) if self.lr_headroom is not None else gain
+
     def step_gain(self, global_batch: float) -> float | None:
         """The AdaScale gain r(B / B_ref) of this model's B_noise (module docstring), or with an LR headroom the
         gain of the capped step, min(r, h) (h^2 for Adam); None without a noise scale."""
         if not self.noise_scale:
             return None
-        gain = adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch)
-        return min(gain, self.cap_gain()) if self.lr_headroom is not None else gain
+        return self.capped_gain(adascale_gain(global_batch / self.reference_batch, self.noise_scale, self.reference_batch))
 
     def lr_multiplier(self, global_batch: float) -> float | None:
         gain = self.step_gain(global_batch)
