@@ -80,9 +80,13 @@ def squared_grad_norm(model: torch.nn.Module, scale: float = 1.0) -> float:
     return float(total) / scale**2
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a request without "momentum" is an older server's
+
+
+def make_optimizer(name: str, params, lr: float, momentum: float | None = None) -> torch.optim.Optimizer:
+    """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer)."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=DEFAULT_SGD_MOMENTUM if momentum is None else float(momentum))
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     if name == "adamw":
@@ -119,6 +123,7 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
             "dtype": request.get("dtype", "fp32"),
             "channels_last": bool(request.get("channels_last", False)),
             "optimizer": request.get("optimizer", "sgd"),
+            "momentum": request.get("momentum"),
         },
     }
     try:
@@ -169,7 +174,8 @@ class Trainer:
         self.model = workload.model.to(device)
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.optimizer = make_optimizer(request.get("optimizer", "sgd"), self.model.parameters(), float(request.get("lr", 0.01)))
+        self.optimizer = make_optimizer(request.get("optimizer", "sgd"), self.model.parameters(), float(request.get("lr", 0.01)),
+                                        request.get("momentum"))  # fmt: skip
         dtype = request.get("dtype", "fp32")
         self.autocast_dtype = AUTOCAST_DTYPES.get(dtype)
         self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" and device.type == "cuda" else None

@@ -117,6 +117,15 @@ def test_a_raised_lr_says_whether_its_stability_is_the_users_evidence_or_assumed
     assert below["multiplier"]["value"] <= 1 and below.get("stability") is None  # the LR is not raised
 
 
+def test_an_sgd_lr_rule_says_which_momentum_it_is_for():
+    assumed = _plan(objective="min_time", training={"reference_batch": 8})["training_advice"]["lr_rule"]
+    assert assumed["momentum"] == {"value": 0.9, "source": "assumed"}
+    plain = _plan(objective="min_time", training={"reference_batch": 8, "momentum": 0})["training_advice"]["lr_rule"]
+    assert plain["momentum"] == {"value": 0.0, "source": "spec"}
+    adam = _plan(objective="min_time", training={"reference_batch": 8, "optimizer": "adam"})["training_advice"]["lr_rule"]
+    assert adam.get("momentum") is None
+
+
 def test_max_lr_makes_the_plan_expect_more_epochs_at_large_batches_and_reports_the_gain():
     free = _plan(objective="min_time", training={"reference_lr": 0.1})
     capped = _plan(objective="min_time", training={"reference_lr": 0.1, "max_lr": 0.2})
@@ -130,3 +139,11 @@ def test_max_lr_makes_the_plan_expect_more_epochs_at_large_batches_and_reports_t
     assert capped_epochs[largest] == pytest.approx(10.0 * largest / (32 * 2.0))
     assert capped_epochs[largest] > free_epochs[largest]
     assert capped["chosen"]["global_batch"] <= free["chosen"]["global_batch"]
+
+
+def test_a_price_so_small_that_the_cost_underflows_gives_no_cost_delta_instead_of_a_server_error():
+    spec = spec_dict(objective="min_cost")
+    spec["pricing"] = {"kind": "gpu_hour", "price": 5e-324, "fixed_overhead_usd": 0.0}  # found by schemathesis: a 500 before
+    rec = plan(JobSpec.model_validate(spec), [measurement(b) for b in (8, 16, 32, 64, 128)])
+    assert rec["chosen"]["cost_usd"]["value"] == 0.0
+    assert rec["runner_ups"] and all(r["cost_delta_pct"] is None and r["time_delta_pct"] is not None for r in rec["runner_ups"])

@@ -76,6 +76,14 @@ def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
     assert stability["stability_headroom"] == pytest.approx(3.8 / (0.01 * stability["sharpness"]))  # momentum 0.9
     assert pilot["trajectory"][-1]["stability_headroom"] == stability["stability_headroom"]
     assert all("stability_headroom" not in r for r in pilot["trajectory"][:-1])
+    assert pilot["momentum"] == {"value": 0.9, "source": "assumed"}
+
+
+def test_a_plain_sgd_pilot_trains_without_momentum_and_its_threshold_is_two_over_the_lr():
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10, momentum=0.0, momentum_source="spec")
+    assert pilot["status"] == "ok" and pilot["momentum"] == {"value": 0.0, "source": "spec"}
+    stability = pilot["stability"]  # plain SGD: lambda_max < 2 / eta
+    assert stability["stability_headroom"] == pytest.approx(2.0 / (0.01 * stability["sharpness"]))
 
 
 def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_falls():
@@ -188,6 +196,10 @@ def test_pilot_request_carries_the_budget_the_lr_and_its_source():
     assert (request["pilot_steps"], request["pilot_seconds"], request["pilot_record_every"]) == (50, 5, 5)
     assumed = pilot_request(JobSpec.model_validate(spec_dict(profiling={"pilot": True})))
     assert (assumed["lr"], assumed["lr_source"]) == (0.01, "assumed")
+    assert request["momentum"] is None and request["momentum_source"] is None  # AdamW has no SGD momentum
+    assert (assumed["momentum"], assumed["momentum_source"]) == (0.9, "assumed")
+    plain = pilot_request(JobSpec.model_validate(spec_dict(training={"momentum": 0}, profiling={"pilot": True})))
+    assert (plain["momentum"], plain["momentum_source"]) == (0.0, "spec")
 
 
 def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():

@@ -91,6 +91,11 @@ def test_static_memory_is_weights_grads_and_momentum(small_cnn_points):
     assert point["memory"]["static_breakdown_bytes"] == {"weights": weights, "gradients": weights, "optimizer_state": weights}
 
 
+def test_plain_sgd_keeps_no_optimizer_state():
+    point = profile_point(_request(4, momentum=0.0))  # training.momentum 0: torch's SGD allocates no momentum buffer
+    assert point["memory"]["static_breakdown_bytes"]["optimizer_state"] == 0 and point["options"]["momentum"] == 0.0
+
+
 def test_adam_keeps_two_state_tensors_per_weight():
     point = profile_point(_request(4, optimizer="adam"))
     breakdown = point["memory"]["static_breakdown_bytes"]

@@ -76,6 +76,16 @@ def test_max_lr_needs_a_reference_lr_at_or_below_it():
     assert JobSpec.model_validate(spec_dict(training={"reference_lr": 0.1, "max_lr": 0.4})).training.max_lr == 0.4
 
 
+def test_momentum_is_sgds_and_a_fraction_below_one():
+    assert JobSpec.model_validate(spec_dict(training={"momentum": 0})).training.sgd_momentum() == {"value": 0.0, "source": "spec"}
+    assert JobSpec.model_validate(spec_dict()).training.sgd_momentum() == {"value": 0.9, "source": "assumed"}
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.sgd_momentum() is None
+    assert "keeps its own betas" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
+    for bad in (1.0, -0.1):
+        assert ("training", "momentum") in _errors(spec_dict(training={"momentum": bad}))
+    assert "momentum: give a number" in _errors(spec_dict(training={"momentum": True}))[("training",)]
+
+
 def test_step_placements_are_multi_device_placements_that_fit_the_cluster():
     cluster = {"nodes": 2, "gpus_per_node": 4}
     spec = JobSpec.model_validate(spec_dict(cluster=cluster, profiling={"step_placements": [[2, 2], [4], [2, 2]]}))

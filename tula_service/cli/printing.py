@@ -75,6 +75,8 @@ def format_recommendation(rec: dict[str, Any]) -> str:
             + (f" = {lr['lr']['value']:.4g}" if lr.get("lr") else "")
             + f"; warm-up {advice['warmup']['steps']} steps; AGS delta={ags['delta']['value']:.3g} s={ags['s']['value']:.3g}"
         )
+        if (lr.get("momentum") or {}).get("source") == "assumed":
+            lines.append(f"    - SGD momentum {lr['momentum']['value']:g} assumed (training.momentum; profiling and the advice use it)")
         if (lr.get("stability") or {}).get("source") in ("assumed", "measured"):
             lines.append(f"    - LR stability {lr['stability']['why']}")
         lines.append(f"  batch schedule: {schedule['recommended']} ({schedule['why']})")

@@ -69,6 +69,8 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
             + "; no noise measurement for AdaScale"
         ),
     }
+    if spec.training.optimizer == "sgd":
+        result["momentum"] = spec.training.sgd_momentum()  # the LR is advised for SGD with this momentum
     if spec.training.reference_lr:
         lr = spec.training.reference_lr * factor
         result["lr"] = {"value": lr, "reference_lr": spec.training.reference_lr, "source": "predicted"}
@@ -141,6 +143,11 @@ def ags_config(global_batch: int, spec, efficiency: EfficiencyModel, variability
     return {"delta": delta, "s": scale, "rule": "scale the update by s when gradient variability < delta"}
 
 
+def _delta_pct(value: float, chosen: float) -> float | None:
+    """100 (value / chosen - 1); None where the chosen's is 0 (a price so small that the cost underflows)."""
+    return 100.0 * (value / chosen - 1.0) if chosen else None
+
+
 def runner_ups(rows: list[dict[str, Any]], chosen_index: int, order: np.ndarray, count: int = 3) -> list[dict[str, Any]]:
     """The next candidates in the objective's order, with time and cost relative to the chosen."""
     chosen = rows[chosen_index]
@@ -152,8 +159,8 @@ def runner_ups(rows: list[dict[str, Any]], chosen_index: int, order: np.ndarray,
         result.append({
             "device_batch": row["device_batch"], "devices": row["devices"], "placement": row["placement"], "accumulation": row["accumulation"],
             "global_batch": row["global_batch"], "total_time_s": row["total_time_s"]["value"], "cost_usd": row["cost_usd"]["value"],
-            "time_delta_pct": 100 * (row["total_time_s"]["value"] / chosen["total_time_s"]["value"] - 1),
-            "cost_delta_pct": 100 * (row["cost_usd"]["value"] / chosen["cost_usd"]["value"] - 1),
+            "time_delta_pct": _delta_pct(row["total_time_s"]["value"], chosen["total_time_s"]["value"]),
+            "cost_delta_pct": _delta_pct(row["cost_usd"]["value"], chosen["cost_usd"]["value"]),
             "source": row["total_time_s"]["source"], "rel_err": row["total_time_s"].get("rel_err"),
         })  # fmt: skip
         if len(result) == count:

@@ -76,8 +76,8 @@ class RunnerUp(BaseModel):
     global_batch: int
     total_time_s: float
     cost_usd: float
-    time_delta_pct: float = Field(description="100 (total_time_s / chosen's - 1)")
-    cost_delta_pct: float = Field(description="100 (cost_usd / chosen's - 1)")
+    time_delta_pct: float | None = Field(description="100 (total_time_s / chosen's - 1)")
+    cost_delta_pct: float | None = Field(description="100 (cost_usd / chosen's - 1); null where the chosen's cost is 0 (a price so small it underflows)")
     source: Source = Field(description="where total_time_s and cost_usd come from (one prediction gives both)")
     rel_err: float | None = Field(None, description="their relative error (leave-one-out of the step-time model)")
 
@@ -143,6 +143,7 @@ class LrRule(BaseModel):
     recommended: Literal["linear", "sqrt", "adascale"]
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")
     why: str
+    momentum: SourcedValue | None = Field(None, description="SGD only: the heavy-ball momentum the advice is for (training.momentum: spec, or the assumed 0.9)")
     lr: LearningRate | None = Field(None, description="only with training.reference_lr")
     stability: ExplainedSource | None = Field(None, description="when the rule raises the LR: whether the raised LR is known to train (spec: capped at training.max_lr; measured: capped at the measured stability headroom) or assumed")
 

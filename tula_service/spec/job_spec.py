@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -74,6 +74,10 @@ VALUE_SOURCES = ("spec", "catalog-assumed", None)
 Objective = Literal["knee", "min_time", "min_cost", "deadline", "budget"]
 PricingKind = Literal["gpu_hour", "node_hour", "memory_gb_hour"]
 Precision = Literal["fp32", "bf16", "fp16"]
+
+# SGD's momentum where the spec gives none: what profiling points and pilots have always trained with, and the
+# most common choice (PyTorch examples, the CPU tasks of benchmarks/efficiency_tasks.py).
+DEFAULT_SGD_MOMENTUM = 0.9
 
 
 DATASET_FIELDS = DATASET_SPEC_FIELDS
@@ -360,6 +364,11 @@ class TrainingSpec(_Strict):
         "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
     )
     optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    momentum: float | None = Field(
+        None, ge=0, lt=1, allow_inf_nan=False,
+        description="SGD's heavy-ball momentum (PyTorch's torch.optim.SGD momentum; 0 for plain SGD); profiling points and "
+        f"the pilot train with it. Default {DEFAULT_SGD_MOMENTUM:g} (assumed). Only with optimizer sgd",
+    )
     reference_run: ReferenceRunSpec | None = Field(
         None, description="gradient statistics along the reference run: the best evidence for the noise scale"
     )
@@ -374,6 +383,21 @@ class TrainingSpec(_Strict):
         if len(set(batches)) != len(batches) or self.reference_batch in batches:
             raise ValueError("other_runs: one run per batch, none at reference_batch (that one is reference_epochs)")
         return self
+
+    @model_validator(mode="after")
+    def _momentum_is_sgds(self) -> TrainingSpec:
+        if self.momentum is not None and self.optimizer != "sgd":
+            raise field_errors([(("momentum",), f"momentum is SGD's; optimizer {self.optimizer} keeps its own betas (leave "
+                                 "momentum out)")], "training_field")  # fmt: skip
+        return self
+
+    def sgd_momentum(self) -> dict[str, Any] | None:
+        """SGD's momentum with its source (spec or assumed), None for other optimizers."""
+        if self.optimizer != "sgd":
+            return None
+        if self.momentum is None:
+            return {"value": DEFAULT_SGD_MOMENTUM, "source": "assumed"}
+        return {"value": self.momentum, "source": "spec"}
 
     @model_validator(mode="after")
     def _max_lr_above_reference(self) -> TrainingSpec:

@@ -13,7 +13,7 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - per catalog model: its model_options (integers in [1, 10^6]) and the datasets of its input kind;
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
-  with `reference_lr`; `batch_sizes` as a list of 2 or more, or `{min, max}`.
+  with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`.
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
 comparisons between two numbers of the spec, counting distinct values, and running user code. So is the
@@ -166,12 +166,15 @@ def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
-    """max_lr needs reference_lr (the cap is their ratio)."""
+    """max_lr needs reference_lr (the cap is their ratio); momentum is SGD's (optimizer sgd, or left out: its default)."""
     training = copy.deepcopy(base)
-    training["anyOf"] = [
-        {"properties": {"max_lr": _NULL}},
-        {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
-    ]
+    training["allOf"] = [
+        {"anyOf": [
+            {"properties": {"max_lr": _NULL}},
+            {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
+        ]},
+        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"const": "sgd"}}}]},
+    ]  # fmt: skip
     return training
 
 

@@ -168,7 +168,7 @@ export function renderErrorTable(node, rec) {
 }
 
 export function renderRunnerUps(node, rec) {
-  const signed = (pct) => `${pct > 0 ? "+" : ""}${significant(pct, 2)}%`;
+  const signed = (pct) => (pct === null || pct === undefined ? "n/a" : `${pct > 0 ? "+" : ""}${significant(pct, 2)}%`);
   replaceChildren(node, table(["global batch", "per device × devices × accumulation", "time", "cost", "Δ time", "Δ cost"],
     rec.runner_ups.map((r) => [String(r.global_batch), `${r.device_batch} × ${r.devices} × ${r.accumulation}`,
       formatDuration(r.total_time_s), formatUsd(r.cost_usd), signed(r.time_delta_pct), signed(r.cost_delta_pct)])));
