@@ -20,7 +20,7 @@ the step; the first step has no v_hat yet, so its precond estimates are missing 
 
 LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta lambda_max) (profiler.sharpness) on
 one fixed batch of the reference batch's size, in full precision, goes into the last record as
-"stability_headroom" (and the pilot's "stability" says how it was measured). It runs after the budget, and
+"stability_headroom", with its LR as "stability_lr" (and the pilot's "stability" says how it was measured). It runs after the budget, and
 costs about 40 backward passes of that batch. A pilot sees the start of the
 run, where the sharpness is still rising. Its SGD has the spec's momentum (training.momentum, 0.9 when not
 given, as every profiling point): the threshold (2 + 2 beta) / eta halves from beta 0.9 to plain SGD, so a
@@ -350,7 +350,7 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
         trajectory.append(window.record(samples=steps * step_batch, batch=step_batch, step=steps))
     stability = measure_stability(trainer, workload, step_batch, seed) if trajectory and "diverged" not in run else None
     if stability and stability.get("stability_headroom"):
-        trajectory[-1]["stability_headroom"] = stability["stability_headroom"]
+        trajectory[-1]["stability_headroom"], trajectory[-1]["stability_lr"] = stability["stability_headroom"], stability["lr"]
     return {
         "steps": steps,
         "samples": steps * step_batch,

@@ -92,7 +92,8 @@ fewer steps (window_steps says how many). No host synchronization per step, exce
 LR stability. `logger.measure_stability(loss_fn)` between optimizer.step() and the next forward pass (every
 few hundred steps; about 2 x 20 backward passes of loss_fn on a fixed batch) measures how far the LR could
 grow before the top Hessian direction is unstable (profiler.sharpness), and the next record carries the
-smallest since the last as "stability_headroom": the service caps the LR it advises there.
+most restrictive since the last (the smallest largest-stable-LR, headroom x LR) as "stability_headroom", with
+the LR it was measured at as "stability_lr": the service caps the LR it advises there.
 
 Not supported: FSDP, ZeRO or tensor parallelism (a rank holds a shard, not a gradient), and other
 backward passes through the model's parameters between two step() calls (they would count as
@@ -208,7 +209,7 @@ class GradientStatsLogger:
         self._rows_device: list[torch.Tensor] = []
         self._rows_host: list[list[float]] = []
         self._metric: float | None = None
-        self._stability_headroom: float | None = None
+        self._stability: tuple[float, float] | None = None  # (headroom, LR) of the most restrictive measurement
         self._prev_norm: float | None = None
         self._tally = _StepTally()
         self._hooks = []  # the forward hook: every step
@@ -392,8 +393,9 @@ class GradientStatsLogger:
         self._metric = None
         if record is None:
             return None
-        if self._stability_headroom is not None:
-            record["stability_headroom"], self._stability_headroom = self._stability_headroom, None
+        if self._stability is not None:
+            record["stability_headroom"], record["stability_lr"] = self._stability
+            self._stability = None
         self.last_record = record
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -453,7 +455,8 @@ class GradientStatsLogger:
 
     def measure_stability(self, loss_fn: Any) -> dict[str, float] | None:
         """Measures the stability headroom (2 + 2 beta) / (eta lambda_max) now (profiler.sharpness) and puts the
-        smallest since the last record into the next record as "stability_headroom". Call it between
+        most restrictive since the last record (the smallest headroom x LR) into the next record as
+        "stability_headroom" and "stability_lr". Call it between
         optimizer.step() and the next forward pass, every few hundred steps: it costs about 2 x 20 backward
         passes of loss_fn, which builds a loss on a fixed batch (under DDP, through the unwrapped module).
         Needs the optimizer; returns the measurement, or None where no threshold is known for it."""
@@ -467,8 +470,9 @@ class GradientStatsLogger:
             self._tally.forward_sizes = forward_sizes
             self._hook_gradients(hooked)
         if measured is not None:
-            previous = self._stability_headroom
-            self._stability_headroom = measured["stability_headroom"] if previous is None else min(previous, measured["stability_headroom"])
+            pair = (measured["stability_headroom"], measured["lr"])
+            if self._stability is None or pair[0] * pair[1] < self._stability[0] * self._stability[1]:
+                self._stability = pair
         return measured
 
     # -- the end -----------------------------------------------------------------------------------

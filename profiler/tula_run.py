@@ -49,6 +49,9 @@ step's way (issue 17).
   records; past it the oldest are dropped and counted in `dropped`).
 - Offline: with server=None the records go to `offline_path` as JSONL (one record a line); `upload(path,
   server, run_id)` sends such a file later, in posts of MAX_RECORDS_PER_POST.
+- LR stability: `run.measure_stability(loss_fn)` between optimizer.step() and the next forward pass (every few
+  hundred steps) measures how far the LR may still rise (profiler.sharpness); the next record carries it as
+  stability_headroom with the LR it was measured at (stability_lr), and re-planning caps the advised LR there.
 - Advice: the same thread GETs the run's plan every `plan_every_s` seconds; `advice` is the latest answer.
 - Under DDP only rank 0 sends and asks; every rank must call step() and close() (the statistics'
   all-reduce).
@@ -81,7 +84,8 @@ BUDGET_REFIT_WINDOWS = 8  # without a new sampled step, the budget's period is f
 PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
-TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma")
+TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma",
+                    "stability_headroom", "stability_lr")
 
 
 class TulaRun:
@@ -249,6 +253,13 @@ class TulaRun:
         self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
                          "step_s": bare_s, "client_s_per_step": client_s, "sampled_step_extra_s": extra_s,
                          "budget": self.overhead_budget, "within_budget": room_s > 0 and period >= needed}  # fmt: skip
+
+    def measure_stability(self, loss_fn: Any) -> dict[str, float] | None:
+        """The LR stability headroom now (GradientStatsLogger.measure_stability): the next record carries it, and
+        re-planning caps the LR it advises there. Call it between optimizer.step() and the next forward pass, every
+        few hundred steps (about 2 x 20 backward passes of loss_fn); the interval it sits in is a pause to the
+        overhead budget (over PAUSE_FACTOR x a step), not a step's cost."""
+        return self.logger.measure_stability(loss_fn)
 
     @property
     def sampling(self) -> bool:

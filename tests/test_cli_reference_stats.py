@@ -107,6 +107,9 @@ def test_more_records_than_a_spec_holds_are_merged_into_windows_that_keep_the_no
     records[100]["stability_headroom"], records[101]["stability_headroom"] = 3.0, 1.5  # merged into one window: the smaller
     headrooms = [r["stability_headroom"] for r in coarsen_records(records, MAX_GRADIENT_STATS_RECORDS) if "stability_headroom" in r]
     assert headrooms in ([1.5], [3.0, 1.5])  # the smallest in each window that held one
+    records[100]["stability_lr"], records[101]["stability_lr"] = 0.1, 0.4  # 0.3 and 0.6 as LRs: the first is tighter
+    pairs = [(r["stability_headroom"], r["stability_lr"]) for r in coarsen_records(records, MAX_GRADIENT_STATS_RECORDS) if "stability_headroom" in r]
+    assert pairs in ([(3.0, 0.1)], [(3.0, 0.1), (1.5, 0.4)])  # the smallest headroom x LR, with its own LR
 
 
 # -- the spec the CLI builds --------------------------------------------------------------------------

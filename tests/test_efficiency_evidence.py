@@ -253,3 +253,15 @@ def test_the_headroom_is_read_where_the_noise_scale_is_the_second_half_of_the_ru
     del stats[20]["stability_headroom"], stats[28]["stability_headroom"]
     early = efficiency({"reference_run": {"gradient_stats": stats}})["lr_headroom"]
     assert early["value"] == 0.4 and early["evidence"].startswith("reference_run, first half only")
+
+
+def test_a_headroom_measured_at_another_lr_is_read_relative_to_the_reference_lr():
+    """h eta is the largest stable LR whatever eta it was measured at: h = 4 at a decayed LR 0.025 is a cap of 1x a
+    reference LR of 0.1, and the most restrictive record is the one with the smallest h x stability_lr."""
+    stats = [dict(r) for r in records(lambda s: 500.0)]
+    stats[20].update(stability_headroom=4.0, stability_lr=0.025)  # LR decayed to a quarter: 1.0x the reference LR
+    stats[28].update(stability_headroom=1.5, stability_lr=0.1)  # at the reference LR: 1.5x
+    report = efficiency({"reference_lr": 0.1, "reference_run": {"gradient_stats": stats}})["lr_headroom"]
+    assert report["value"] == pytest.approx(1.0) and "measured at LR 0.025: 4x that, 1x reference_lr" in report["evidence"]
+    without_reference_lr = efficiency({"reference_run": {"gradient_stats": stats}})["lr_headroom"]
+    assert without_reference_lr["value"] == 1.5 and "taken as measured at the reference LR (no training.reference_lr)" in without_reference_lr["evidence"]

@@ -75,6 +75,7 @@ def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
     assert stability["batch"] == 16 and stability["lr"] == 0.01 and stability["sharpness"] > 0
     assert stability["stability_headroom"] == pytest.approx(3.8 / (0.01 * stability["sharpness"]))  # momentum 0.9
     assert pilot["trajectory"][-1]["stability_headroom"] == stability["stability_headroom"]
+    assert pilot["trajectory"][-1]["stability_lr"] == 0.01  # after the warm-up: the reference LR
     assert all("stability_headroom" not in r for r in pilot["trajectory"][:-1])
     assert pilot["momentum"] == {"value": 0.9, "source": "assumed"}
 

@@ -423,7 +423,8 @@ def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro
 
 def test_a_stability_measurement_goes_into_the_next_record_and_leaves_the_statistics_alone(tmp_path):
     """measure_stability() between steps: its own forward and backward passes are not counted as micro-batches,
-    and the next record carries the smallest headroom measured since the last one."""
+    and the next record carries the most restrictive measurement since the last one (the smallest headroom x LR),
+    with the LR it was measured at."""
     fixed_inputs, fixed_targets = _batches(1, 64)[0]
 
     def run(measure: bool):
@@ -435,19 +436,22 @@ def test_a_stability_measurement_goes_into_the_next_record_and_leaves_the_statis
         for index, batch in enumerate(_batches(6)):
             records += _train(model, optimizer, logger, [batch], micro_batches=4)
             if measure and index in (0, 1):
+                optimizer.param_groups[0]["lr"] = 0.3 if index == 0 else 0.15  # a decayed LR: the headroom doubles
                 measured.append(logger.measure_stability(loss_fn))
+                optimizer.param_groups[0]["lr"] = 0.3
         logger.close()
         return records, measured
 
     plain, _ = run(False)
     records, measured = run(True)
-    assert all(m is not None and m["stability_headroom"] > 0 and m["lr"] == 0.3 for m in measured)
-    assert records[0]["stability_headroom"] == min(m["stability_headroom"] for m in measured)
+    assert all(m is not None and m["stability_headroom"] > 0 for m in measured) and [m["lr"] for m in measured] == [0.3, 0.15]
+    tightest = min(measured, key=lambda m: m["stability_headroom"] * m["lr"])
+    assert (records[0]["stability_headroom"], records[0]["stability_lr"]) == (tightest["stability_headroom"], tightest["lr"])
     assert "stability_headroom" not in records[1] and all("stability_headroom" not in r for r in plain)
     for ours, theirs in zip(records, plain):
         assert ours["samples"] == theirs["samples"] and ours["grad_sqr"] == pytest.approx(theirs["grad_sqr"], rel=1e-9)
     from tula_service.spec.job_spec import GradientStatsRecord
 
-    assert GradientStatsRecord.model_validate(records[0]).stability_headroom == records[0]["stability_headroom"]
+    assert GradientStatsRecord.model_validate(records[0]).stability_lr == records[0]["stability_lr"]
     with pytest.raises(ValueError, match="optimizer"):
         GradientStatsLogger(None, _tiny_model(), None, every=3, accumulation=4).measure_stability(lambda: None)

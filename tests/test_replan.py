@@ -50,6 +50,26 @@ def test_a_live_trajectory_as_long_as_the_reference_run_replaces_it():
     assert advice["change"] is not None and advice["change"]["global_batch"] > config["global_batch"]
 
 
+def test_the_live_runs_stability_headroom_caps_the_lr_it_moves_to_and_without_one_the_jobs_stands():
+    """The live trajectory replaces the job's reference run for the noise scale; the LR cap comes from the live
+    run's own headroom in the second half (read relative to the reference LR), else from the job's."""
+    reference = _reference_run(100.0, last=0.5 * TARGET_SAMPLES)
+    for record in reference[-3:]:
+        record.update(stability_headroom=1.7, stability_lr=0.1)
+    spec, points, config = _job(reference_run={"gradient_stats": reference})
+    records = _live(config, 0.6 * TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    assert advice["evidence"]["noise_scale_from"] == "live trajectory" and advice["change"] is not None
+    job_cap = advice["evidence"]["lr_headroom"]
+    assert job_cap["value"] == pytest.approx(1.7) and job_cap["evidence"].startswith("the job's: reference_run, second half")
+    assert advice["change"]["lr_multiplier"]["value"] == pytest.approx(1.7)  # AdaScale at B_noise 5000 asks for 1.99
+    for record in records[-5:]:  # the live run measured at half the reference LR: 3 x 0.05 is 1.5x the reference LR
+        record.update(stability_headroom=3.0, stability_lr=0.05)
+    live = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    assert live["evidence"]["lr_headroom"]["value"] == pytest.approx(1.5) and live["evidence"]["lr_headroom"]["evidence"].startswith("reference_run, second half: 5 records")
+    assert live["change"]["lr_multiplier"]["value"] == pytest.approx(1.5)
+
+
 def test_statistics_at_the_initial_weights_give_way_to_the_first_live_records():
     spec, points, config = _job()
     records = _live(config, 0.02 * TARGET_SAMPLES, 5000.0)

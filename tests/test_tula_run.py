@@ -135,6 +135,34 @@ def test_records_of_a_loop_that_always_accumulates_say_so(tmp_path):
     assert all(r["accumulation"] == ACCUMULATION and r["device_batch"] == MICRO_BATCH for r in records)
 
 
+def test_a_stability_measurement_goes_into_the_next_record_with_its_lr(tmp_path):
+    from tula_service.runs.telemetry import TelemetryRecord
+
+    path = tmp_path / "telemetry.jsonl"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = TulaRun(None, "run-1", model, optimizer, every=EVERY, accumulation=ACCUMULATION, offline_path=path)
+    run.model = model
+    fixed = torch.randn(64, 8)
+    measured = None
+    for step in range(2 * EVERY):
+        optimizer.zero_grad()
+        for _ in range(ACCUMULATION):
+            x = torch.randn(MICRO_BATCH, 8)
+            (torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()) / ACCUMULATION).backward()
+        run.step()
+        optimizer.step()
+        if step == 3:
+            measured = run.measure_stability(lambda: torch.nn.functional.cross_entropy(model(fixed), (fixed[:, 0] > 0).long()))
+    run.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert measured["lr"] == 0.05 and measured["stability_headroom"] == pytest.approx(2.0 / (0.05 * measured["sharpness"]))  # plain SGD
+    assert (records[0]["stability_headroom"], records[0]["stability_lr"]) == (measured["stability_headroom"], 0.05)
+    assert "stability_headroom" not in records[1] and records[0]["trace_sigma"] is not None  # the statistics go on as before
+    assert TelemetryRecord.model_validate(records[0]).stability_lr == 0.05  # what the server takes
+
+
 class _Clock:
     """Stands for the time module inside profiler.tula_run: the loop moves it, so step times are exact."""
 

@@ -54,7 +54,7 @@ from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
 from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, record_arrays
 from tula_service.measurement import ComputeMeasurement, PilotMeasurement
-from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.job_spec import GradientStatsRecord, JobSpec
 
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
 STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
@@ -204,10 +204,21 @@ LR_HEADROOM_WHY = (
 )
 
 
-def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None) -> dict[str, Any] | None:
-    """The smallest stability_headroom over the second half of the reference run to the target (the part its
-    noise scale is read from; the first half when none was measured there), else over the pilot's records, with
-    its evidence; None without one. With training.max_lr too, the LR is capped at the lower of the two.
+def headroom_over_reference_lr(record: GradientStatsRecord, reference_lr: float | None) -> float:
+    """A record's headroom as a multiple of the reference LR: h x stability_lr / reference_lr, since
+    (2 + 2 beta) / lambda_max = h x eta is the largest stable LR whatever eta it was measured at (a warm-up, a
+    decay, a run whose LR the service changed). Without both LRs, h itself: taken as measured at the reference LR."""
+    if reference_lr and record.stability_lr:
+        return record.stability_headroom * record.stability_lr / reference_lr
+    return record.stability_headroom
+
+
+def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None, earlier: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The smallest headroom over the reference LR (headroom_over_reference_lr) over the second half of the
+    reference run to the target (the part its noise scale is read from), else `earlier` (re-planning a run from
+    its live records: the job's own headroom, the same model's), else over the reference run's first half, else
+    over the pilot's records, with its evidence; None without one. With training.max_lr too, the LR is capped at
+    the lower of the two.
 
     The second half because the sharpness swings early in a run: measured at 8 points of the CPU tasks' reference
     runs (benchmarks/stability_headroom.py), the headroom at 1/8-1/4 of the run dipped to 0.2-0.5x its later
@@ -217,11 +228,19 @@ def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None) -> dict[
     late = [r for r in measured if r.samples >= target_samples(spec) / 2]
     candidates = [("reference_run, second half", late), ("reference_run, first half only", measured),
                   ("pilot (the start of the run)", [r for r in (pilot.trajectory if pilot else []) if r.stability_headroom is not None])]  # fmt: skip
+    reference_lr = spec.training.reference_lr
+    if earlier is not None and not late:
+        return {**earlier, "evidence": f"the job's: {earlier['evidence']}"}
     for source, records in candidates:
         if records:
-            smallest = min(records, key=lambda r: r.stability_headroom)
-            return {"value": smallest.stability_headroom, "source": "measured",
-                    "evidence": f"{source}: {len(records)} records, smallest at {smallest.samples} samples", "why": LR_HEADROOM_WHY}  # fmt: skip
+            smallest = min(records, key=lambda r: headroom_over_reference_lr(r, reference_lr))
+            value = headroom_over_reference_lr(smallest, reference_lr)
+            if reference_lr and smallest.stability_lr:
+                at = f"measured at LR {smallest.stability_lr:.3g}: {smallest.stability_headroom:.3g}x that, {value:.3g}x reference_lr"
+            else:
+                at = "taken as measured at the reference LR (" + ("no stability_lr" if reference_lr else "no training.reference_lr") + ")"
+            return {"value": value, "source": "measured",
+                    "evidence": f"{source}: {len(records)} records, smallest at {smallest.samples} samples, {at}", "why": LR_HEADROOM_WHY}  # fmt: skip
     return None
 
 
@@ -229,12 +248,13 @@ def choose(evidence: list[NoiseEvidence]) -> NoiseEvidence | None:
     return next((e for e in evidence if e.noise_scale), None)
 
 
-def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurement | None) -> tuple[EpochModel, dict[str, Any]]:
-    """The epochs model and the efficiency section of the fit report."""
+def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurement | None,
+                earlier_headroom: dict[str, Any] | None = None) -> tuple[EpochModel, dict[str, Any]]:  # fmt: skip
+    """The epochs model and the efficiency section of the fit report (earlier_headroom: measured_lr_headroom's)."""
     evidence = gather(spec, points, pilot)
     chosen = choose(evidence)
     training = spec.training
-    headroom = measured_lr_headroom(spec, pilot)
+    headroom = measured_lr_headroom(spec, pilot, earlier_headroom)
     epochs = EpochModel(
         training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
         max_step_gain(training.optimizer, training.reference_lr, training.max_lr),

@@ -98,7 +98,7 @@ def _check_links_fitted(spec: JobSpec, step: StepTimeModel) -> None:
 
 def fit_models(
     spec: JobSpec, ok: list[ComputeMeasurement], comm: CommMeasurement | None = None, pilot: PilotMeasurement | None = None,
-    steps: list[StepMeasurement] | None = None,
+    steps: list[StepMeasurement] | None = None, earlier_headroom: dict[str, Any] | None = None,
 ) -> tuple[FittedModels, dict[str, Any]]:
     """Every term of the performance model fitted to a job's measurements (parsed: tula_service.measurement):
     the successful compute points, the all-reduce benchmark, the pilot and measured multi-device steps, when
@@ -107,7 +107,8 @@ def fit_models(
     Without compute points (steps from a trainer, a trace or a CSV only), the single-device steps time the
     compute model, memory is not measured (UnmeasuredMemory: no batch above the largest that ran), the
     gradient's size is unknown, and so multi-device steps must be measured on enough placements to fit
-    the step-time model (NotEnoughSteps otherwise)."""
+    the step-time model (NotEnoughSteps otherwise). earlier_headroom: the job's LR stability headroom when a run
+    is re-planned from its live records (efficiency_evidence.measured_lr_headroom)."""
     steps = steps or []
     single = single_device_rows(ok) + [r for r in step_rows(steps) if sum(r.placement) == 1]
     batch = np.array([r.device_batch for r in single], dtype=float)
@@ -134,7 +135,7 @@ def fit_models(
     gradient_bytes = ok[0].model.gradient_bytes if ok else None
     network, network_report = _network(spec, gradient_bytes, comm)
     overlap = OverlapModel()
-    epochs, efficiency_report = epoch_model(spec, ok, pilot)
+    epochs, efficiency_report = epoch_model(spec, ok, pilot, earlier_headroom)
     step = fit_step_time(single, steps, compute, network, overlap, gradient_bytes, comm)  # benchmark_rows keeps an ok NCCL record
     if gradient_bytes is None:
         _check_links_fitted(spec, step)

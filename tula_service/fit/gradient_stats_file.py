@@ -33,8 +33,9 @@ def coarsen_records(records: list[dict[str, Any]], max_records: int) -> list[dic
     """At most max_records records, merging runs of consecutive ones (in samples order) into one window each:
     |G|^2, tr(Sigma), their preconditioned pair and the loss are window-steps-weighted means (numerators and
     denominators pooled as the estimator pools them, so the noise scale of a window is unchanged); samples,
-    step and metric are the last record's, window_steps the sum, variability the median, stability_headroom the
-    smallest (the LR cap is the most restrictive point measured)."""
+    step and metric are the last record's, window_steps the sum, variability the median, stability_headroom and
+    stability_lr those of the most restrictive measurement (the smallest headroom x LR: the LR cap is the most
+    restrictive point measured; where a record has no stability_lr, the smallest headroom, without an LR)."""
     ordered = sorted(records, key=lambda r: r["samples"])
     if len(ordered) <= max_records:
         return ordered
@@ -55,9 +56,13 @@ def coarsen_records(records: list[dict[str, Any]], max_records: int) -> list[dic
         variability = [r["variability"] for r in rows if r.get("variability") is not None]
         if variability:
             record["variability"] = float(np.median(variability))
-        headrooms = [r["stability_headroom"] for r in rows if r.get("stability_headroom") is not None]
-        if headrooms:
-            record["stability_headroom"] = float(min(headrooms))
+        measured = [r for r in rows if r.get("stability_headroom") is not None]
+        if measured:
+            with_lr = all(r.get("stability_lr") is not None for r in measured)
+            tightest = min(measured, key=lambda r: r["stability_headroom"] * (r["stability_lr"] if with_lr else 1.0))
+            record["stability_headroom"] = float(tightest["stability_headroom"])
+            if with_lr:
+                record["stability_lr"] = float(tightest["stability_lr"])
         merged.append(record)
     return merged
 

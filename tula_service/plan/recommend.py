@@ -97,8 +97,10 @@ def candidate_device_batches(ok_batches: list[int], oom_batches: list[int]) -> n
     return np.array(sorted(values))
 
 
-def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement)."""
+def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[dict[str, Any]] | None = None,
+         earlier_headroom: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The recommendation of a job's stored measurements (parsed here, once: tula_service.measurement);
+    earlier_headroom: the job's LR stability headroom when a run is re-planned (tula_service.runs.replan)."""
     points = [parse_measurement(m) for m in measurements]
     ok, oom_batches = usable_measurements(points)
     steps = [m for m in points if isinstance(m, StepMeasurement) and m.ok]  # an out-of-memory step has no times
@@ -114,7 +116,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     comm = next((m for m in points if isinstance(m, CommMeasurement) and m.ok), None)
     pilot = next((m for m in reversed(points) if isinstance(m, PilotMeasurement) and m.ok), None)
     try:
-        models, report = fit_models(spec, ok, comm, pilot, steps)
+        models, report = fit_models(spec, ok, comm, pilot, steps, earlier_headroom)
     except NotEnoughSteps as error:
         raise NotEnoughMeasurements(str(error)) from None
     timed_batches = [m.batch_size for m in ok] or single_step_batches

@@ -28,6 +28,11 @@ The run's live records enter the same code paths as measurements taken anywhere 
   (benchmarks/online.py saw 128 -> 1024 and 128 -> 64 on the same task). The memory model bounds every
   candidate as in any plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
   sqrt(r) for Adam), and AGS delta and s are re-derived at the new batch.
+- LR stability. The advised LR is capped at the stability headroom (tula_service.fit.efficiency_evidence:
+  measured_lr_headroom), read relative to the reference LR (h x stability_lr / reference_lr, so a run whose LR
+  the service raised reports its headroom at that LR and it still counts right). With the live trajectory in
+  use, the live run's own measurements (TulaRun.measure_stability) in the second half of the run to the target
+  win; without them, the job's headroom (its reference run or pilot) stands, since it is the same model's.
 
 Each answer says what it is based on (records, live steps, the noise scale and its evidence), the predicted
 gain, and why it changed or did not.
@@ -43,7 +48,7 @@ import numpy as np
 
 from tula_service.fit.efficiency_evidence import measured_lr_headroom, target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
-from tula_service.measurement import parse_measurement
+from tula_service.measurement import PilotMeasurement, parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule
 from tula_service.plan.recommend import measured_variability, plan, usable_measurements
 from tula_service.runs.telemetry import TelemetryRecord
@@ -78,7 +83,7 @@ def gradient_records(records: list[TelemetryRecord], config: dict[str, Any]) -> 
         batch = _global_batch(record, config)
         entry = {"samples": record.samples if record.samples is not None else record.step * batch, "batch": batch,
                  "grad_sqr": record.grad_sqr, "trace_sigma": record.trace_sigma, "step": record.step}  # fmt: skip
-        for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma"):
+        for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma", "stability_headroom", "stability_lr"):
             if getattr(record, name) is not None:
                 entry[name] = getattr(record, name)
         out.append(entry)
@@ -134,7 +139,7 @@ def job_evidence(spec: JobSpec, measurements: list[dict[str, Any]]) -> tuple[str
     found = [("initialization", 0.0)]
     if spec.training.reference_run:
         found.append(("reference_run", coverage(list(spec.training.reference_run.gradient_stats), target)))
-    pilots = [parse_measurement(m) for m in measurements if m.get("kind") == "pilot" and m.get("status", "ok") == "ok"]
+    pilots = _job_pilots(measurements)
     if pilots:
         found.append(("pilot", max(coverage(list(p.trajectory), target) for p in pilots)))
     return max(found, key=lambda item: item[1])
@@ -163,7 +168,8 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     live_coverage = coverage(gradients, target_samples(job_spec))
     use_live = bool(gradients) and live_coverage >= job_coverage
     spec = live_spec(stored_spec, config, gradients if use_live else [])
-    planned = plan(spec, [*measurements, *steps], failed)
+    job_headroom = measured_lr_headroom(job_spec, (_job_pilots(measurements) or [None])[-1]) if use_live else None
+    planned = plan(spec, [*measurements, *steps], failed, earlier_headroom=job_headroom)
     here = [c for c in planned["candidates"] if c["placement"] == config["placement"]]
     current = next((c for c in here if (c["device_batch"], c["accumulation"]) == (config["device_batch"], config["accumulation"])), None)
     best = min(here, key=lambda c: c["total_time_s"]["value"]) if here else None
@@ -216,6 +222,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
                                 f"{job_source.replace('_', ' ')} ({'measured epochs' if job_coverage == float('inf') else f'{job_coverage:.0%}'}): "
                                 "the job's noise scale is kept"),
             "noise_scale_evidence": (efficiency.get("evidence") or {}).get("used"),
+            "lr_headroom": efficiency.get("lr_headroom"),
             "efficiency_warnings": efficiency.get("warnings", []),
             "live_steps": steps,
             "live_steps_left_out": steps_left_out,
@@ -238,7 +245,7 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
     if not interval:
         return "the noise scale is weak evidence without an interval" if efficiency.get("weak") else None
     for end in interval:
-        model = _epoch_model_at(spec, end)
+        model = _epoch_model_at(spec, end, efficiency)
         seconds = [float(model.predict(c["global_batch"])) * c["total_time_s"]["value"] / c["epochs"]["value"] for c in (best, current)]
         if 1.0 - seconds[0] / seconds[1] < hysteresis:
             return (f"not at the other end of its interval [{interval[0]:.3g}, {interval[1]:.3g}] (at {end:.3g}: "
@@ -248,13 +255,19 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
 
 def _epoch_model(spec: JobSpec, efficiency: dict[str, Any]) -> EpochModel:
     """The refitted efficiency model, for the LR rule and AGS at a new batch."""
-    return _epoch_model_at(spec, (efficiency.get("noise_scale") or {}).get("value"))
+    return _epoch_model_at(spec, (efficiency.get("noise_scale") or {}).get("value"), efficiency)
 
 
-def _epoch_model_at(spec: JobSpec, noise_scale: float | None) -> EpochModel:
-    """The spec's epochs model at a given B_noise (E_min from the reference run)."""
+def _job_pilots(measurements: list[dict[str, Any]]) -> list[PilotMeasurement]:
+    """The job's successful pilots, in order (plan() reads the latest)."""
+    return [parse_measurement(m) for m in measurements if m.get("kind") == "pilot" and m.get("status", "ok") == "ok"]
+
+
+def _epoch_model_at(spec: JobSpec, noise_scale: float | None, efficiency: dict[str, Any]) -> EpochModel:
+    """The spec's epochs model at a given B_noise (E_min from the reference run), with the LR stability headroom
+    the refitted efficiency model read (the live run's, else the job's: module docstring)."""
     training = spec.training
-    headroom = measured_lr_headroom(spec, None)
+    headroom = efficiency.get("lr_headroom")
     return EpochModel(training.reference_batch, training.reference_epochs, noise_scale,
                       max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer,
                       lr_headroom=headroom["value"] if headroom else None)  # fmt: skip

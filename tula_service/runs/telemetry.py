@@ -63,6 +63,10 @@ class TelemetryRecord(_Strict):
     precond_grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2")
     precond_trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
     variability: MeasuredNumber | None = Field(None, ge=0, allow_inf_nan=False, description="| |g_t| - |g_t-1| | / |g_t-1| (AGS)")
+    stability_headroom: MeasuredNumber | None = Field(
+        None, gt=0, allow_inf_nan=False, description="(2 + 2 beta) / (eta lambda_max) measured in this window (TulaRun.measure_stability)"
+    )
+    stability_lr: MeasuredNumber | None = Field(None, gt=0, allow_inf_nan=False, description="the LR eta that stability_headroom was measured at")
 
 
 class TelemetryBatch(_Strict):

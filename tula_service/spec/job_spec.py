@@ -334,6 +334,12 @@ class GradientStatsRecord(_Strict):
         description="the factor by which the LR could grow before the top Hessian direction is unstable, (2 + 2 beta) / (eta "
         "lambda_max) (Adam: / (1 - beta1), preconditioned), measured at this record (profiler.sharpness)",
     )  # fmt: skip
+    stability_lr: MeasuredNumber | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="the optimizer's LR when stability_headroom was measured: with training.reference_lr the service reads "
+        "the headroom relative to it, stability_headroom x stability_lr / reference_lr (a warm-up, a decay or a changed LR "
+        "moves eta, not the largest stable LR)",
+    )  # fmt: skip
 
 
 MAX_GRADIENT_STATS_RECORDS = 2_000  # ~600 kB of JSON, inside the 1 MiB request cap; `tula submit` merges longer files
