@@ -155,9 +155,10 @@ HEADROOM_CACHE = DEFAULT_OUT / "stability_headroom.json"  # benchmarks/stability
 
 
 def attach_headroom(records: list[dict[str, Any]], points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of the records, each measured headroom on the record whose samples are nearest to the point's
-    (ties: the later record), as a user's logger puts a measure_stability() into its next record; two points on
-    one record keep the smaller headroom. Points without a headroom (none measurable there) are skipped."""
+    """Copies of the records, each measured headroom (with the LR it was measured at, as stability_lr) on the
+    record whose samples are nearest to the point's (ties: the later record), as a user's logger puts a
+    measure_stability() into its next record; two points on one record keep the more restrictive (the smaller
+    headroom x LR). Points without a headroom (none measurable there) are skipped."""
     out = [dict(r) for r in records]
     if not out:
         return out
@@ -166,8 +167,11 @@ def attach_headroom(records: list[dict[str, Any]], points: list[dict[str, Any]])
         if value is None:
             continue
         nearest = min(range(len(out)), key=lambda i: (abs(out[i]["samples"] - point["samples"]), -out[i]["samples"]))
-        previous = out[nearest].get(HEADROOM_KEY)
-        out[nearest][HEADROOM_KEY] = float(value) if previous is None else min(previous, float(value))
+        record, lr = out[nearest], float(point.get("lr") or 1.0)
+        if record.get(HEADROOM_KEY) is None or float(value) * lr < record[HEADROOM_KEY] * record.get("stability_lr", 1.0):
+            record[HEADROOM_KEY] = float(value)
+            if point.get("lr"):
+                record["stability_lr"] = lr
     return out
 
 

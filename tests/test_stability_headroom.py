@@ -38,6 +38,8 @@ def test_each_headroom_goes_to_the_record_nearest_in_samples_and_the_smaller_one
     assert [r.get(sh.KEY) for r in out] == [5.0, 7.0, 2.0]
     assert out[0]["loss"] == 1.0 and all(sh.KEY not in r for r in records)  # copies; the records are untouched
     assert sh.se.attach_headroom([], points) == []
+    with_lr = sh.se.attach_headroom(records, [{"samples": 290, sh.KEY: 3.0, "lr": 0.1}, {"samples": 310, sh.KEY: 4.0, "lr": 0.05}])
+    assert (with_lr[2][sh.KEY], with_lr[2]["stability_lr"]) == (4.0, 0.05)  # 4 x 0.05 < 3 x 0.1: the more restrictive LR
 
 
 def measured(headroom: float, task) -> dict:
