@@ -522,6 +522,7 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     batch = run["config"]["global_batch"]
     records = [{"step": s, "samples": s * batch, "wall_time_s": 0.06 * s, "step_time_s": 0.06, "lr": 0.1, "loss": 2.0,
                 "grad_sqr": 1.0, "trace_sigma": 100.0 + s} for s in range(1, 31)]  # fmt: skip
+    records[-1].update(stability_headroom=2.0, stability_lr=0.1)  # TulaRun.measure_stability: the LR cap the advice shows
     assert server.api.post(f"/v1/runs/{run['id']}/telemetry", {"records": records}).status_code == 200
     page = tab.open(f"/runs/{run['id']}")
     wait_until(page, "document.getElementById('run-header').dataset.drawn === '30'")
@@ -534,4 +535,6 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     page.locator("#run-advise").click()
     wait_until(page, "document.getElementById('run-advice').textContent.length > 20 && "
                      "!document.getElementById('run-advice').textContent.startsWith('re-planning')", timeout_s=60)
-    assert "kept" in page.locator("#run-advice").inner_text() or "Changed" in page.locator("#run-advice").inner_text()
+    advice = page.locator("#run-advice").inner_text()
+    assert "kept" in advice or "Changed" in advice
+    assert "B_noise " in advice and "from the live trajectory" in advice and "LR at most 2x the reference (stability headroom; " in advice

@@ -54,12 +54,24 @@ async function refresh() {
   }
 }
 
+// The answer's why, then what it rests on: the noise scale and where it came from, and the LR cap, when one
+// was measured (the stability headroom, live or the job's).
+function adviceText(plan) {
+  const evidence = plan.evidence || {};
+  const parts = [(plan.changed ? "Changed: " : "") + plan.why];
+  if (evidence.noise_scale) parts.push(`B_noise ${significant(evidence.noise_scale.value)} from the ${evidence.noise_scale_from.replace(/^the /, "")}`);
+  if (evidence.lr_headroom) {
+    parts.push(`LR at most ${significant(evidence.lr_headroom.value)}x the reference (stability headroom; ${evidence.lr_headroom.evidence})`);
+  }
+  return parts.join(" · ");
+}
+
 document.getElementById("run-advise").addEventListener("click", async () => {
   const out = document.getElementById("run-advice");
   out.textContent = "re-planning…";
   try {
     const plan = await api(`/v1/runs/${encodeURIComponent(runId)}/plan`);
-    out.textContent = (plan.changed ? "Changed: " : "") + plan.why;
+    out.textContent = adviceText(plan);
     await refresh();
   } catch (error) {
     out.textContent = error.message;
