@@ -160,6 +160,14 @@ def test_sgd_noise_scales_from_statistics_carry_the_momentum_caveat_and_measured
     assert MOMENTUM_CAVEAT not in efficiency(measured)["warnings"]
 
 
+def test_plain_sgd_gets_the_caveat_measured_without_momentum():
+    from tula_service.fit.efficiency_evidence import MOMENTUM_CAVEAT, PLAIN_SGD_CAVEAT
+
+    warnings = efficiency({"momentum": 0, "reference_run": {"gradient_stats": records(lambda s: 500.0)}})["warnings"]
+    assert PLAIN_SGD_CAVEAT in warnings and MOMENTUM_CAVEAT not in warnings
+    assert PLAIN_SGD_CAVEAT not in efficiency({"momentum": 0.5})["warnings"]  # any momentum: the momentum tasks' evidence
+
+
 def test_the_epochs_say_which_lr_they_are_predicted_for():
     from tula_service.fit.efficiency_evidence import ASSUMED_LR
 

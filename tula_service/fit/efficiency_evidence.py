@@ -39,8 +39,8 @@ heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured (be
 docs/validation.md): momentum 0.9 put the critical batch fitted to the epochs 2-4x above the noise scale read on
 three CPU tasks, and on the digits MLP trained with and without momentum the critical batch moved from 31 to 90
 while the reference runs read 78 and 29. So for SGD a noise scale from gradient statistics carries
-MOMENTUM_CAVEAT in its warnings; epochs measured at other batches (other_runs) hold the optimizer's behaviour
-and carry none.
+MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); epochs measured at other
+batches (other_runs) hold the optimizer's behaviour and carry none.
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ MOMENTUM_CAVEAT = (
     "reached the target at 8x the reference batch, every seed with the LR capped at the stability headroom measured "
     "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at a batch a few "
     "times B_noise (training.other_runs) settle it; training.max_lr or a measured headroom caps the advised LR"
+)
+PLAIN_SGD_CAVEAT = (
+    "sgd without momentum (training.momentum 0): on the CPU task trained so (the digits MLP) the noise scale read was "
+    "2.5x the critical batch fitted to its epochs, and the advised LR overshot: at 8x the reference batch 1 seed in 8 "
+    "reached the target, every seed with the LR capped at the stability headroom measured along the reference run "
+    "(docs/validation.md, benchmarks/advised_lr.py). One task: measure the headroom (measure_stability) so the LR is "
+    "capped, and epochs measured at a batch a few times B_noise (training.other_runs) settle the rest"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
@@ -263,7 +270,7 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     )  # fmt: skip
     summary = report(chosen, evidence, epochs, headroom)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
-        summary["warnings"] = [*summary["warnings"], MOMENTUM_CAVEAT]
+        summary["warnings"] = [*summary["warnings"], PLAIN_SGD_CAVEAT if training.sgd_momentum()["value"] == 0 else MOMENTUM_CAVEAT]
     return epochs, summary
 
 
