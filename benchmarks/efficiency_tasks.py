@@ -138,6 +138,15 @@ TASKS: dict[str, Task] = {
                                  max_epochs=400, reference_batch=32, reference_lr=0.5, momentum=0.0),
     "mnist1d_mlp_adamw": Task("mnist1d", "mlp1d", "adamw", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
                               max_epochs=400, reference_batch=32, reference_lr=1e-3, weight_decay=0.01),
+    # added 2026-12-03 (--add): two more plain-SGD tasks, so that the stability cap, which bound on one task of
+    # seven, is tried on models it was not built on (LR_ref = the momentum task's lr / (1 - 0.9) again), and Adam
+    # on the 2D CNN, an optimizer-model pair the suite did not have
+    "digits_cnn_sgd_plain": Task("digits_x16", "small_cnn", "sgd", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
+                                 max_epochs=400, reference_batch=32, reference_lr=0.5, momentum=0.0),
+    "mnist1d_mlp_sgd_plain": Task("mnist1d", "mlp1d", "sgd", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
+                                  max_epochs=400, reference_batch=32, reference_lr=0.2, momentum=0.0),
+    "digits_cnn_adam": Task("digits_x16", "small_cnn", "adam", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
+                            max_epochs=400, reference_batch=32, reference_lr=2e-3),
 }  # fmt: skip
 
 

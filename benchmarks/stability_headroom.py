@@ -149,7 +149,8 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
 
 def measure(names: list[str], workers: int, path: Path, truth_path: Path = GROUND_TRUTH) -> dict[str, Any]:
     """measure_task for every named task (the longest first) in `workers` spawned processes; writes and returns
-    {"meta", "tasks": {name: measure_task's result}}."""
+    {"meta", "tasks": {name: measure_task's result}}. Tasks already in the cache at `path` and not named keep
+    their measurements (meta "added" says which tasks were measured when)."""
     from efficiency_tasks import TASKS, load_ground_truth, write_stdlib_token_file
 
     started = time.perf_counter()
@@ -192,6 +193,11 @@ def measure(names: list[str], workers: int, path: Path, truth_path: Path = GROUN
         },
         "tasks": {name: results[name] for name in names},
     }  # fmt: skip
+    kept = json.loads(path.read_text()) if path.exists() else None
+    if kept and set(kept["tasks"]) - set(names):
+        added = {**cache["meta"], "tasks": names}
+        cache = {"meta": {**kept["meta"], "added": [*kept["meta"].get("added", []), added]},
+                 "tasks": {**kept["tasks"], **cache["tasks"]}}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cache, indent=1, default=float))
     return cache
