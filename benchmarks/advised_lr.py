@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="cached runs under the advised LR")
     parser.add_argument("--tasks", nargs="+", default=None, help="efficiency_tasks.py tasks to train (default: all)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="folder of the report (default: the runs' folder; --quick: a temporary one)")
     args = parser.parse_args(argv)
-    out = Path(tempfile.mkdtemp(prefix="advised-lr-")) if args.quick else args.runs.parent
+    out = args.out or (Path(tempfile.mkdtemp(prefix="advised-lr-")) if args.quick else args.runs.parent)
     if args.quick:
         if not args.runs.exists():
             raise SystemExit(f"no cached runs at {args.runs}: run without --quick first")

@@ -240,6 +240,8 @@ def evaluate(task: se.Task, measured: dict[str, Any], advised: dict[str, Any] | 
     def errors(truth: dict[int, float], predicted: dict[int, float]) -> dict[int, float]:
         return {b: 100.0 * (predicted[b] / e - 1.0) for b, e in truth.items() if b != ref and b in predicted}
 
+    intervals = {b: capped.cap_interval(b) for b in binds_at if b in advised_epochs}
+    inside = [b for b, (low, high) in intervals.items() if low <= advised_epochs[b] <= high]
     scores = {}
     for name, truth in (("tuned", task.epochs), ("advised", advised_epochs)):
         for label, predicted in (("without", without), ("with", with_cap)):
@@ -256,6 +258,7 @@ def evaluate(task: se.Task, measured: dict[str, Any], advised: dict[str, Any] | 
         "tuned_epochs": {str(b): e for b, e in sorted(task.epochs.items())},
         "advised_epochs": {str(b): e for b, e in sorted(advised_epochs.items())},
         "predicted_without": {str(b): e for b, e in without.items()}, "predicted_with": {str(b): e for b, e in with_cap.items()},
+        "advised_capped_batches": sorted(intervals), "advised_inside_cap_interval": inside,
         "scores": scores,
     }  # fmt: skip
 
@@ -270,7 +273,9 @@ def summary_line(results: list[dict[str, Any]]) -> str:
     return (
         f"stability_headroom: tasks={len(results)} capped_tasks={sum(r['binds'] for r in results)} "
         f"median_epochs_err_pct_without={np.median(without):.1f} median_epochs_err_pct_with={np.median(with_cap):.1f} "
-        f"worst_task_err_pct_without={max(without):.1f} worst_task_err_pct_with={max(with_cap):.1f}"
+        f"worst_task_err_pct_without={max(without):.1f} worst_task_err_pct_with={max(with_cap):.1f} "
+        f"advised_inside_cap_interval={sum(len(r['advised_inside_cap_interval']) for r in results)}/"
+        f"{sum(len(r['advised_capped_batches']) for r in results)}"
     )
 
 
@@ -281,10 +286,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], line: str) -> 
         "```", line, "```", "",
         "Headroom h: the smallest of the points in the second half of the reference run, as the service reads it (a lower bound on how far the LR can grow: "
         "sharpness adapts to the LR). Errors: median |predicted / measured - 1| over the batches, reference excluded, "
-        "against the tuned ground truth and against the epochs measured under the uncapped advised LR.", "",
+        "against the tuned ground truth and against the epochs measured under the LR the service advises (advised_lr.json: "
+        "capped where the cap binds, since the runs follow the current advice). Inside: capped batches whose epochs under the "
+        "advice lie in the interval the service reports, [no cost from the cap, the quadratic model's cost].", "",
         "| task | optimizer | B_noise | h | largest AdaScale LR multiplier (uncapped) | cap binds at | "
-        "err % vs tuned: without / with | err % vs advised: without / with |",
-        "|---|---|---:|---:|---:|---|---:|---:|",
+        "err % vs tuned: without / with | err % vs advised: without / with | advised inside the cap's interval |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|",
     ]  # fmt: skip
     for r in results:
         s = r["scores"]
@@ -292,7 +299,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], line: str) -> 
         out.append(f"| {r['task']} | {r['optimizer']} | {_fmt(r['noise_scale'], '.4g')} | {_fmt(r['headroom'], '.3g')} | "
                    f"{r['max_lr_multiplier_uncapped']:.3g} | {binds} | {_fmt(s['tuned_without']['median_abs_err_pct'])} / "
                    f"{_fmt(s['tuned_with']['median_abs_err_pct'])} | {_fmt(s['advised_without']['median_abs_err_pct'])} / "
-                   f"{_fmt(s['advised_with']['median_abs_err_pct'])} |")  # fmt: skip
+                   f"{_fmt(s['advised_with']['median_abs_err_pct'])} | "
+                   f"{len(r['advised_inside_cap_interval'])}/{len(r['advised_capped_batches'])} |")  # fmt: skip
     for r in results:
         points = ", ".join(f"{p['fraction']:.3g}: {_fmt(p[KEY], '.3g')}" for p in r["headroom_points"])
         batches = list(r["predicted_without"])

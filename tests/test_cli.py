@@ -315,6 +315,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
 
 def test_a_raised_lr_capped_by_a_measured_headroom_says_so():
     from tests.handmade import measurement
+    from tula_service.cli.human import human_number
     from tula_service.cli.printing import format_recommendation
     from tula_service.plan.recommend import plan
     from tula_service.spec.job_spec import JobSpec
@@ -329,3 +330,5 @@ def test_a_raised_lr_capped_by_a_measured_headroom_says_so():
     stability = next(line for line in lines if line.startswith("    - LR stability"))
     assert stability.startswith("    - LR stability measured: never above 1.3x the reference LR")
     assert any(line.startswith("  LR x1.30 (adascale, fitted)") for line in lines)
+    low, high = rec["chosen"]["epochs"]["interval"]  # the chosen batch's LR is capped: its epochs carry the cap's interval
+    assert f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the quadratic model's; the value is the upper end)" in lines

@@ -200,6 +200,11 @@ def test_a_measured_stability_headroom_caps_the_advised_lr_and_raises_the_epochs
     free_epochs, capped_epochs = epochs(free), epochs(capped)
     assert capped_epochs[32] == pytest.approx(free_epochs[32])  # the reference batch runs at the reference LR either way
     assert capped_epochs[128] > free_epochs[128] * 1.05  # the AdaScale gain at 4x the reference (about 3.3) is capped at 1.2
+    row = next(r for r in capped["candidates"] if r["devices"] == 1 and r["global_batch"] == 128)
+    low, high = row["epochs"]["interval"]  # no cost from the cap .. the quadratic model's; the value their geometric middle
+    assert low == pytest.approx(free_epochs[128]) and capped_epochs[128] == pytest.approx((low * high) ** 0.5) and "12 of 14" in row["epochs"]["why"]
+    assert all("interval" not in r["epochs"] for r in capped["candidates"] if r["global_batch"] <= 32)  # not capped there
+    assert all("interval" not in r["epochs"] for r in free["candidates"])
     from tula_service.fit.perfmodel.efficiency import EpochModel
     from tula_service.plan.advice import lr_rule
 
@@ -235,7 +240,8 @@ def test_a_non_positive_stability_headroom_is_a_named_422_field():
 
 def test_the_capped_step_costs_the_quadratic_models_extra_steps():
     """McCandlish et al. 2018, Sec. 2.2: progress 2x - x^2 (1 + B_noise / B) of the best step, with x the step over
-    eps_max; the reference LR is the best at B_ref, x_ref = 1 / (1 + B_noise / B_ref), and the cap is h x_ref."""
+    eps_max; the reference LR is the best at B_ref, x_ref = 1 / (1 + B_noise / B_ref), and the cap is h x_ref. That
+    cost q is the interval's upper end; the prediction is the geometric middle of no cost and q."""
     from tula_service.fit.perfmodel.efficiency import EpochModel
 
     noise, reference, headroom = 80.0, 32, 1.1
@@ -244,12 +250,16 @@ def test_the_capped_step_costs_the_quadratic_models_extra_steps():
     for batch in (64, 128, 256):
         best = 1 / (1 + noise / batch)
         by_hand = best / (2 * cap - cap**2 * (1 + noise / batch))
-        assert float(model.predict(batch)) == pytest.approx(float(free.predict(batch)) * by_hand)
+        assert float(model.predict(batch)) == pytest.approx(float(free.predict(batch)) * by_hand**0.5)
+        assert model.cap_interval(batch) == pytest.approx((float(free.predict(batch)), float(free.predict(batch)) * by_hand))
         assert by_hand > 1 and model.lr_capped(batch) and model.lr_multiplier(batch) == pytest.approx(headroom)
     assert float(model.predict(32)) == pytest.approx(4.0) and float(model.predict(16)) == pytest.approx(float(free.predict(16)))
     adam = EpochModel(reference, 4.0, noise, optimizer="adam", lr_headroom=headroom)
     assert adam.cap_gain() == pytest.approx(headroom**2) and adam.lr_multiplier(1024) == pytest.approx(headroom)
     assert EpochModel(reference, 4.0, noise, lr_headroom=0.5).lr_headroom == 1.0  # already past the edge: no raise at all
+    low, high = model.cap_interval(256)  # from no cost of the cap to the quadratic model's
+    assert low < float(model.predict(256)) < high
+    assert model.cap_interval(16) is None and free.cap_interval(256) is None
 
 
 def test_the_headroom_is_read_where_the_noise_scale_is_the_second_half_of_the_run():

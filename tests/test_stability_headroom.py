@@ -21,7 +21,7 @@ import stability_headroom as sh  # noqa: E402
 
 LAST_LINE = re.compile(
     r"^stability_headroom: tasks=(\d+) capped_tasks=(\d+) median_epochs_err_pct_without=([\d.]+) median_epochs_err_pct_with=([\d.]+) "
-    r"worst_task_err_pct_without=([\d.]+) worst_task_err_pct_with=([\d.]+)$"
+    r"worst_task_err_pct_without=([\d.]+) worst_task_err_pct_with=([\d.]+) advised_inside_cap_interval=(\d+)/(\d+)$"
 )
 
 

@@ -59,6 +59,10 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f" cost {human_usd(chosen['cost_usd']['value'])}, memory {_memory(chosen)}"
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
+    if chosen["epochs"].get("interval"):
+        low, high = chosen["epochs"]["interval"]
+        lines.append(f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the "
+                     "quadratic model's; the value is the upper end)")
     if chosen.get("extrapolated"):
         lines.append(f"  step time extrapolated: {', '.join(chosen['extrapolated'])} beyond every multi-device measurement")
     knee = rec.get("knee") or {}

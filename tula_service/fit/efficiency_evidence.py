@@ -31,8 +31,9 @@ LR stability. Records may carry a measured stability headroom (profiler.sharpnes
 that point of the run before the top Hessian direction is unstable. The smallest over the reference run's
 records (else the pilot's) caps the LR the rule advises and sets the epochs of the capped step
 (perfmodel.efficiency: EpochModel lr_headroom); with training.max_lr as well, the lower of the two caps the LR.
-Measured (benchmarks/stability_headroom.py, docs/validation.md): plain SGD, where the advised LR overshot, had
-a headroom of about 1.1; the momentum and Adam tasks 2.7-32, above every LR the rule advised.
+Measured (benchmarks/stability_headroom.py, docs/validation.md): the three plain-SGD tasks had a headroom of
+1.11-1.27, and without the cap the advised LR failed to reach the target at the largest batches on two of them;
+the momentum and Adam tasks 2.35-32, above every LR the rule advised.
 
 SGD: no gradient statistic carries momentum's gain past the noise scale (where the step is curvature-limited,
 heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured (benchmarks/statistical_efficiency.py,
@@ -62,17 +63,16 @@ WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run 
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by about 2x either way. On CPU tasks with momentum 0.9 the critical "
     "batch of epochs trained at the advised LR was 0.9-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.9-3.1x; without momentum the noise scale read was 2.5x the critical batch, and at the advised LR 1 seed in 8 "
-    "reached the target at 8x the reference batch, every seed with the LR capped at the stability headroom measured "
-    "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at a batch a few "
-    "times B_noise (training.other_runs) settle it; training.max_lr or a measured headroom caps the advised LR"
+    "0.9-3.1x; without momentum the noise scale read was 1.1-2.5x the critical batch (three tasks) (docs/validation.md, "
+    "benchmarks/advised_lr.py). Epochs measured at a batch a few times B_noise (training.other_runs) settle it; "
+    "training.max_lr or a measured headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
-    "sgd without momentum (training.momentum 0): on the CPU task trained so (the digits MLP) the noise scale read was "
-    "2.5x the critical batch fitted to its epochs, and the advised LR overshot: at 8x the reference batch 1 seed in 8 "
-    "reached the target, every seed with the LR capped at the stability headroom measured along the reference run "
-    "(docs/validation.md, benchmarks/advised_lr.py). One task: measure the headroom (measure_stability) so the LR is "
-    "capped, and epochs measured at a batch a few times B_noise (training.other_runs) settle the rest"
+    "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.1-2.5x "
+    "the critical batch fitted to their epochs, and on two of them the advised LR overshot: at 8x the reference batch "
+    "and above, few or no seeds reached the target, every seed with the LR capped at the stability headroom measured "
+    "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Measure the headroom (measure_stability) "
+    "so the LR is capped; epochs measured at a batch a few times B_noise (training.other_runs) settle the rest"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",

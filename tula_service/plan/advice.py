@@ -35,7 +35,8 @@ from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 LR_STABILITY_ASSUMED = (
     "assumed: the reference run shows the optimizer stable at the reference LR only, and this rule raises it. Measured "
     "(benchmarks/advised_lr.py): plain SGD read a noise scale 2.5x its critical batch, and the rule's 2.1x LR at 4x the "
-    "reference batch took 2.8x the epochs of the best LR there; at 8x and 16x 1 seed in 8 reached the target. Give "
+    "reference batch took 2.8x the epochs of the best LR there; at 8x and 16x 1 seed in 8 reached the target (on the "
+    "digits CNN without momentum, none at 8x and 16x). Give "
     "training.max_lr, the largest LR that trained, or measure the stability headroom along the reference run "
     "(GradientStatsLogger.measure_stability), to cap it"
 )

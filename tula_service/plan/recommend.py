@@ -144,6 +144,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
     reach = measured_reach(steps, comm)
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
+    _mark_lr_capped_epochs(rows, models.epochs)
     for row in rows:
         row["extrapolated"] = beyond_reach(row["placement"], reach)
     tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
@@ -352,6 +353,22 @@ def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
         "host_contended": point.host_contended,
         "source": "measured",
     }
+
+
+CAP_INTERVAL_WHY = (
+    "the LR is capped at the measured stability headroom at this batch: the epochs lie between no cost from the cap "
+    "and the quadratic model's cost of the capped step (the value; it assumes the reference LR was the best step at "
+    "the reference batch). Trained at the capped LR, three plain-SGD tasks landed inside at 12 of 14 capped batches, "
+    "the value over-predicting them by 7-45% (docs/validation.md)"
+)
+
+
+def _mark_lr_capped_epochs(rows: list[dict[str, Any]], epochs: Any) -> None:
+    """Each candidate whose LR the stability headroom caps gets its epochs' interval (EpochModel.cap_interval)."""
+    for row in rows:
+        interval = epochs.cap_interval(row["global_batch"])
+        if interval is not None:
+            row["epochs"].update(interval=list(interval), why=CAP_INTERVAL_WHY)
 
 
 def _candidate_row(
