@@ -147,3 +147,11 @@ def test_a_price_so_small_that_the_cost_underflows_gives_no_cost_delta_instead_o
     rec = plan(JobSpec.model_validate(spec), [measurement(b) for b in (8, 16, 32, 64, 128)])
     assert rec["chosen"]["cost_usd"]["value"] == 0.0
     assert rec["runner_ups"] and all(r["cost_delta_pct"] is None and r["time_delta_pct"] is not None for r in rec["runner_ups"])
+
+
+def test_a_device_memory_so_large_that_its_bytes_overflow_plans_as_unbounded_memory():
+    spec = spec_dict(objective="min_time")  # 1.3e308 GiB is inf bytes: found by schemathesis, a 500 (int of NaN) before
+    spec["cluster"] = {"nodes": 1, "gpus_per_node": 4, "device_memory_gib": 1.3e308, "interconnect_gbps": 5e-324}
+    rec = plan(JobSpec.model_validate(spec), [measurement(b) for b in (8, 16, 32, 64, 128)])
+    assert max(c["device_batch"] for c in rec["candidates"]) >= 128  # memory bounds nothing
+    assert all(math.isfinite(c["total_time_s"]["value"]) for c in rec["candidates"])

@@ -64,7 +64,10 @@ class MemoryModel:
         usable = capacity_bytes * (1.0 - margin) - self.static_bytes_
         if usable < 0:
             return 0
-        largest = MAX_DEVICE_BATCH if self.act_bytes_per_sample_ <= 0 else int(usable // self.act_bytes_per_sample_)
+        if self.act_bytes_per_sample_ <= 0 or not np.isfinite(usable):  # a memory of 1e308 GiB is inf bytes: unbounded
+            largest = MAX_DEVICE_BATCH
+        else:
+            largest = min(MAX_DEVICE_BATCH, int(usable // self.act_bytes_per_sample_))
         if not upper or self.residual_std_bytes_ == 0.0:
             return largest
 
