@@ -331,4 +331,4 @@ def test_a_raised_lr_capped_by_a_measured_headroom_says_so():
     assert stability.startswith("    - LR stability measured: never above 1.3x the reference LR")
     assert any(line.startswith("  LR x1.30 (adascale, fitted)") for line in lines)
     low, high = rec["chosen"]["epochs"]["interval"]  # the chosen batch's LR is capped: its epochs carry the cap's interval
-    assert f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the quadratic model's; the value is the upper end)" in lines
+    assert f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the quadratic model's; the value is their geometric middle)" in lines

@@ -62,7 +62,7 @@ def format_recommendation(rec: dict[str, Any]) -> str:
     if chosen["epochs"].get("interval"):
         low, high = chosen["epochs"]["interval"]
         lines.append(f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the "
-                     "quadratic model's; the value is the upper end)")
+                     "quadratic model's; the value is their geometric middle)")
     if chosen.get("extrapolated"):
         lines.append(f"  step time extrapolated: {', '.join(chosen['extrapolated'])} beyond every multi-device measurement")
     knee = rec.get("knee") or {}

@@ -357,9 +357,9 @@ def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
 
 CAP_INTERVAL_WHY = (
     "the LR is capped at the measured stability headroom at this batch: the epochs lie between no cost from the cap "
-    "and the quadratic model's cost of the capped step (the value; it assumes the reference LR was the best step at "
-    "the reference batch). Trained at the capped LR, three plain-SGD tasks landed inside at 12 of 14 capped batches, "
-    "the value over-predicting them by 7-45% (docs/validation.md)"
+    "and the quadratic model's cost of the capped step (which assumes the reference LR was the best step at the "
+    "reference batch); the value is their geometric middle. Trained at the capped LR, three plain-SGD tasks landed "
+    "inside at 12 of 14 capped batches, the quadratic model's end over-predicting them by 7-45% (docs/validation.md)"
 )
 
 

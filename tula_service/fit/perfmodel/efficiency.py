@@ -173,9 +173,11 @@ class EpochModel:
         epochs = self.min_epochs * (1.0 + batch / self.noise_scale)
         if with_cap_cost:
             epochs = epochs * np.sqrt(self.capped_step_factor(batch))
-        if self.max_step_gain:
-            epochs = np.maximum(epochs, self.step_floor_epochs(batch))
-        return epochs
+        return self._floored(epochs, batch)
+
+    def _floored(self, epochs: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """The epochs, never below the step floor E_ref B / (B_ref g) when there is a max_step_gain g."""
+        return np.maximum(epochs, self.step_floor_epochs(batch)) if self.max_step_gain else epochs
 
     def cap_interval(self, global_batch: float) -> tuple[float, float] | None:
         """Where the LR headroom caps the LR at this batch: [epochs with no cost from the cap, the quadratic model's
@@ -183,11 +185,9 @@ class EpochModel:
         else None. With a step floor (max_step_gain), each end is floored as predict is."""
         if not self.lr_capped(global_batch):
             return None
-        free = float(self.predict(global_batch, with_cap_cost=False))
-        quadratic = self.min_epochs * (1.0 + global_batch / self.noise_scale) * float(self.capped_step_factor(global_batch))
-        if self.max_step_gain:
-            quadratic = max(quadratic, float(self.step_floor_epochs(global_batch)))
-        return free, quadratic
+        batch = np.asarray(global_batch, dtype=float)
+        free = self.min_epochs * (1.0 + batch / self.noise_scale)
+        return float(self._floored(free, batch)), float(self._floored(free * self.capped_step_factor(batch), batch))
 
     def capped_step_factor(self, global_batch: np.ndarray | float) -> np.ndarray:
         """q(B): how many more steps the LR cap costs at B by the quadratic model, [1 / (1 + B_noise / B)] /
