@@ -289,6 +289,7 @@ def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words
 
 def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats():
     from tests.handmade import measurement
+    from tula_service.cli.human import human_duration, human_number
     from tula_service.cli.printing import format_recommendation
     from tula_service.fit.efficiency_evidence import ASSUMED_LR, MOMENTUM_CAVEAT
     from tula_service.plan.advice import LR_STABILITY_ASSUMED
@@ -296,9 +297,15 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     from tula_service.spec.job_spec import JobSpec
 
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64]))
-    lines = format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
+    rec = plan(spec, [measurement(b) for b in (8, 16, 32, 64)])
+    lines = format_recommendation(rec).splitlines()
     line = next(line for line in lines if line.startswith("  noise scale B_noise"))
-    assert line == "  noise scale B_noise 100 from initialization (weak evidence)"  # the hand-made points' B_noise
+    calibrated = rec["models"]["efficiency"]["noise_scale"]["calibrated_interval"]
+    low, high = (human_number(v) for v in calibrated["value"])
+    assert line == f"  noise scale B_noise 100 from initialization (weak evidence); 80% interval {low}-{high} ({calibrated['why']})"
+    epochs, time = rec["chosen"]["epochs"]["calibrated_interval"], rec["chosen"]["total_time_s"]["calibrated_interval"]
+    assert (f"  80% interval: epochs {human_number(epochs[0])}-{human_number(epochs[1])}, total time {human_duration(time[0])}-"
+            f"{human_duration(time[1])} (the epochs model's error measured across tasks; see B_noise below)") in lines
     assert f"    - {MOMENTUM_CAVEAT}" in lines and any("grows 10-1000x" in line for line in lines)
     assert f"  epochs assume: {ASSUMED_LR['advised_rule']}" in lines
     assert f"    - LR stability {LR_STABILITY_ASSUMED}" not in lines  # the chosen batch is the reference: the LR is not raised
@@ -310,7 +317,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
                 if line.startswith("  noise scale B_noise"))  # fmt: skip
-    assert line.endswith("from reference run") and " [" in line and ", " in line
+    assert "from reference run; 80% interval " in line and " [" in line and ", " in line
 
 
 def test_a_raised_lr_capped_by_a_measured_headroom_says_so():

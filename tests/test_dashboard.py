@@ -137,7 +137,7 @@ class Tab:
         return self.page.evaluate(
             f"""() => document.getElementById('{div_id}').data.map((trace) => ({{
                 name: trace.name, x: Array.from(trace.x || []), y: Array.from(trace.y || []),
-                customdata: trace.customdata ? Array.from(trace.customdata) : null}}))"""
+                customdata: trace.customdata ? Array.from(trace.customdata) : null, fill: trace.fill || null}}))"""
         )
 
     def close(self) -> None:
@@ -497,8 +497,15 @@ def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):
     assert drawn["y"] == pytest.approx([value / 2**30 for value in memory["memory_bytes"]], rel=1e-15)
     assert memory["memory_upper_bytes"] == memory["memory_bytes"]  # hand-made points lie on their line:
     assert not [t for t in memory_traces if t["name"].startswith("95% upper bound")]  # no band to draw
-    drawn = trace(tab.plot_data("plot-efficiency"), "fitted: E(B) = E_min (1 + B / B_noise)")
+    efficiency_traces = tab.plot_data("plot-efficiency")
+    drawn = trace(efficiency_traces, "fitted: E(B) = E_min (1 + B / B_noise)")
     assert (drawn["x"], drawn["y"]) == (epochs["global_batch"], epochs["epochs"])
+    low = trace(efficiency_traces, "80% interval, calibrated across tasks: low")
+    high = trace(efficiency_traces, "80% interval")  # the band between them: the epochs' calibrated interval
+    assert (low["y"], high["y"], high["fill"]) == (epochs["calibrated_low"], epochs["calibrated_high"], "tonexty")
+    chosen_epochs = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["chosen"]["epochs"]
+    assert chosen_epochs["calibrated_interval"] == [chosen_epochs["value"]] * 2  # chosen at the reference batch: closed,
+    assert "80%: " not in page.inner_text("dl.facts")  # so not shown
 
 
 def test_a_plan_stored_before_curves_were_served_draws_its_measurements(tab, server):

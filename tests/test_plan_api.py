@@ -2,6 +2,7 @@
 recommendation out, nothing stored; bad records and rows are 422s naming where they are."""
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -160,3 +161,45 @@ def test_real_gpu_traces_in_both_csv_layouts_plan_through_the_api(api_only):
     response = _post(api_only, {"spec": spec, "measurements_csv": "\n".join(lines) + "\n"})
     assert response.status_code == 200, response.text
     assert response.json()["models"]["step_time"]["model"] == "placement"
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/data/pollux-traces is not beside this checkout")
+@pytest.mark.parametrize("name", ["cifar10", "imagenet"])
+def test_a_reference_run_sent_through_the_api_predicts_the_other_runs_as_the_benchmark_does(api_only, name):
+    """The held-out check's path: a real GPU run's rows (every one, past the target too) as
+    training.reference_run.gradient_stats, the trace's measured steps as a CSV, POST /v1/plan on a real server. The
+    epochs curve it answers is benchmarks/statistical_efficiency.py's model, within the Pollux target of the other
+    runs' measured epochs, and its calibrated band holds the prediction."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import pollux_traces
+    import statistical_efficiency as se
+
+    app = pollux_traces.APPLICATIONS[name]
+    task = se.pollux_task(app)
+    ref = task.reference_batch
+    records = pollux_traces.gradient_stats(app, ref, pollux_traces.load_runs(app)[ref])
+    assert records[-1]["samples"] > task.epochs[ref] * app.dataset_size  # the run goes on past its target
+    spec = spec_dict(
+        name=f"pollux-{name}", batch_sizes=[32, 64], objective="min_time",
+        dataset={"name": "synthetic_images", "num_samples": app.dataset_size},
+        cluster={"nodes": 4, "gpus_per_node": 4, "device_memory_gib": 16, "interconnect_gbps": None,
+                 "intra_node_link": "pcie3_x16", "inter_node_link": "ethernet_50g"},
+        training={"reference_batch": ref, "reference_epochs": task.epochs[ref], "optimizer": "sgd",
+                  "reference_run": {"gradient_stats": records}},
+    )  # fmt: skip
+    response = _post(api_only, {"spec": spec, "measurements_csv": (TRACES / name / "placements.csv").read_text()})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
+    curve = body["curves"]["epochs"]
+    log_batch, log_epochs = np.log(curve["global_batch"]), np.log(curve["epochs"])
+    predicted = {b: float(np.exp(np.interp(np.log(b), log_batch, log_epochs))) for b in task.epochs}
+    direct, _ = se.service_model(task, ref)
+    assert predicted == pytest.approx({b: float(direct.predict(b)) for b in task.epochs}, rel=2e-3)  # the benchmark's model
+    assert se.median_abs(se.epochs_errors_pct(task, predicted.get, ref)) <= se.POLLUX_EPOCHS_TARGET_PCT
+    assert all(low <= e <= high for low, e, high in zip(curve["calibrated_low"], curve["epochs"], curve["calibrated_high"]))
+    chosen = body["chosen"]
+    low, high = chosen["epochs"]["calibrated_interval"]
+    assert low < chosen["epochs"]["value"] < high and chosen["total_time_s"]["calibrated_interval"][1] > chosen["total_time_s"]["value"]

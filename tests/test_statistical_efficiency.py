@@ -111,6 +111,7 @@ def test_pollux_step_times_take_the_fastest_packed_placement():
 def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_line(tmp_path):
     tracked = REPO / "docs" / "validation.md"
     before = tracked.read_text()
+    shipped_before = (REPO / "configs" / "epochs_calibration.json").read_text()
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "statistical_efficiency.py"), "--quick"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -120,7 +121,32 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     assert match and int(match.group(1)) >= 2
     report = Path(re.search(r"report: (\S+)", run.stderr).group(1))
     assert not report.is_relative_to(REPO) and tracked.read_text() == before
+    shipped = REPO / "configs" / "epochs_calibration.json"
+    assert json.loads((report.parent / "epochs_calibration.json").read_text())["evidence"]  # written beside the report
+    assert shipped.read_text() == shipped_before  # the service's calibration is rewritten by the full run only
+    coverage = run.stdout.strip().splitlines()[-2]
+    assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ "
+                        r"best_noise_scale_inside_statistical=\d+/\d+ best_noise_scale_inside_calibrated=\d+/\d+", coverage)  # fmt: skip
     results = json.loads((report.parent / "results.json").read_text())["results"]
     pollux = {r["task"]: r for r in results if r["source"] == "pollux"}
     assert set(pollux) == {"pollux-cifar10", "pollux-imagenet"}
     assert all(np.isfinite(r["median_abs_epochs_err_pct"]) and r["evidence"] == "reference_run" for r in pollux.values())
+
+
+def test_an_exact_truth_calibrates_to_no_error_and_every_batch_inside():
+    """Epochs exactly E_min (1 + B / B_noise) on every task: every ratio B_exact / read is 1, so the factors are
+    [1, 1], and left out in turn every measured batch lies inside (the interval is the prediction itself)."""
+    results = [se.evaluate(synthetic_task(noise_scale=n)) for n in (100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0)]
+    results = [{**r, "task": f"synthetic-{i}"} for i, r in enumerate(results)]
+    calibrated = se.calibration(results, "today")["evidence"]["reference_run"]
+    assert calibrated["factors"] == pytest.approx([1.0, 1.0], rel=1e-3) and calibrated["tasks"] == 6
+    rows = se.interval_coverage(results)
+    assert [(row["epochs_inside"], row["epochs"]) for row in rows] == [(5, 5)] * 6
+
+
+def test_a_task_the_others_do_not_cover_falls_outside_when_left_out():
+    results = [{**se.evaluate(synthetic_task(noise_scale=400.0)), "task": f"exact-{i}"} for i in range(5)]
+    off = se.evaluate(synthetic_task(noise_scale=400.0))
+    off = {**off, "task": "read-4x-low", "noise_scale": off["noise_scale"] / 4}  # a reading 4x below its epochs' B_noise
+    rows = {row["task"]: row for row in se.interval_coverage([*results, off])}
+    assert rows["read-4x-low"]["epochs_inside"] == 0 and rows["exact-0"]["epochs_inside"] == rows["exact-0"]["epochs"]

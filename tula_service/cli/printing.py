@@ -59,6 +59,10 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f" cost {human_usd(chosen['cost_usd']['value'])}, memory {_memory(chosen)}"
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
+    if chosen["epochs"].get("calibrated_interval"):
+        (low, high), (t_low, t_high) = chosen["epochs"]["calibrated_interval"], chosen["total_time_s"]["calibrated_interval"]
+        lines.append(f"  80% interval: epochs {human_number(low)}-{human_number(high)}, total time {human_duration(t_low)}-"
+                     f"{human_duration(t_high)} (the epochs model's error measured across tasks; see B_noise below)")
     if chosen["epochs"].get("interval"):
         low, high = chosen["epochs"]["interval"]
         lines.append(f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the "
@@ -107,6 +111,9 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     line = (f"  noise scale B_noise {human_number(noise['value'])}"
             + (f" [{human_number(interval[0])}, {human_number(interval[1])}]" if interval else "")
             + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
+    calibrated = noise.get("calibrated_interval")
+    if calibrated:
+        line += f"; 80% interval {human_number(calibrated['value'][0])}-{human_number(calibrated['value'][1])} ({calibrated['why']})"
     assumes = [f"  epochs assume: {efficiency['assumes_lr']}"] if efficiency.get("assumes_lr") else []
     return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
 

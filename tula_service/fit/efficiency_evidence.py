@@ -27,6 +27,12 @@ training were measured on the CPU tasks (benchmarks/advised_lr.py against benchm
 at the advised LR the epochs followed the prediction closely on most tasks, while an LR tuned at every batch went
 past the rule at large batches and needed fewer epochs there.
 
+How sure. The chosen evidence's statistical interval (its bootstrap) says how well its records pin B_noise down; how
+far the read is from the B_noise the epochs need was measured across the benchmark's tasks, per kind of evidence, and
+comes with it as noise_scale.calibrated_interval (tula_service.fit.epochs_calibration): the read times those factors,
+joined with the statistical interval, which the EpochModel turns into every candidate's epochs interval. other_runs
+get none (fitted to the epochs themselves; no factors measured for them).
+
 LR stability. Records may carry a measured stability headroom (profiler.sharpness): how far the LR could grow at
 that point of the run before the top Hessian direction is unstable. The smallest over the reference run's
 records (else the pilot's) caps the LR the rule advises and sets the epochs of the capped step
@@ -51,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from tula_service.fit.epochs_calibration import calibrated_interval
 from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
 from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, record_arrays
@@ -262,19 +269,22 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     chosen = choose(evidence)
     training = spec.training
     headroom = measured_lr_headroom(spec, pilot, earlier_headroom)
+    calibrated = calibrated_interval(chosen.source, chosen.noise_scale, chosen.interval) if chosen else None
     epochs = EpochModel(
         training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
         max_step_gain(training.optimizer, training.reference_lr, training.max_lr),
         min_epochs=chosen.min_epochs if chosen else None, optimizer=training.optimizer,
         lr_headroom=headroom["value"] if headroom and chosen and chosen.source != "other_runs" else None,
+        noise_scale_range=tuple(calibrated["value"]) if calibrated else None,
     )  # fmt: skip
-    summary = report(chosen, evidence, epochs, headroom)
+    summary = report(chosen, evidence, epochs, headroom, calibrated)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
         summary["warnings"] = [*summary["warnings"], PLAIN_SGD_CAVEAT if training.sgd_momentum()["value"] == 0 else MOMENTUM_CAVEAT]
     return epochs, summary
 
 
-def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel, headroom: dict[str, Any] | None = None) -> dict[str, Any]:
+def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: EpochModel, headroom: dict[str, Any] | None = None,
+           calibrated: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     candidates = [e.summary() | {"ratio_to_used": (e.noise_scale / chosen.noise_scale) if chosen and e.noise_scale else None}
                   for e in evidence]  # fmt: skip
     if chosen is None:
@@ -297,7 +307,8 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
         + ("; never below E_ref B / (B_ref max_step_gain)" if floor else "")
         + ("; the LR capped at lr_headroom times the reference, times the capped step's extra steps" if epochs.lr_headroom else ""),
         "noise_scale": {"value": chosen.noise_scale, "interval": list(chosen.interval) if chosen.interval else None,
-                        "stderr": chosen.stderr, "source": "fitted", "evidence": chosen.source},  # fmt: skip
+                        "stderr": chosen.stderr, "source": "fitted", "evidence": chosen.source,
+                        "calibrated_interval": calibrated},  # fmt: skip
         "evidence": {"used": chosen.source, "order": list(EVIDENCE_ORDER), "candidates": candidates},
         "max_step_gain": {
             "value": epochs.max_step_gain, "source": "spec",

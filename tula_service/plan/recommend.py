@@ -144,7 +144,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     measured_steps = {(tuple(s.placement), s.device_batch): s.step_time_s for s in steps}
     reach = measured_reach(steps, comm)
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
-    _mark_lr_capped_epochs(rows, models.epochs)
+    _mark_epochs_intervals(rows, models.epochs, spec.pricing.fixed_overhead_usd)
     for row in rows:
         row["extrapolated"] = beyond_reach(row["placement"], reach)
     tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
@@ -229,7 +229,8 @@ def model_curves(
       batches +- 25%;
     - memory: M(b) and the upper end of its 95% prediction interval (what the max batch must fit), up to
       past the max batch and the out-of-memory batches;
-    - epochs: E(B) over the candidates' global batches, the reference and other runs and B_noise, 2x either side.
+    - epochs: E(B) over the candidates' global batches, the reference and other runs and B_noise, 2x either side,
+      with its calibrated band (calibrated_low, calibrated_high) when there is one.
     """
     low, high = min(ok_batches) / 1.25, max(ok_batches) * 1.25
     device_batch = log_grid(low, high)
@@ -267,8 +268,17 @@ def model_curves(
             "epochs": models.epochs.predict(global_batch).tolist(),
             "formula": efficiency["formula"],
             "source": "assumed" if efficiency["source"] == "assumed" else "predicted",
+            **_calibrated_band(models.epochs, global_batch),
         },
     }
+
+
+def _calibrated_band(epochs: Any, global_batch: np.ndarray) -> dict[str, list[float]]:
+    """The epochs curve's calibrated band (EpochModel.interval at each batch), when the model has a calibrated range."""
+    if getattr(epochs, "noise_scale_range", None) is None:
+        return {}
+    ends = [epochs.interval(float(batch)) for batch in global_batch]
+    return {"calibrated_low": [end[0] for end in ends], "calibrated_high": [end[1] for end in ends]}
 
 
 def _retimed_batches(points: list[Measurement]) -> list[int]:
@@ -363,12 +373,26 @@ CAP_INTERVAL_WHY = (
 )
 
 
-def _mark_lr_capped_epochs(rows: list[dict[str, Any]], epochs: Any) -> None:
-    """Each candidate whose LR the stability headroom caps gets its epochs' interval (EpochModel.cap_interval)."""
+def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhead_usd: float) -> None:
+    """Each candidate whose LR the stability headroom caps gets its epochs' interval (EpochModel.cap_interval). With a
+    calibrated noise-scale range (tula_service.fit.epochs_calibration), every candidate's epochs, total time and cost
+    get `calibrated_interval`: the epochs between E(B) at the range's ends (EpochModel.interval), the time in
+    proportion, the cost's time-billed part in proportion (the fixed overhead stays)."""
     for row in rows:
         interval = epochs.cap_interval(row["global_batch"])
         if interval is not None:
             row["epochs"].update(interval=list(interval), why=CAP_INTERVAL_WHY)
+        if getattr(epochs, "noise_scale_range", None) is None:
+            continue
+        calibrated = epochs.interval(row["global_batch"])
+        value = row["epochs"]["value"]
+        if calibrated is None or not value > 0:
+            continue
+        row["epochs"]["calibrated_interval"] = list(calibrated)
+        low, high = (end / value for end in calibrated)
+        time, cost = row["total_time_s"]["value"], row["cost_usd"]["value"]
+        row["total_time_s"]["calibrated_interval"] = [time * low, time * high]
+        row["cost_usd"]["calibrated_interval"] = [fixed_overhead_usd + (cost - fixed_overhead_usd) * f for f in (low, high)]
 
 
 def _candidate_row(

@@ -54,9 +54,10 @@ class Candidate(BaseModel):
     memory_bytes: SourcedValue = Field(description="per device: measured at a profiled batch, else predicted")
     iter_time_s: SourcedValue = Field(description="one micro-step: measured for a profiled batch on one device, else predicted")
     step_time_s: SourcedValue = Field(description="one optimizer step, (a - 1) T_micro + T_iter: measured where a step was measured on this placement and batch")
-    epochs: SourcedValue = Field(description="epochs to the reference run's target at this global batch, E(B)")
+    epochs: SourcedValue = Field(description="epochs to the reference run's target at this global batch, E(B); interval and why where the LR is "
+                                 "capped, calibrated_interval (80%, from the model's error measured across tasks) where the noise scale has one")
     epoch_time_s: SourcedValue
-    total_time_s: SourcedValue = Field(description="epochs * epoch_time_s")
+    total_time_s: SourcedValue = Field(description="epochs * epoch_time_s; rel_err is the step time's, calibrated_interval the epochs'")
     cost_usd: SourcedValue
     pareto: bool = Field(description="on the (time, cost) Pareto front")
     extrapolated: list[Literal["devices", "nodes", "gpus_per_node"]] = Field(
@@ -379,12 +380,24 @@ class EvidenceReport(_Detail):
     candidates: list[NoiseEvidence]
 
 
+class CalibratedInterval(BaseModel):
+    """How far the noise scale read may be from the one the epochs need, measured across tasks (tula_service.fit.epochs_calibration)."""
+
+    value: list[float] = Field(description="[low, high] B_noise, in samples: the read times factors, joined with the statistical interval")
+    factors: list[float] = Field(description="the quantiles of (best-fitting B_noise / B_noise read) over the calibration tasks")
+    quantiles: list[float]
+    source: Source
+    why: str
+
+
 class NoiseScale(_Detail):
     value: float = Field(description="B_noise, in samples")
-    interval: list[float] | None
+    interval: list[float] | None = Field(description="the statistical interval of the reading (how well its records pin it down)")
     stderr: float | None
     source: Source
     evidence: str
+    calibrated_interval: CalibratedInterval | None = Field(
+        None, description="the interval the model's error measured across tasks gives (80%); the candidates' epochs, time and cost carry the matching calibrated_interval; null where none applies (other_runs)")
 
 
 class AssumedEfficiency(_Detail):
@@ -450,6 +463,8 @@ class EpochsCurve(BaseModel):
     epochs: list[float]
     formula: str
     source: Source
+    calibrated_low: list[float] | None = Field(None, description="the low end of the epochs' calibrated interval at each batch (tula_service.fit.epochs_calibration); absent without one")
+    calibrated_high: list[float] | None = Field(None, description="its high end")
 
 
 class Curves(BaseModel):

@@ -52,6 +52,11 @@ some tasks. So the epochs are given as the geometric middle of the two ends, wit
 The middle was chosen on those same three tasks (its median errors 14%, 11% and 3% against the capped runs):
 weak evidence, said in the interval and its why.
 
+How far off the noise scale read may be is measured across tasks (tula_service.fit.epochs_calibration): with a
+calibrated range [B_lo, B_hi] of the noise scale, the epochs at B lie between E(B) at the two ends, each with E_min
+re-anchored at the reference run (so the interval closes at B_ref and opens with the distance from it), joined
+with the cap's interval (EpochModel.interval).
+
 The same B_noise sets how much one step at a larger batch is worth, and so how far the LR may grow: the
 AdaScale gain (Johnson et al. 2020) of a batch k = B / B_ref times the reference,
 
@@ -70,6 +75,7 @@ from typing import Protocol
 import numpy as np
 
 OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw")  # the LR grows with sqrt(step gain)
+TINY_NOISE_SCALE = 1e-9  # x the reference batch: a B_noise this small gives E(B) = E_ref B / B_ref to 1e-9
 
 
 def adascale_gain(k: float, noise_scale: float, reference_batch: int) -> float:
@@ -146,10 +152,16 @@ class EpochModel:
     def __init__(
         self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
         min_epochs: float | None = None, optimizer: str = "sgd", lr_headroom: float | None = None,
+        noise_scale_range: tuple[float, float] | None = None,
     ):  # fmt: skip
         """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run.
         optimizer: how the LR buys a step gain (lr_multiplier_of_gain). lr_headroom: the measured stability
-        headroom h (>= 1 caps the LR there; below 1 the reference LR is already past it, and the cap is 1)."""
+        headroom h (>= 1 caps the LR there; below 1 the reference LR is already past it, and the cap is 1).
+        noise_scale_range: the calibrated interval of B_noise (tula_service.fit.epochs_calibration), for interval()."""
+        if noise_scale_range is not None and not (0 <= noise_scale_range[0] <= noise_scale_range[1]):
+            raise ValueError(f"noise_scale_range must be 0 <= low <= high, got {noise_scale_range}")
+        self.noise_scale_range = None if noise_scale_range is None else (float(noise_scale_range[0]), float(noise_scale_range[1]))
+        self.min_epochs_fitted = min_epochs is not None and bool(noise_scale)
         if max_step_gain is not None and max_step_gain < 1:
             raise ValueError(f"max_step_gain must be >= 1 (a step at the reference LR is worth one reference step), got {max_step_gain}")
         if lr_headroom is not None and not lr_headroom > 0:
@@ -188,6 +200,25 @@ class EpochModel:
         batch = np.asarray(global_batch, dtype=float)
         free = self.min_epochs * (1.0 + batch / self.noise_scale)
         return float(self._floored(free, batch)), float(self._floored(free * self.capped_step_factor(batch), batch))
+
+    def interval(self, global_batch: float) -> tuple[float, float] | None:
+        """The epochs at this batch over the calibrated noise-scale range: E(B) with B_noise at each end of
+        noise_scale_range, E_min re-anchored at the reference run as predict's is, each end with its own LR cap and
+        cap_interval; joined with this model's prediction and cap_interval. Without a range (or with E_min fitted to
+        measured runs, which the range was not measured for) the cap's interval alone, else None."""
+        models = [self]
+        if self.noise_scale_range is not None and self.noise_scale and not self.min_epochs_fitted:
+            # a range that reaches 0 ends at the steps bound E_ref B / B_ref, the limit B_noise -> 0 (a tiny B_noise gives it)
+            models += [self._with_noise_scale(max(noise, TINY_NOISE_SCALE * self.reference_batch)) for noise in self.noise_scale_range]
+        elif self.cap_interval(global_batch) is None:
+            return None
+        ends = [float(m.predict(global_batch)) for m in models]
+        ends += [end for m in models for end in (m.cap_interval(global_batch) or ())]
+        return min(ends), max(ends)
+
+    def _with_noise_scale(self, noise_scale: float) -> "EpochModel":
+        return EpochModel(self.reference_batch, self.reference_epochs, noise_scale, self.max_step_gain,
+                          optimizer=self.optimizer, lr_headroom=self.lr_headroom)  # fmt: skip
 
     def capped_step_factor(self, global_batch: np.ndarray | float) -> np.ndarray:
         """q(B): how many more steps the LR cap costs at B by the quadratic model, [1 / (1 + B_noise / B)] /

@@ -264,7 +264,14 @@ export function efficiencyFigure(rec, spec) {
   const y = curve ? curve.epochs : [...candidateBatches.map((B) => epochsAt.get(B).value), training.reference_epochs];
   const [low, high] = [Math.min(...x), Math.max(...x)];
   const label = curve?.source === "assumed" ? "assumed: E(B) = E_ref max(1, B / B_ref)" : "fitted: E(B) = E_min (1 + B / B_noise)";
+  const band = curve?.calibrated_low && curve?.calibrated_high // the 80% interval calibrated across tasks (epochs_calibration.py)
+    ? [line("80% interval, calibrated across tasks: low", curve.global_batch, curve.calibrated_low,
+      { line: { color: COLORS.fitted, width: 0 }, showlegend: false }),
+    line("80% interval (the model's error measured across tasks)", curve.global_batch, curve.calibrated_high,
+      { line: { color: COLORS.fitted, width: 0 }, fill: "tonexty", fillcolor: "rgba(31,119,180,0.15)" })]
+    : [];
   const data = [
+    ...band,
     ...(curve ? [line(label, curve.global_batch, curve.epochs, { line: { color: COLORS.fitted, width: 2 } })] : []),
     {
       type: "scatter", mode: "markers", name: `candidates' global batches (${epochsAt.get(candidateBatches[0]).source})`,

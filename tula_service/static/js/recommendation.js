@@ -60,9 +60,9 @@ export function renderRecommendation(container, rec, context) {
     el("p", { class: "hint" }, `Chosen by ${how} from the predicted time and cost of ${rec.candidates.length} candidates.`,
       rec.knee?.method_explained && rec.objective === "knee" ? el("span", { id: "knee-method" }, ` ${rec.knee.method}: ${rec.knee.method_explained}.`) : null),
     el("dl", { class: "facts" },
-      item("Total time", sourced(chosen.total_time_s, formatDuration)),
-      item("Cost", sourced(chosen.cost_usd, formatUsd)),
-      item("Epochs", sourced(chosen.epochs)),
+      item("Total time", withCalibrated(chosen.total_time_s, formatDuration)),
+      item("Cost", withCalibrated(chosen.cost_usd, formatUsd)),
+      item("Epochs", withCalibrated(chosen.epochs, significant)),
       item("Iteration time", sourced(chosen.iter_time_s, formatDuration)),
       item("Memory per device", [sourced(chosen.memory_bytes, formatBytes), " of ",
         sourced(rec.device.memory_gib, (gib) => `${significant(gib)} GiB`)]),
@@ -78,12 +78,24 @@ export function renderRecommendation(container, rec, context) {
   );
 }
 
+// A sourced value and, where the noise scale has one, the 80% interval its epochs' calibrated error gives (not shown
+// where it closes, at the reference batch).
+function withCalibrated(quantity, format) {
+  const [low, high] = (quantity?.calibrated_interval || []).map((value) => format(value));
+  return low !== undefined && low !== high
+    ? [sourced(quantity, format), el("span", { class: "calibrated" }, ` (80%: ${low} – ${high})`)]
+    : sourced(quantity, format);
+}
+
 // B_noise with its interval and the evidence it was read from (efficiency_evidence.py), and why it may be weak.
 function noiseScaleItem(efficiency) {
   const noise = efficiency.noise_scale;
   const range = noise.interval ? ` [${significant(noise.interval[0])}, ${significant(noise.interval[1])}]` : "";
-  const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}`;
-  const why = [efficiency.note, ...(efficiency.warnings || [])].filter(Boolean).join(" ");
+  const calibrated = noise.calibrated_interval
+    ? `; 80% interval ${significant(noise.calibrated_interval.value[0])}-${significant(noise.calibrated_interval.value[1])} (the model's error across tasks)`
+    : "";
+  const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}${calibrated}`;
+  const why = [efficiency.note, noise.calibrated_interval?.why, ...(efficiency.warnings || [])].filter(Boolean).join(" ");
   return item("Noise scale", badged(text + (efficiency.weak ? " (weak evidence)" : ""), "fitted"), why);
 }
 
