@@ -34,8 +34,8 @@ B_noise for this code path and its error, the reference run's epochs against the
 and that curve's own error.
 
 The calibrated interval (tula_service.fit.epochs_calibration): per measured batch of every task, the B_noise that makes
-its epochs exact, over the B_noise read (by the reference run's records, a pilot-like first quarter of them, and their
-first record); the 10% and 90% quantiles per kind of evidence, each task weighing the same, are the factors the
+its epochs exact, over the B_noise read (by the reference run's records, pilot-like prefixes of them covering 5%, 25%
+and 50% of the run, and their first record); the 10% and 90% quantiles per kind of evidence, each task weighing the same, are the factors the
 service applies. The full run writes them to configs/epochs_calibration.json (--quick: into its temporary folder);
 each task left out of them in turn says how a held-out task fares (interval_coverage, the second-to-last line). The
 Pollux applications are also read at other targets (pollux_target_sweep: 0.9-1.0 of the lowest best metric).
@@ -474,12 +474,14 @@ def target_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
 
 # -- the calibrated interval (tula_service.fit.epochs_calibration) -------------------------------------------------
 
+PILOT_PREFIXES = (0.05, 0.25, 0.5)  # the pilot-like prefixes of the alternatives (fractions of the run to the target)
 CALIBRATION_READS = {  # evidence -> (the alternative that reads as it does, None: the service's own read; in words)
     "reference_run": (None, "the reference run's records"),
-    "pilot": ("first 25% of the run only (pilot-like), extrapolated", "the first quarter of the reference run's records, "
-              "extrapolated (a pilot's reach)"),
+    **{f"pilot@{prefix:g}": (f"first {prefix:.0%} of the run only (pilot-like), extrapolated",
+                             f"the first {prefix:.0%} of the reference run's records, extrapolated (a pilot that reached that far)")
+       for prefix in PILOT_PREFIXES},
     "initialization": ("first record (initialization)", "the reference run's first record (the initial weights)"),
-}
+}  # fmt: skip
 
 
 def _read_by(result: dict[str, Any], alternative: str | None) -> float | None:
@@ -501,7 +503,7 @@ def calibration(results: list[dict[str, Any]], date: str) -> dict[str, Any]:
         factors = calibration_factors(ratios)
         if factors is not None:
             factors["ratios"] = {name: [k if math.isfinite(k) else "inf" for k in ks] for name, ks in factors["ratios"].items()}
-            evidence[source] = {**factors, "reads": reads}
+            evidence[source] = {**factors, "reads": reads, **({"coverage": float(source.split("@")[1])} if "@" in source else {})}
     return {"measured": date, "command": ".venv/bin/python benchmarks/statistical_efficiency.py", "evidence": evidence}
 
 

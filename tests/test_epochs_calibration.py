@@ -66,6 +66,16 @@ def test_the_interval_is_the_read_times_the_factors_joined_with_the_statistical_
     assert calibrated_interval("reference_run", None, None, CALIBRATION) is None
 
 
+def test_a_pilot_takes_the_factors_of_the_longest_prefix_it_covers():
+    entry = lambda factors, coverage: {**CALIBRATION["evidence"]["reference_run"], "factors": factors, "coverage": coverage}  # noqa: E731
+    calibration = {"evidence": {**CALIBRATION["evidence"], "pilot@0.05": entry([1.0, 40.0], 0.05),
+                                "pilot@0.25": entry([1.0, 20.0], 0.25), "pilot@0.5": entry([0.5, 10.0], 0.5)}}  # fmt: skip
+    for coverage, key, high in ((0.01, "pilot@0.05", 40.0), (0.05, "pilot@0.05", 40.0), (0.3, "pilot@0.25", 20.0),
+                                (0.9, "pilot@0.5", 10.0), (1.0, "reference_run", 4.0), (None, "pilot@0.05", 40.0)):
+        interval = calibrated_interval("pilot", 100.0, None, calibration, coverage=coverage)
+        assert (interval["calibration"], interval["value"][1]) == (key, 100.0 * high)
+
+
 def test_the_epochs_interval_closes_at_the_reference_batch_and_opens_with_the_distance_from_it():
     model = EpochModel(32, 10.0, 400.0, noise_scale_range=(200.0, 1600.0))
     assert model.interval(32) == pytest.approx((10.0, 10.0))
@@ -99,7 +109,7 @@ def test_the_shipped_calibration_is_what_its_own_ratios_give():
     of the ratios it lists (a hand edit of either shows here), and the service reads it."""
     shipped = json.loads(CALIBRATION_PATH.read_text())
     assert shipped == load_calibration()
-    assert set(shipped["evidence"]) == {"reference_run", "pilot", "initialization"}
+    assert set(shipped["evidence"]) == {"reference_run", "pilot@0.05", "pilot@0.25", "pilot@0.5", "initialization"}
     for entry in shipped["evidence"].values():
         ratios = {name: [math.inf if k == "inf" else k for k in ks] for name, ks in entry["ratios"].items()}
         assert calibration_factors(ratios, tuple(entry["quantiles"]))["factors"] == pytest.approx(entry["factors"])

@@ -269,7 +269,7 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     chosen = choose(evidence)
     training = spec.training
     headroom = measured_lr_headroom(spec, pilot, earlier_headroom)
-    calibrated = calibrated_interval(chosen.source, chosen.noise_scale, chosen.interval) if chosen else None
+    calibrated = calibrated_interval(chosen.source, chosen.noise_scale, chosen.interval, coverage=chosen.detail.get("coverage")) if chosen else None
     epochs = EpochModel(
         training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
         max_step_gain(training.optimizer, training.reference_lr, training.max_lr),

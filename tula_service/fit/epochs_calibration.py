@@ -18,8 +18,9 @@ with q_lo and q_hi the QUANTILES of k over all (task, batch) pairs, each task we
 statistical interval. Since E(b) is monotone in B_noise, a measured batch's epochs lie inside the epochs' interval
 (E(b) at the two ends, each re-anchored at the reference run: EpochModel.interval) exactly when its k lies inside the
 factors: the interval is calibrated on the epochs themselves, the quantity the user plans with. The factors are
-measured per kind of evidence (the reference run's records; the pilot-like first quarter of them; their first record,
-for the initial weights) and written to configs/epochs_calibration.json by `benchmarks/statistical_efficiency.py` (not
+measured per kind of evidence (the reference run's records; pilot-like prefixes of them covering 5%, 25% and 50% of
+the run, extrapolated as a pilot's are, since how far a pilot reaches sets how far off it is; their first record, for
+the initial weights) and written to configs/epochs_calibration.json by `benchmarks/statistical_efficiency.py` (not
 --quick), with the tasks and ratios they come from and the coverage with each task left out in turn. Nothing is
 fitted per task: the same factors apply to every job, and their coverage on held-out tasks is the test of them.
 """
@@ -103,17 +104,35 @@ def load_calibration(path: Path | str = CALIBRATION_PATH) -> dict[str, Any] | No
     return _load(str(path))
 
 
+def calibration_entry(evidence: dict[str, Any], source: str, coverage: float | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(key, entry) of the factors for a reading from `source`. A pilot's (keys "pilot@<coverage>") are the ones
+    measured on the largest prefix of the run it covers at least (a prefix it does not reach: its smallest, the widest
+    typically); a pilot that covered the whole run to the target reads as a reference run does."""
+    if source != "pilot":
+        return (source, evidence[source]) if source in evidence else None
+    if coverage is not None and coverage >= 1.0 and "reference_run" in evidence:
+        return "reference_run", evidence["reference_run"]
+    pilots = sorted(((entry["coverage"], key) for key, entry in evidence.items() if key.startswith("pilot@")))
+    if not pilots:
+        return None
+    reached = [key for covered, key in pilots if coverage is not None and covered <= coverage]
+    key = reached[-1] if reached else pilots[0][1]
+    return key, evidence[key]
+
+
 def calibrated_interval(
     source: str, noise_scale: float | None, statistical: tuple[float, float] | list[float] | None,
-    calibration: dict[str, Any] | None = None,
+    calibration: dict[str, Any] | None = None, coverage: float | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
-    """The calibrated interval of a noise-scale reading from `source` (reference_run, pilot, initialization): read x
-    the factors measured for that evidence, joined with the statistical interval; with where the factors come from.
-    None where the evidence has no calibration (other_runs are fitted to measured epochs), or no noise scale."""
+    """The calibrated interval of a noise-scale reading from `source` (reference_run, pilot, initialization; a pilot
+    with the fraction of the run to the target its records cover): read x the factors measured for that evidence
+    (calibration_entry), joined with the statistical interval; with where the factors come from. None where the
+    evidence has no calibration (other_runs are fitted to measured epochs), or no noise scale."""
     calibration = load_calibration() if calibration is None else calibration
-    entry = ((calibration or {}).get("evidence") or {}).get(source)
-    if not noise_scale or not entry:
+    found = calibration_entry((calibration or {}).get("evidence") or {}, source, coverage)
+    if not noise_scale or not found:
         return None
+    key, entry = found
     low_factor, high_factor = entry["factors"]
     low, high = noise_scale * low_factor, noise_scale * high_factor
     if statistical:  # its ends where they are wider; a lower end of 0 (within two standard errors of it) too: the steps bound
@@ -121,7 +140,7 @@ def calibrated_interval(
     inside = sum(counts[0] for counts in entry["leave_one_task_out_inside"].values())
     return {
         "value": [float(low), float(high)], "factors": [low_factor, high_factor], "quantiles": entry["quantiles"],
-        "source": "fitted",
+        "source": "fitted", "calibration": key,
         "why": f"B_read x [{low_factor:.2g}, {high_factor:.2g}]: the {entry['quantiles'][0]:.0%} and {entry['quantiles'][1]:.0%} "
         f"quantiles, over {entry['pairs']} measured batches of {entry['tasks']} tasks (benchmarks/statistical_efficiency.py, "
         f"{calibration.get('measured', '?')}), of the B_noise that makes each batch's epochs exact over the one read from "

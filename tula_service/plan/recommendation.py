@@ -387,6 +387,7 @@ class CalibratedInterval(BaseModel):
     factors: list[float] = Field(description="the quantiles of (best-fitting B_noise / B_noise read) over the calibration tasks")
     quantiles: list[float]
     source: Source
+    calibration: str = Field(description="the factors used: reference_run, initialization, or pilot@<share of the run the pilots reached>")
     why: str
 
 
