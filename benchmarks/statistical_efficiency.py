@@ -807,12 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results, "calibration": calibrated,
                                                   "interval_coverage": coverage, "pollux_target_sweep": sweep},
                                                  indent=1, default=float))  # fmt: skip
-    (out / "epochs_calibration.json").write_text(json.dumps(calibrated, indent=1) + "\n")
+    (out / "epochs_calibration.json" if args.quick else CALIBRATION_PATH).write_text(json.dumps(calibrated, indent=1) + "\n")
     text = markdown(results, meta, calibrated, coverage, sweep)
     (out / "report.md").write_text(text)
     if not args.quick:
         write_report(text, REPO / "docs" / "validation.md")
-        CALIBRATION_PATH.write_text(json.dumps(calibrated, indent=1) + "\n")
     for r in results:
         print(f"  {r['task']:22s} evidence={r['evidence']:13s} B_noise={r['noise_scale']:9.4g} cbs_truth={r['cbs_fitted_to_truth']:9.4g} "
               f"err={r['median_abs_epochs_err_pct']:5.1f}% regret={r['regret']['regret']:.2f}", file=sys.stderr)  # fmt: skip

@@ -278,6 +278,8 @@ def _calibrated_band(epochs: Any, global_batch: np.ndarray) -> dict[str, list[fl
     if getattr(epochs, "noise_scale_range", None) is None:
         return {}
     ends = [epochs.interval(float(batch)) for batch in global_batch]
+    if any(end is None for end in ends):
+        return {}
     return {"calibrated_low": [end[0] for end in ends], "calibrated_high": [end[1] for end in ends]}
 
 
