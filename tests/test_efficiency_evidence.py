@@ -285,3 +285,15 @@ def test_a_headroom_measured_at_another_lr_is_read_relative_to_the_reference_lr(
     assert report["value"] == pytest.approx(1.0) and "measured at LR 0.025: 4x that, 1x reference_lr" in report["evidence"]
     without_reference_lr = efficiency({"reference_run": {"gradient_stats": stats}})["lr_headroom"]
     assert without_reference_lr["value"] == 1.5 and "taken as measured at the reference LR (no training.reference_lr)" in without_reference_lr["evidence"]
+
+
+def test_records_with_no_resolved_signal_fall_back_to_the_next_evidence_and_the_answer_stays_finite():
+    import json
+
+    stats = [{"samples": 10_000 * (i + 1), "batch": 32, "grad_sqr": 1e-100, "trace_sigma": 1e99, "window_steps": 5} for i in range(50)]
+    rec = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_run": {"gradient_stats": stats}})), POINTS)
+    json.dumps(rec, allow_nan=False)  # a 500 before: the pooled ratio and the curves overflowed to inf
+    report = rec["models"]["efficiency"]
+    assert report["noise_scale"]["evidence"] == "initialization"
+    reference = next(c for c in report["evidence"]["candidates"] if c["source"] == "reference_run")
+    assert reference["noise_scale"] is None and "ratio is past 1e+15 samples" in reference["warnings"][-1]

@@ -177,3 +177,17 @@ def test_one_run_is_not_enough_to_fit():
 def test_epoch_model_takes_a_fitted_e_min():
     model = EpochModel(32, 12.0, noise_scale=400.0, min_epochs=10.0)
     assert model.predict(400) == pytest.approx(20.0)  # not anchored to the reference run's 12
+
+
+def test_a_ratio_past_any_batch_that_can_run_is_no_resolved_signal():
+    """tr(Sigma) / |G|^2 past MAX_RESOLVED_NOISE_SCALE samples: |G|^2 is nil beside the noise at any batch a spec
+    allows, so it reads as unresolved (as |G|^2 <= 0 does), and the fit has no noise scale rather than an inf."""
+    from tula_service.fit.perfmodel.efficiency import NoiseScaleModel
+    from tula_service.fit.perfmodel.noise_trajectory import MAX_RESOLVED_NOISE_SCALE
+
+    records = power_law_records(40, 1e6, slope=0.0, level=1e100)
+    assert TrajectoryNoiseScale().fit(records, 1e6).noise_scale_ is None
+    assert TrajectoryNoiseScale(window_average="geometric").fit(records, 1e6).noise_scale_ is None
+    just_inside = power_law_records(40, 1e6, slope=0.0, level=MAX_RESOLVED_NOISE_SCALE / 2)
+    assert TrajectoryNoiseScale().fit(just_inside, 1e6).noise_scale_ == pytest.approx(MAX_RESOLVED_NOISE_SCALE / 2, rel=1e-3)
+    assert NoiseScaleModel().fit([1e-10] * 3, [1e300] * 3).noise_scale_ is None

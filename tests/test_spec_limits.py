@@ -95,3 +95,20 @@ def test_a_boolean_is_no_number_anywhere_in_a_spec_or_a_what_if():
     with pytest.raises(pydantic.ValidationError, match="price: give a number, not a boolean"):
         WhatIf.model_validate({"pricing": {"price": True}})
     assert WhatIf.model_validate({"pricing": {"price": 3}}).given() == {"pricing": {"price": 3.0}}
+
+
+def test_gradient_statistics_past_1e100_are_refused_at_their_field():
+    """Pooling thousands of records near float's limit overflowed to inf and the answer's JSON to a 500: such a
+    value is no measurement, so it is a 422 naming it (reference-run records and telemetry alike)."""
+    from tula_service.runs.telemetry import TelemetryRecord
+    from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
+
+    record = {"samples": 1000, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 1e307}
+    errors = _errors(spec_dict(training={"reference_run": {"gradient_stats": [record]}}))
+    assert "less than or equal to" in errors[("training", "reference_run", "gradient_stats", 0, "trace_sigma")]
+    negative = {**record, "trace_sigma": 10.0, "precond_grad_sqr": -1e200}
+    assert ("training", "reference_run", "gradient_stats", 0, "precond_grad_sqr") in _errors(
+        spec_dict(training={"optimizer": "adam", "reference_run": {"gradient_stats": [negative]}}))
+    JobSpec.model_validate(spec_dict(training={"reference_run": {"gradient_stats": [{**record, "trace_sigma": MAX_GRADIENT_STATISTIC}]}}))
+    with pytest.raises(pydantic.ValidationError, match="grad_sqr"):
+        TelemetryRecord.model_validate({"step": 1, "grad_sqr": 2e100})

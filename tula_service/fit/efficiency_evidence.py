@@ -60,7 +60,7 @@ import numpy as np
 from tula_service.fit.epochs_calibration import calibrated_interval
 from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
-from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, record_arrays
+from tula_service.fit.perfmodel.noise_trajectory import MAX_RESOLVED_NOISE_SCALE, TrajectoryNoiseScale, record_arrays
 from tula_service.measurement import ComputeMeasurement, PilotMeasurement
 from tula_service.spec.job_spec import GradientStatsRecord, JobSpec
 
@@ -134,7 +134,8 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
         warnings.append(f"{source}: the {wanted} statistics for {spec.training.optimizer} are "
                         f"{'missing' if wanted not in estimates else 'not resolved'}: the raw gradient's are used")  # fmt: skip
     if chosen.noise_scale_ is None:
-        warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive: the noise scale is not resolved")
+        warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive, or their ratio is past "
+                        f"{MAX_RESOLVED_NOISE_SCALE:.0e} samples: the noise scale is not resolved")  # fmt: skip
     elif chosen.extrapolated_:
         warnings.append(
             f"{source}: the records cover {chosen.coverage_:.1%} of the reference run's samples to the target; "

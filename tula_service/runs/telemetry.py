@@ -15,7 +15,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tula_service.spec.job_spec import BatchSize, Count, MeasuredNumber, PositiveInt
+from tula_service.spec.job_spec import BatchSize, Count, GradientStatistic, MeasuredNumber, PositiveInt
 from tula_service.spec.spec_limits import MAX_GPUS_PER_NODE, MAX_NODES
 
 MAX_RECORDS_PER_BATCH = 1_000  # records in one POST /v1/runs/{id}/telemetry
@@ -58,10 +58,10 @@ class TelemetryRecord(_Strict):
     loss: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="training loss")
     metric: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="the run's evaluation metric")
     lr: MeasuredNumber | None = Field(None, gt=0, allow_inf_nan=False)
-    grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="|G|^2 (two-batch estimate)")
-    trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="tr(Sigma) per sample (two-batch estimate)")
-    precond_grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2")
-    precond_trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+    grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="|G|^2 (two-batch estimate)")
+    trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="tr(Sigma) per sample (two-batch estimate)")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2")
+    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
     variability: MeasuredNumber | None = Field(None, ge=0, allow_inf_nan=False, description="| |g_t| - |g_t-1| | / |g_t-1| (AGS)")
     stability_headroom: MeasuredNumber | None = Field(
         None, gt=0, allow_inf_nan=False, description="(2 + 2 beta) / (eta lambda_max) measured in this window (TulaRun.measure_stability)"

@@ -24,7 +24,10 @@ from models.registry import (
 from tula_service.catalogs import CATALOG_SOURCE, load_gpus, load_interconnects
 from tula_service.fit.links import catalog_link_defaults
 from tula_service.settings import environment
-from tula_service.spec.spec_limits import MAX_BATCH, MAX_GPUS_PER_NODE, MAX_NODES, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool, reject_bool_number
+from tula_service.spec.spec_limits import (
+    MAX_BATCH, MAX_GPUS_PER_NODE, MAX_GRADIENT_STATISTIC, MAX_NODES, MAX_NUM_SAMPLES, max_batch_sizes, max_devices, reject_bool,
+    reject_bool_number,
+)
 from tula_service.spec.user_code_check import USER_CODE_NOTE_MAX_CHARS, check_user_code, field_errors, validating_client_submission
 
 # Counts are integers >= 1; a JSON `true` is refused rather than read as 1 (tula_service.spec.spec_limits).
@@ -32,6 +35,8 @@ PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(reject_bool)]
 BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH), BeforeValidator(reject_bool)]
 Count = Annotated[int, BeforeValidator(reject_bool)]
 MeasuredNumber = Annotated[float, BeforeValidator(reject_bool_number)]  # a statistic a run recorded: never a boolean
+# |G|^2 or tr(Sigma) as a run recorded it: finite, never a boolean, within +-MAX_GRADIENT_STATISTIC
+GradientStatistic = Annotated[float, BeforeValidator(reject_bool_number), Field(ge=-MAX_GRADIENT_STATISTIC, le=MAX_GRADIENT_STATISTIC)]
 
 
 def allowed_model_modules() -> list[str]:
@@ -318,8 +323,8 @@ class GradientStatsRecord(_Strict):
 
     samples: Count = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
     batch: BatchSize = Field(description="global batch of those steps")
-    grad_sqr: MeasuredNumber = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
-    trace_sigma: MeasuredNumber = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
+    grad_sqr: GradientStatistic = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
+    trace_sigma: GradientStatistic = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
     loss: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="training loss, mean over the window")
     metric: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="the run's evaluation metric at this record")
     step: Count | None = Field(None, ge=0)
@@ -327,8 +332,8 @@ class GradientStatsRecord(_Strict):
     variability: MeasuredNumber | None = Field(
         None, ge=0, allow_inf_nan=False, description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS)"
     )
-    precond_grad_sqr: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
-    precond_trace_sigma: MeasuredNumber | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
+    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
     stability_headroom: MeasuredNumber | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="the factor by which the LR could grow before the top Hessian direction is unstable, (2 + 2 beta) / (eta "

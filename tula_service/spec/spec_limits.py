@@ -8,7 +8,9 @@ the user-code allowlist); the fixed ones are where a value stops meaning anythin
 - devices per cluster (`TULA_MAX_DEVICES`, default 65 536 GPUs: the largest clusters built);
 - a per-device or global batch of at most `MAX_BATCH` (2^24) samples, and never more than the
   dataset's `num_samples` (one step over more than an epoch is not a batch);
-- `num_samples` of at most `MAX_NUM_SAMPLES` (10^12: more than any data set trained on).
+- `num_samples` of at most `MAX_NUM_SAMPLES` (10^12: more than any data set trained on);
+- gradient statistics (|G|^2, tr(Sigma), their preconditioned pair) within +-`MAX_GRADIENT_STATISTIC` (10^100), so
+  that pooling thousands of records stays finite.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from tula_service.settings import environment
 MAX_BATCH = 2**24
 MAX_NUM_SAMPLES = 10**12
 MAX_NODES, MAX_GPUS_PER_NODE = 4096, 64  # a placement's nodes, and GPUs on one node
+# |G|^2 and tr(Sigma) a run recorded: far past any real squared norm (float32 gradients overflow at about 1e38 per
+# element), and small enough that the pooled sums and ratios of thousands of records stay finite in float64
+MAX_GRADIENT_STATISTIC = 1e100
 
 
 def max_batch_sizes() -> int:

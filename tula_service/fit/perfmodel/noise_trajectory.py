@@ -78,6 +78,9 @@ WINDOW = (0.5, 1.0)
 WINDOW_AVERAGE = "progress"
 WINDOW_BINS = 8
 INTERVAL_QUANTILES = (0.1, 0.9)
+# a noise scale past this many samples means |G|^2 is nil beside tr(Sigma) at any batch that can run (the largest
+# batch a spec allows is 2^24, the largest data set 10^12): the signal is not resolved, as for |G|^2 <= 0
+MAX_RESOLVED_NOISE_SCALE = 1e15
 BOOTSTRAP_RESAMPLES = 200
 BOOTSTRAP_SEED = 0
 
@@ -130,13 +133,19 @@ def progress_weighted_ratio(arrays: dict[str, np.ndarray]) -> float | None:
         return None
     signal = grad_sqr[ok] / squared_norm[ok]
     progress, noise = float(np.sum(span[ok] / batch[ok] * signal)), float(np.sum(span[ok] * (1.0 - signal)))
-    return noise / progress if progress > 0 and noise > 0 else None
+    return _resolved(noise / progress) if progress > 0 and noise > 0 else None
 
 
 def pooled_ratio(weights: np.ndarray, grad_sqr: np.ndarray, trace_sigma: np.ndarray) -> float | None:
-    """sum(w tr Sigma) / sum(w |G|^2), or None when either pooled estimate is not positive."""
+    """sum(w tr Sigma) / sum(w |G|^2), or None when either pooled estimate is not positive (or the ratio is past
+    MAX_RESOLVED_NOISE_SCALE)."""
     g, s = float(weights @ grad_sqr), float(weights @ trace_sigma)
-    return s / g if g > 0 and s > 0 else None
+    return _resolved(s / g) if g > 0 and s > 0 else None
+
+
+def _resolved(noise_scale: float) -> float | None:
+    """The ratio as a noise scale, or None where it is past MAX_RESOLVED_NOISE_SCALE (no signal resolved)."""
+    return noise_scale if noise_scale <= MAX_RESOLVED_NOISE_SCALE else None
 
 
 def bins_of(arrays: dict[str, np.ndarray]) -> tuple[list[Bin], int]:
