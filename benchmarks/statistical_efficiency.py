@@ -34,8 +34,8 @@ B_noise for this code path and its error, the reference run's epochs against the
 and that curve's own error.
 
 The calibrated interval (tula_service.fit.epochs_calibration): per measured batch of every task, the B_noise that makes
-its epochs exact, over the B_noise read (by the reference run's records, pilot-like prefixes of them covering 5%, 25%
-and 50% of the run, and their first record); the 10% and 90% quantiles per kind of evidence, each task weighing the same, are the factors the
+its epochs exact, over the B_noise read (by the reference run's records, prefixes of them covering 5%, 25%, 50% and
+75% of the run, extrapolated as a pilot's or a cut-short reference run's are, and their first record); the 10% and 90% quantiles per kind of evidence, each task weighing the same, are the factors the
 service applies. The full run writes them to configs/epochs_calibration.json (--quick: into its temporary folder);
 each task left out of them in turn says how a held-out task fares (interval_coverage, the second-to-last line). The
 Pollux applications are also read at other targets (pollux_target_sweep: 0.9-1.0 of the lowest best metric).
@@ -81,6 +81,7 @@ from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, po
 from tula_service.spec.job_spec import JobSpec  # noqa: E402
 
 TARGET_FRACTION_OF_WORST_BEST = 0.99
+PILOT_PREFIXES = (0.05, 0.25, 0.5, 0.75)  # the pilot-like prefixes of the alternatives (fractions of the run to the target)
 POLLUX_CLUSTER = (4, 4)  # nodes x GPUs per node of the traces' testbed
 EPOCHS_TARGET_PCT = 15.0
 POLLUX_EPOCHS_TARGET_PCT = 10.0
@@ -308,7 +309,7 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
             value * task.dataset_size / (task.dataset_size - 1 - value) if value and value < task.dataset_size - 1 else None)
     for fraction in (0.25, 0.5, 0.75):
         estimates[f"power-law trend read at {fraction:.0%} of the run"] = read(run_fraction=fraction, window=None)
-    for prefix in (0.05, 0.25, 0.5):
+    for prefix in PILOT_PREFIXES:
         early = [r for r in records if r["samples"] <= prefix * target_samples] or records[:2]
         estimates[f"first {prefix:.0%} of the run only (pilot-like), extrapolated"] = read(early)
     if any(r.get("precond_grad_sqr") is not None for r in records):
@@ -474,11 +475,10 @@ def target_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
 
 # -- the calibrated interval (tula_service.fit.epochs_calibration) -------------------------------------------------
 
-PILOT_PREFIXES = (0.05, 0.25, 0.5)  # the pilot-like prefixes of the alternatives (fractions of the run to the target)
 CALIBRATION_READS = {  # evidence -> (the alternative that reads as it does, None: the service's own read; in words)
     "reference_run": (None, "the reference run's records"),
-    **{f"pilot@{prefix:g}": (f"first {prefix:.0%} of the run only (pilot-like), extrapolated",
-                             f"the first {prefix:.0%} of the reference run's records, extrapolated (a pilot that reached that far)")
+    **{f"prefix@{prefix:g}": (f"first {prefix:.0%} of the run only (pilot-like), extrapolated",
+                             f"the first {prefix:.0%} of the reference run's records, extrapolated (as a pilot's or a cut-short run's are)")
        for prefix in PILOT_PREFIXES},
     "initialization": ("first record (initialization)", "the reference run's first record (the initial weights)"),
 }  # fmt: skip

@@ -72,7 +72,7 @@ def test_a_pilot_trajectory_is_used_when_the_user_gives_none_and_is_labelled_ext
     low, high = report["noise_scale"]["interval"]
     assert low <= report["noise_scale"]["value"] < high
     calibrated = report["noise_scale"]["calibrated_interval"]  # the factors measured on pilots that reached 5% of the run
-    assert calibrated["calibration"] == "pilot@0.05" and calibrated["value"][1] > high
+    assert calibrated["calibration"] == "prefix@0.05" and calibrated["value"][1] > high
 
 
 def test_epochs_at_other_batches_fit_e_min_and_b_noise_and_win_over_statistics():

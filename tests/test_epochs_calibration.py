@@ -68,12 +68,16 @@ def test_the_interval_is_the_read_times_the_factors_joined_with_the_statistical_
 
 def test_a_pilot_takes_the_factors_of_the_longest_prefix_it_covers():
     entry = lambda factors, coverage: {**CALIBRATION["evidence"]["reference_run"], "factors": factors, "coverage": coverage}  # noqa: E731
-    calibration = {"evidence": {**CALIBRATION["evidence"], "pilot@0.05": entry([1.0, 40.0], 0.05),
-                                "pilot@0.25": entry([1.0, 20.0], 0.25), "pilot@0.5": entry([0.5, 10.0], 0.5)}}  # fmt: skip
-    for coverage, key, high in ((0.01, "pilot@0.05", 40.0), (0.05, "pilot@0.05", 40.0), (0.3, "pilot@0.25", 20.0),
-                                (0.9, "pilot@0.5", 10.0), (1.0, "reference_run", 4.0), (None, "pilot@0.05", 40.0)):
+    calibration = {"evidence": {**CALIBRATION["evidence"], "prefix@0.05": entry([1.0, 40.0], 0.05),
+                                "prefix@0.25": entry([1.0, 20.0], 0.25), "prefix@0.5": entry([0.5, 10.0], 0.5)}}  # fmt: skip
+    for coverage, key, high in ((0.01, "prefix@0.05", 40.0), (0.05, "prefix@0.05", 40.0), (0.3, "prefix@0.25", 20.0),
+                                (0.9, "prefix@0.5", 10.0), (1.0, "reference_run", 4.0), (None, "prefix@0.05", 40.0)):
         interval = calibrated_interval("pilot", 100.0, None, calibration, coverage=coverage)
         assert (interval["calibration"], interval["value"][1]) == (key, 100.0 * high)
+    cut_short = calibrated_interval("reference_run", 100.0, None, calibration, coverage=0.3)  # records stopping early
+    assert cut_short["calibration"] == "prefix@0.25"  # are as far off as a pilot that reached as far
+    for coverage in (0.995, None):
+        assert calibrated_interval("reference_run", 100.0, None, calibration, coverage=coverage)["calibration"] == "reference_run"
 
 
 def test_the_epochs_interval_closes_at_the_reference_batch_and_opens_with_the_distance_from_it():
@@ -109,7 +113,7 @@ def test_the_shipped_calibration_is_what_its_own_ratios_give():
     of the ratios it lists (a hand edit of either shows here), and the service reads it."""
     shipped = json.loads(CALIBRATION_PATH.read_text())
     assert shipped == load_calibration()
-    assert set(shipped["evidence"]) == {"reference_run", "pilot@0.05", "pilot@0.25", "pilot@0.5", "initialization"}
+    assert set(shipped["evidence"]) == {"reference_run", "prefix@0.05", "prefix@0.25", "prefix@0.5", "prefix@0.75", "initialization"}
     for entry in shipped["evidence"].values():
         ratios = {name: [math.inf if k == "inf" else k for k in ks] for name, ks in entry["ratios"].items()}
         assert calibration_factors(ratios, tuple(entry["quantiles"]))["factors"] == pytest.approx(entry["factors"])
@@ -158,3 +162,15 @@ def test_a_statistical_interval_reaching_zero_plans_with_the_steps_bound_as_its_
         low, high = row["epochs"]["calibrated_interval"]
         steps_bound = 10.0 * row["global_batch"] / 32  # E_ref B / B_ref of the hand-made spec (B_ref 32, E_ref 10)
         assert (high if row["global_batch"] >= 32 else low) == pytest.approx(steps_bound, rel=1e-6)
+
+
+def test_a_reference_run_cut_short_of_its_target_is_as_uncertain_as_a_pilot_that_reached_as_far():
+    target_samples = 10 * 50_000  # reference_epochs x num_samples of the hand-made spec
+    whole = [{"samples": target_samples * (i + 1) // 50, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 500.0} for i in range(50)]
+    short = [r for r in whole if r["samples"] <= 0.3 * target_samples]
+    noise = {name: _plan({"reference_run": {"gradient_stats": stats}})["models"]["efficiency"]["noise_scale"]
+             for name, stats in (("whole", whole), ("short", short))}  # fmt: skip
+    assert noise["whole"]["calibrated_interval"]["calibration"] == "reference_run"
+    assert noise["short"]["evidence"] == "reference_run" and noise["short"]["calibrated_interval"]["calibration"] == "prefix@0.25"
+    width = {name: n["calibrated_interval"]["value"][1] / n["calibrated_interval"]["value"][0] for name, n in noise.items()}
+    assert width["short"] > width["whole"]

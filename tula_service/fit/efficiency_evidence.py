@@ -30,8 +30,9 @@ past the rule at large batches and needed fewer epochs there.
 How sure. The chosen evidence's statistical interval (its bootstrap) says how well its records pin B_noise down; how
 far the read is from the B_noise the epochs need was measured across the benchmark's tasks, per kind of evidence, and
 comes with it as noise_scale.calibrated_interval (tula_service.fit.epochs_calibration): the read times those factors,
-joined with the statistical interval, which the EpochModel turns into every candidate's epochs interval. other_runs
-get none (fitted to the epochs themselves; no factors measured for them).
+joined with the statistical interval, which the EpochModel turns into every candidate's epochs interval. Records that
+stop short of the target (a pilot's, a reference run's cut short) take the factors measured on prefixes as long as
+theirs. other_runs get none (fitted to the epochs themselves; no factors measured for them).
 
 LR stability. Records may carry a measured stability headroom (profiler.sharpness): how far the LR could grow at
 that point of the run before the top Hessian direction is unstable. The smallest over the reference run's

@@ -18,9 +18,9 @@ with q_lo and q_hi the QUANTILES of k over all (task, batch) pairs, each task we
 statistical interval. Since E(b) is monotone in B_noise, a measured batch's epochs lie inside the epochs' interval
 (E(b) at the two ends, each re-anchored at the reference run: EpochModel.interval) exactly when its k lies inside the
 factors: the interval is calibrated on the epochs themselves, the quantity the user plans with. The factors are
-measured per kind of evidence (the reference run's records; pilot-like prefixes of them covering 5%, 25% and 50% of
-the run, extrapolated as a pilot's are, since how far a pilot reaches sets how far off it is; their first record, for
-the initial weights) and written to configs/epochs_calibration.json by `benchmarks/statistical_efficiency.py` (not
+measured per kind of evidence (the reference run's records; prefixes of them covering 5%, 25%, 50% and 75% of the
+run, extrapolated as a pilot's or a cut-short reference run's are, since how far the records reach sets how far off
+they are; their first record, for the initial weights) and written to configs/epochs_calibration.json by `benchmarks/statistical_efficiency.py` (not
 --quick), with the tasks and ratios they come from and the coverage with each task left out in turn. Nothing is
 fitted per task: the same factors apply to every job, and their coverage on held-out tasks is the test of them.
 """
@@ -104,15 +104,21 @@ def load_calibration(path: Path | str = CALIBRATION_PATH) -> dict[str, Any] | No
     return _load(str(path))
 
 
+FULL_COVERAGE = 0.99  # records this close to the target read as a whole run (the trajectory extrapolates below it too)
+
+
 def calibration_entry(evidence: dict[str, Any], source: str, coverage: float | None = None) -> tuple[str, dict[str, Any]] | None:
-    """(key, entry) of the factors for a reading from `source`. A pilot's (keys "pilot@<coverage>") are the ones
-    measured on the largest prefix of the run it covers at least (a prefix it does not reach: its smallest, the widest
-    typically); a pilot that covered the whole run to the target reads as a reference run does."""
-    if source != "pilot":
+    """(key, entry) of the factors for a reading from `source`. Records that stop short of the target (a pilot's, or
+    a reference run's cut short; `coverage` the fraction of the run to the target they reach) take the factors
+    measured on prefixes of reference runs (keys "prefix@<fraction>"): those of the longest prefix they reach (one
+    they do not reach: the shortest, the widest typically). Records that reach the target read as a reference run's
+    whatever their source; a reference run of unknown coverage does too."""
+    short = coverage is not None and coverage < FULL_COVERAGE
+    if source not in ("pilot", "reference_run") or (source == "reference_run" and not short):
         return (source, evidence[source]) if source in evidence else None
-    if coverage is not None and coverage >= 1.0 and "reference_run" in evidence:
+    if not short and coverage is not None and "reference_run" in evidence:
         return "reference_run", evidence["reference_run"]
-    pilots = sorted(((entry["coverage"], key) for key, entry in evidence.items() if key.startswith("pilot@")))
+    pilots = sorted(((entry["coverage"], key) for key, entry in evidence.items() if key.startswith("prefix@")))
     if not pilots:
         return None
     reached = [key for covered, key in pilots if coverage is not None and covered <= coverage]

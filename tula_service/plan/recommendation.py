@@ -387,7 +387,7 @@ class CalibratedInterval(BaseModel):
     factors: list[float] = Field(description="the quantiles of (best-fitting B_noise / B_noise read) over the calibration tasks")
     quantiles: list[float]
     source: Source
-    calibration: str = Field(description="the factors used: reference_run, initialization, or pilot@<share of the run the pilots reached>")
+    calibration: str = Field(description="the factors used: reference_run, initialization, or prefix@<share of the run to the target>: the factors of records that stop short of it (a pilot, a cut-short reference run)")
     why: str
 
 
