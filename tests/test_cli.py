@@ -99,11 +99,12 @@ def test_the_recommendation_is_in_human_units(done_job):
         r" epochs [\d.]+ \(\w+\)", predicted,
     ), predicted  # fmt: skip
     header = lines.index(next(line for line in lines if line.split()[:1] == ["BATCH"]))
-    assert lines[header].split() == ["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"]
+    assert lines[header].split() == ["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "EPOCHS", "EPOCHS_80%", "TOTAL", "COST"]
     for row in lines[header + 1 : lines.index(next(line for line in lines if line.startswith("(")))]:
-        memory, iteration, total, cost = row.split()[4:6], row.split()[6:8], row.split()[8:10], row.split()[10]
+        memory, iteration, epochs, total, cost = row.split()[4:6], row.split()[6:8], row.split()[8:10], row.split()[10:12], row.split()[12]
         assert memory[1] in ("KiB", "MiB", "GiB") and iteration[1] in ("ms", "s") and total[1] in ("s", "min", "h", "d"), row
         assert re.fullmatch(r"\$[\d,]+\.\d\d", cost) and len(memory[0].replace(".", "")) <= 3, row
+        assert re.fullmatch(r"[\d.,]+", epochs[0]) and re.fullmatch(r"[\d.,]+-[\d.,]+", epochs[1]), row  # value, its 80% interval
 
 
 def test_submit_json_prints_the_job_and_the_key_makes_it_idempotent(api_only, tmp_path):

@@ -94,10 +94,11 @@ def format_recommendation(rec: dict[str, Any]) -> str:
     front = sorted((c for c in rec["candidates"] if c["pareto"]), key=lambda c: c["global_batch"])
     rows = [
         [c["global_batch"], c["device_batch"], _devices(c), c["accumulation"], _memory(c),
-         human_duration(c["iter_time_s"]["value"]), human_duration(c["total_time_s"]["value"]), human_usd(c["cost_usd"]["value"])]
+         human_duration(c["iter_time_s"]["value"]), human_number(c["epochs"]["value"]), _calibrated_range(c["epochs"]),
+         human_duration(c["total_time_s"]["value"]), human_usd(c["cost_usd"]["value"])]
         for c in front
     ]  # fmt: skip
-    lines += ["", table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "TOTAL", "COST"], rows, align=">")]
+    lines += ["", table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "EPOCHS", "EPOCHS_80%", "TOTAL", "COST"], rows, align=">")]
     lines.append(f"({len(rec['candidates'])} candidates in all; Pareto front shown; --json for everything)")
     return "\n".join(lines)
 
@@ -116,6 +117,12 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
         line += f"; 80% interval {human_number(calibrated['value'][0])}-{human_number(calibrated['value'][1])} ({calibrated['why']})"
     assumes = [f"  epochs assume: {efficiency['assumes_lr']}"] if efficiency.get("assumes_lr") else []
     return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
+
+
+def _calibrated_range(quantity: dict[str, Any]) -> str:
+    """The epochs' calibrated 80% interval as "lo-hi" ("-" without one; tula_service.fit.epochs_calibration)."""
+    interval = quantity.get("calibrated_interval")
+    return f"{human_number(interval[0])}-{human_number(interval[1])}" if interval else "-"
 
 
 def _devices(candidate: dict[str, Any]) -> str:
