@@ -59,7 +59,11 @@ async function refresh() {
 function adviceText(plan) {
   const evidence = plan.evidence || {};
   const parts = [(plan.changed ? "Changed: " : "") + plan.why];
-  if (evidence.noise_scale) parts.push(`B_noise ${significant(evidence.noise_scale.value)} from the ${evidence.noise_scale_from.replace(/^the /, "")}`);
+  if (evidence.noise_scale) {
+    const calibrated = evidence.noise_scale.calibrated_interval?.value; // the model's error across tasks (epochs_calibration.py)
+    const range = calibrated ? ` (80%: ${significant(calibrated[0])}-${significant(calibrated[1])})` : "";
+    parts.push(`B_noise ${significant(evidence.noise_scale.value)}${range} from the ${evidence.noise_scale_from.replace(/^the /, "")}`);
+  }
   if (evidence.lr_headroom) {
     parts.push(`LR at most ${significant(evidence.lr_headroom.value)}x the reference (stability headroom; ${evidence.lr_headroom.evidence})`);
   }
