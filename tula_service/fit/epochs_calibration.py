@@ -118,11 +118,11 @@ def calibration_entry(evidence: dict[str, Any], source: str, coverage: float | N
         return (source, evidence[source]) if source in evidence else None
     if not short and coverage is not None and "reference_run" in evidence:
         return "reference_run", evidence["reference_run"]
-    pilots = sorted(((entry["coverage"], key) for key, entry in evidence.items() if key.startswith("prefix@")))
-    if not pilots:
+    prefixes = sorted(((entry["coverage"], key) for key, entry in evidence.items() if key.startswith("prefix@")))
+    if not prefixes:
         return None
-    reached = [key for covered, key in pilots if coverage is not None and covered <= coverage]
-    key = reached[-1] if reached else pilots[0][1]
+    reached = [key for covered, key in prefixes if coverage is not None and covered <= coverage]
+    key = reached[-1] if reached else prefixes[0][1]
     return key, evidence[key]
 
 
@@ -130,8 +130,8 @@ def calibrated_interval(
     source: str, noise_scale: float | None, statistical: tuple[float, float] | list[float] | None,
     calibration: dict[str, Any] | None = None, coverage: float | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
-    """The calibrated interval of a noise-scale reading from `source` (reference_run, pilot, initialization; a pilot
-    with the fraction of the run to the target its records cover): read x the factors measured for that evidence
+    """The calibrated interval of a noise-scale reading from `source` (reference_run, pilot, initialization; coverage:
+    the fraction of the run to the target its records reach): read x the factors measured for that evidence
     (calibration_entry), joined with the statistical interval; with where the factors come from. None where the
     evidence has no calibration (other_runs are fitted to measured epochs), or no noise scale."""
     calibration = load_calibration() if calibration is None else calibration
