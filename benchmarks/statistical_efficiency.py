@@ -512,16 +512,17 @@ def interval_coverage(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     measured epochs (the reference batch excluded) inside the service's epochs interval at their batch
     (EpochModel.interval with the reference run's calibrated range), and whether the best single B_noise lies inside
     the calibrated and inside the statistical interval."""
+    ratios = {r["task"]: list(exact_ratios(r, r["noise_scale"]).values()) for r in results}
     rows = []
     for r in results:
-        factors = calibration_factors({o["task"]: list(exact_ratios(o, o["noise_scale"]).values()) for o in results if o is not r})
+        factors = calibration_factors({name: ks for name, ks in ratios.items() if name != r["task"]})
         if factors is None:
             continue
         ref, read, best = r["reference_batch"], r["noise_scale"], r["truth_floor"]["best_noise_scale"]
         measured = {int(b): e for b, e in r["measured_epochs"].items()}
         low, high = (read * f for f in factors["factors"])
         model = EpochModel(ref, measured[ref], read, noise_scale_range=(low, high))
-        inside = {b: model.interval(b)[0] <= e <= model.interval(b)[1] for b, e in measured.items() if b != ref}
+        inside = {b: lo <= e <= hi for b, e in measured.items() if b != ref for lo, hi in [model.interval(b)]}
         statistical = r["noise_scale_interval"]
         rows.append({
             "task": r["task"], "factors": factors["factors"], "epochs_inside": sum(inside.values()), "epochs": len(inside),

@@ -60,12 +60,11 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
     if chosen["epochs"].get("calibrated_interval"):
-        (low, high), (t_low, t_high) = chosen["epochs"]["calibrated_interval"], chosen["total_time_s"]["calibrated_interval"]
-        lines.append(f"  80% interval: epochs {human_number(low)}-{human_number(high)}, total time {human_duration(t_low)}-"
-                     f"{human_duration(t_high)} (the epochs model's error measured across tasks; see B_noise below)")
+        lines.append(f"  80% interval: epochs {_range(chosen['epochs']['calibrated_interval'])}, total time "
+                     f"{_range(chosen['total_time_s']['calibrated_interval'], human_duration)} (the epochs model's error "
+                     "measured across tasks; see B_noise below)")
     if chosen["epochs"].get("interval"):
-        low, high = chosen["epochs"]["interval"]
-        lines.append(f"  epochs with the LR capped: {human_number(low)}-{human_number(high)} (no cost from the cap to the "
+        lines.append(f"  epochs with the LR capped: {_range(chosen['epochs']['interval'])} (no cost from the cap to the "
                      "quadratic model's; the value is their geometric middle)")
     if chosen.get("extrapolated"):
         lines.append(f"  step time extrapolated: {', '.join(chosen['extrapolated'])} beyond every multi-device measurement")
@@ -114,15 +113,20 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
             + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
     calibrated = noise.get("calibrated_interval")
     if calibrated:
-        line += f"; 80% interval {human_number(calibrated['value'][0])}-{human_number(calibrated['value'][1])} ({calibrated['why']})"
+        line += f"; 80% interval {_range(calibrated['value'])} ({calibrated['why']})"
     assumes = [f"  epochs assume: {efficiency['assumes_lr']}"] if efficiency.get("assumes_lr") else []
     return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
+
+
+def _range(ends: list[float], human: Any = human_number) -> str:
+    """An interval as "lo-hi", each end in human units."""
+    return f"{human(ends[0])}-{human(ends[1])}"
 
 
 def _calibrated_range(quantity: dict[str, Any]) -> str:
     """The epochs' calibrated 80% interval as "lo-hi" ("-" without one; tula_service.fit.epochs_calibration)."""
     interval = quantity.get("calibrated_interval")
-    return f"{human_number(interval[0])}-{human_number(interval[1])}" if interval else "-"
+    return _range(interval) if interval else "-"
 
 
 def _devices(candidate: dict[str, Any]) -> str:

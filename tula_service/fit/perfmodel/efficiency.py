@@ -74,7 +74,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tula_service.fit.perfmodel.noise_trajectory import MAX_RESOLVED_NOISE_SCALE
+from tula_service.fit.perfmodel.noise_trajectory import pooled_ratio
 
 OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw")  # the LR grows with sqrt(step gain)
 TINY_NOISE_SCALE = 1e-9  # x the reference batch: a B_noise this small gives E(B) = E_ref B / B_ref to 1e-9
@@ -131,9 +131,8 @@ class NoiseScaleModel:
         self.true_grad_sq_norm_ = float(w @ g)
         self.trace_sigma_ = float(w @ s)
         self.points_ = int(g.size)
-        self.informative_ = bool(self.true_grad_sq_norm_ > 0 and self.trace_sigma_ > 0
-                                 and self.trace_sigma_ / self.true_grad_sq_norm_ <= MAX_RESOLVED_NOISE_SCALE)  # fmt: skip
-        self.noise_scale_ = self.trace_sigma_ / self.true_grad_sq_norm_ if self.informative_ else None
+        self.noise_scale_ = pooled_ratio(w, g, s)  # None when not resolved, as for a trajectory's bins
+        self.informative_ = self.noise_scale_ is not None
         self.noise_scale_stderr_ = self._stderr(g, s, w) if self.informative_ else None
         return self
 
