@@ -16,6 +16,10 @@ both |G|^2 and tr(Sigma) over the iterations (std / sqrt(n) / |mean|) is below a
 (`relative_stderr`); profiler.measure stops there, or at its share of the point's time, or at
 profiling.grad_iters.
 
+An iteration whose norms are not finite (fp16 loss scaling overflows at its first steps; a model that
+diverges) says nothing about the noise: it is counted (`nonfinite_iterations`) and left out of both
+averages, and a point with no finite iteration reports no estimate (None), never NaN.
+
 Gradient variability (Tula seed paper, Figs. 5-6): the relative change of the full-batch gradient
 norm between consecutive iterations, |(|g_t| - |g_{t-1}|)| / |g_{t-1}|. AGS thresholds it.
 """
@@ -62,21 +66,29 @@ class GradientNoiseEstimator:
     true_sq: list[float] = field(default_factory=list)
     trace: list[float] = field(default_factory=list)
     full_norms: list[float] = field(default_factory=list)
+    nonfinite_iterations: int = 0
 
     def __post_init__(self):
         self._true_ema = BiasCorrectedEMA(self.ema_beta)
         self._trace_ema = BiasCorrectedEMA(self.ema_beta)
 
-    def update(self, micro_sq_norms: list[float], full_sq_norm: float, micro_batch: int, batch: int) -> None:
+    def update(self, micro_sq_norms: list[float], full_sq_norm: float, micro_batch: int, batch: int) -> bool:
+        """Add one iteration; False (counted, left out) when a norm is not finite."""
+        if not (math.isfinite(full_sq_norm) and all(map(math.isfinite, micro_sq_norms))):
+            self.nonfinite_iterations += 1
+            return False
         true_sq, trace = two_batch_estimates(micro_sq_norms, full_sq_norm, micro_batch, batch)
         self.true_sq.append(true_sq)
         self.trace.append(trace)
         self.full_norms.append(math.sqrt(full_sq_norm))
         self._true_ema.update(true_sq)
         self._trace_ema.update(trace)
+        return True
 
     def noise_scale(self) -> float | None:
-        """B_simple = EMA(tr Sigma) / EMA(|G|^2); None when |G|^2 is not resolved (<= 0)."""
+        """B_simple = EMA(tr Sigma) / EMA(|G|^2); None when |G|^2 is not resolved (<= 0) or nothing was added."""
+        if not self.true_sq:
+            return None
         true_sq = self._true_ema.value
         return self._trace_ema.value / true_sq if true_sq > 0 else None
 
@@ -112,10 +124,11 @@ class GradientNoiseEstimator:
             "micro_batch": micro_batch,
             "batch": batch,
             "iterations": len(self.true_sq),
+            "nonfinite_iterations": self.nonfinite_iterations,
             "relative_stderr": self.relative_stderr(),
             "ema_beta": self.ema_beta,
-            "true_grad_sq_norm": self._true_ema.value,
-            "trace_sigma": self._trace_ema.value,
+            "true_grad_sq_norm": self._true_ema.value if self.true_sq else None,
+            "trace_sigma": self._trace_ema.value if self.true_sq else None,
             "noise_scale": self.noise_scale(),
             "noise_scale_stderr": self.noise_scale_stderr(),
             "grad_norm_series": self.full_norms,

@@ -70,6 +70,22 @@ def test_allowlisted_user_model_is_profiled_and_planned(make_server):
         assert client.recommendation(job.id)["chosen"]["total_time_s"]["value"] > 0
 
 
+@pytest.mark.e2e
+def test_a_model_whose_gradients_overflow_is_profiled_and_planned_without_its_noise_scale(make_server):
+    server = make_server(env=ALLOWLISTED)
+    spec = spec_dict(model="tests.user_models_fixture:overflowing_classifier", dataset=USER_DATASET, batch_sizes=[8, 16, 32],
+                     profiling=FAST)  # fmt: skip
+    with TulaClient(server.url) as client:
+        job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
+        assert job.state == "done", job.error
+        rec = client.recommendation(job.id)
+    assert all(point["iter_time_median_s"] > 0 and point["noise_scale"] is None for point in rec["profiled"]["points"])
+    efficiency = rec["models"]["efficiency"]
+    assert efficiency["source"] == "assumed"
+    assert efficiency["warnings"] == ["initialization: the gradient statistics of the points at batch 8, 16, 32 were not finite "
+                                      "or past +-1e+100 (an fp16 overflow, a diverging model): left out"]  # fmt: skip
+
+
 def test_digits_default_is_the_train_split_and_a_mnist1d_beyond_its_bound_is_refused():
     assert JobSpec.model_validate(spec_dict(dataset={"name": "digits", "num_samples": None})).dataset.num_samples == 1437
     spec = JobSpec.model_validate(spec_dict(dataset={"name": "digits", "num_samples": None, "split": "all"}))

@@ -297,3 +297,44 @@ def test_records_with_no_resolved_signal_fall_back_to_the_next_evidence_and_the_
     assert report["noise_scale"]["evidence"] == "initialization"
     reference = next(c for c in report["evidence"]["candidates"] if c["source"] == "reference_run")
     assert reference["noise_scale"] is None and "ratio is past 1e+15 samples" in reference["warnings"][-1]
+
+
+def _overflowed(batch, value):
+    """A compute point as the dispatcher stores it when the worker wrote a non-finite |G|^2: without_nonfinite."""
+    import json
+
+    from tula_service.measurement import without_nonfinite
+
+    point = measurement(batch)
+    point["gradient"]["true_grad_sq_norm"] = value
+    point["gradient"]["variability_series"] = [0.2, value]
+    return without_nonfinite(json.loads(json.dumps(point)))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e300, -1e300])
+def test_points_whose_gradient_statistics_overflowed_are_left_out_and_named(value):
+    import json
+
+    points = [*POINTS[:3], *(_overflowed(b, value) for b in BATCHES[3:])]
+    rec = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)), points)
+    json.dumps(rec, allow_nan=False)  # a crash before: NaN in the answer, or an overflow in the pooled sums
+    report = rec["models"]["efficiency"]
+    assert report["noise_scale"]["evidence"] == "initialization" and report["noise_scale"]["value"] == pytest.approx(100.0)
+    assert any("batch 64, 128 were not finite or past +-1e+100" in w for w in report["warnings"])
+
+
+def test_with_every_points_statistics_overflowed_the_efficiency_is_assumed_and_says_why():
+    rec = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES)), [_overflowed(b, float("nan")) for b in BATCHES])
+    report = rec["models"]["efficiency"]
+    assert report["source"] == "assumed" and report["noise_scale"] is None
+    assert report["warnings"] == [f"initialization: the gradient statistics of the points at batch {', '.join(map(str, BATCHES))} "
+                                  "were not finite or past +-1e+100 (an fp16 overflow, a diverging model): left out"]  # fmt: skip
+
+
+def test_a_record_without_nonfinite_numbers_keeps_json_and_lists_where_they_were():
+    from tula_service.measurement import without_nonfinite
+
+    record = {"kind": "compute", "iter_time": {"median_s": 0.1, "cv": float("inf")}, "series": [1.0, float("nan")], "n": 3}
+    assert without_nonfinite(record) == {"kind": "compute", "iter_time": {"median_s": 0.1, "cv": None}, "series": [1.0, None], "n": 3,
+                                         "nonfinite_fields": ["iter_time.cv", "series[1]"]}  # fmt: skip
+    assert without_nonfinite({"kind": "compute", "n": 1.5}) == {"kind": "compute", "n": 1.5}

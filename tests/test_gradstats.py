@@ -1,5 +1,6 @@
 """The two-batch noise-scale estimator against a problem whose answer is known in closed form."""
 
+import json
 import math
 
 import pytest
@@ -65,3 +66,26 @@ def test_variability_is_the_relative_change_of_the_gradient_norm():
     assert estimator.variability() == pytest.approx([0.5, 0.5])
     assert estimator.full_norms == pytest.approx([2.0, 3.0, 1.5])
     assert math.isfinite(estimator.summary(4, 8)["variability_median"])
+
+
+def test_an_iteration_with_a_norm_that_is_not_finite_is_counted_and_left_out():
+    # fp16 loss scaling overflows at its first steps: those iterations say nothing about the noise
+    estimator = GradientNoiseEstimator()
+    assert estimator.update([math.inf, 3.0], 1.0, 4, 8) is False
+    assert estimator.update([2.0, 2.0], math.nan, 4, 8) is False
+    assert estimator.update([300.0 / 4 + 2.0] * 2, 300.0 / 8 + 2.0, 4, 8) is True
+    assert estimator.noise_scale() == pytest.approx(150.0)
+    summary = estimator.summary(4, 8)
+    assert (summary["iterations"], summary["nonfinite_iterations"]) == (1, 2)
+    assert len(summary["grad_norm_series"]) == 1
+
+
+def test_a_point_whose_every_iteration_overflowed_reports_no_estimate_and_no_nan():
+    estimator = GradientNoiseEstimator()
+    for _ in range(3):
+        estimator.update([math.inf] * 2, math.inf, 4, 8)
+    summary = estimator.summary(4, 8)
+    assert estimator.noise_scale() is None
+    assert (summary["true_grad_sq_norm"], summary["trace_sigma"], summary["noise_scale"]) == (None, None, None)
+    assert summary["nonfinite_iterations"] == 3
+    json.dumps(summary, allow_nan=False)  # the record the worker writes stays valid JSON

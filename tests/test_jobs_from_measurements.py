@@ -3,6 +3,7 @@ become done points of kind "given", only what they miss is profiled (profiling.p
 nothing ("none"); a job with nothing left to profile is planned at once, or refused with a 409 and
 nothing stored."""
 
+import json
 import time
 
 import httpx
@@ -156,3 +157,21 @@ def test_tula_submit_with_measurements_starts_the_job_from_them(api_only, tmp_pa
     assert queued.returncode == 0 and "2 supplied, 3 points to profile" in queued.stdout
     refused = tula("submit", str(spec_path), "--server", api_only.url, "--profile", "none")
     assert refused.returncode == 2 and "give --measurements FILE" in refused.stderr
+
+
+@pytest.mark.e2e
+def test_a_record_with_nan_and_infinity_is_stored_without_them_and_planned(make_server, database_url):
+    """Python's json reads NaN and Infinity, PostgreSQL's json refuses them: the records keep None in their place,
+    listed under nonfinite_fields, and the points whose |G|^2 overflowed are left out of the noise scale."""
+    server = make_server(database_url=database_url)
+    records = [measurement(b) for b in BATCHES]
+    records[3]["gradient"]["true_grad_sq_norm"], records[4]["gradient"]["trace_sigma"] = "@nan", "@inf"
+    body = json.dumps({"spec": _spec(), "measurements": records}).replace('"@nan"', "NaN").replace('"@inf"', "Infinity")
+    response = httpx.post(f"{server.url}/v1/jobs/from-measurements", content=body, headers={"Content-Type": "application/json"}, timeout=120)
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    stored = httpx.get(f"{server.url}/v1/jobs/{job_id}/measurements", timeout=10).json()["points"]
+    assert [p["measurement"].get("nonfinite_fields") for p in stored] == [None, None, None, ["gradient.true_grad_sq_norm"], ["gradient.trace_sigma"]]
+    efficiency = httpx.get(f"{server.url}/v1/jobs/{job_id}/recommendation", timeout=10).json()["models"]["efficiency"]
+    assert efficiency["noise_scale"]["evidence"] == "initialization" and efficiency["noise_scale"]["value"] == pytest.approx(100.0)
+    assert any("batch 64, 128 were not finite" in warning for warning in efficiency["warnings"])

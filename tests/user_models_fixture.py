@@ -16,6 +16,22 @@ def tiny_classifier(*, in_channels: int, image_size: int, num_classes: int, hidd
     return model
 
 
+def overflowing_classifier(*, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+    """tiny_classifier with its logits scaled by 1e38: the loss and every gradient overflow, as an fp16 step or a
+    diverging model's do; the point is still timed and sized."""
+    model = tiny_classifier(in_channels=in_channels, image_size=image_size, num_classes=num_classes)
+    return nn.Sequential(model, _Scale(1e38))
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
 def not_a_model(**shape):
     return "a string"
 

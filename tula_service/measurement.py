@@ -21,9 +21,10 @@ error), predicted (from fitted models, with their error), assumed, or given in t
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from tula_service.spec.job_spec import GradientStatsRecord
 from tula_service.spec.spec_limits import MAX_BATCH, MAX_GPUS_PER_NODE, MAX_NODES
@@ -77,6 +78,7 @@ class GradientRecord(_Record):
     trace_sigma: float | None = None
     batch: int = Field(ge=1, description="samples whose mean gradient the estimate is of")
     iterations: int = Field(ge=0)
+    nonfinite_iterations: int = Field(0, ge=0, description="iterations left out: a norm was not finite (profiler.gradstats)")
     variability_series: list[float] = Field(default_factory=list, description="| |g_t| - |g_t-1| | / |g_t-1| per step (AGS)")
     precond_true_grad_sq_norm: float | None = None
     precond_trace_sigma: float | None = None
@@ -84,6 +86,12 @@ class GradientRecord(_Record):
         None, description="B_simple at this point: EMA tr(Sigma) / EMA |G|^2; None when |G|^2 is not resolved"
     )
     variability_median: float | None = Field(None, description="median of variability_series (AGS)")
+
+    @field_validator("variability_series", mode="before")
+    @classmethod
+    def _finite_steps(cls, series: Any) -> Any:
+        """A step whose change was not finite (None after `without_nonfinite`) carries no variability."""
+        return [value for value in series if value is not None] if isinstance(series, list) else series
 
 
 class ModelSize(_Record):
@@ -215,6 +223,34 @@ Measurement = ComputeMeasurement | CommMeasurement | PilotMeasurement | StepMeas
 _ADAPTERS = {"compute": TypeAdapter(ComputeMeasurement), "retime": TypeAdapter(ComputeMeasurement),
              "comm": TypeAdapter(CommMeasurement), "pilot": TypeAdapter(PilotMeasurement),
              "step": TypeAdapter(StepMeasurement)}  # fmt: skip
+
+
+NONFINITE_FIELDS = "nonfinite_fields"
+
+
+def without_nonfinite(record: Any) -> Any:
+    """The record with every number that is not finite (NaN, +-inf: Python's json writes and reads them) as
+    None, and the paths of those numbers listed under NONFINITE_FIELDS (e.g. "gradient.trace_sigma").
+
+    A worker's record comes back as Python's json wrote it: an fp16 overflow or a diverging model can put
+    NaN or inf in it. The store keeps JSON (PostgreSQL's json type refuses NaN), the contract reads None as
+    not measured, and the recommendation is JSON too, so the numbers go no further than here."""
+    paths: list[str] = []
+
+    def clean(value: Any, path: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            paths.append(path)
+            return None
+        if isinstance(value, dict):
+            return {key: clean(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
+        if isinstance(value, list):
+            return [clean(item, f"{path}[{index}]") for index, item in enumerate(value)]
+        return value
+
+    cleaned = clean(record, "")
+    if paths and isinstance(cleaned, dict):
+        cleaned[NONFINITE_FIELDS] = paths[:100]
+    return cleaned
 
 
 def parse_measurement(record: Any) -> Measurement:

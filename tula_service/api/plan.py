@@ -25,7 +25,7 @@ from fastapi import APIRouter, Depends, HTTPException, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement, StepMeasurement, parse_measurement
+from tula_service.measurement import CommMeasurement, ComputeMeasurement, PilotMeasurement, StepMeasurement, parse_measurement, without_nonfinite
 from tula_service.measurement_csv import LAYOUTS, CsvRowError, steps_from_csv
 from tula_service.plan.recommend import NotEnoughMeasurements, plan
 from tula_service.plan.recommendation import StatelessPlan
@@ -65,11 +65,12 @@ class JobFromMeasurements(PlanRequest):
 
 
 def parsed_measurements(request: PlanRequest) -> list[Any]:
-    """The request's records and CSV rows as parsed Measurements; RequestValidationError naming each bad one."""
+    """The request's records and CSV rows as parsed Measurements; RequestValidationError naming each bad one.
+    NaN and Infinity (Python's json reads them, RFC 8259 has none) are None, as in a worker's record (without_nonfinite)."""
     parsed, errors = [], []
     for index, record in enumerate(request.measurements):
         try:
-            parsed.append(parse_measurement(record))
+            parsed.append(parse_measurement(without_nonfinite(record)))
         except ValidationError as error:
             errors += [{**e, "loc": ("body", "measurements", index, *e["loc"])} for e in error.errors(include_url=False, include_context=False)]
         except ValueError as error:

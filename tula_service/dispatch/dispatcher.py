@@ -41,7 +41,7 @@ from typing import Any
 
 from tula_service import lifecycle
 from tula_service.dispatch.jobs import COMPUTE_POINT_KINDS, advance, comm_command_args, pilot_request, point_request, step_request
-from tula_service.measurement import parse_measurement
+from tula_service.measurement import parse_measurement, without_nonfinite
 from tula_service.store.db import Job, Point
 from tula_service.store.job_store import Store
 
@@ -155,7 +155,7 @@ def _outcome_of_exit(returncode: int, stderr: str, out_path: Path, duration_s: f
         reason = f"exit code {returncode}" if returncode >= 0 else f"killed by signal {-returncode}"
         error = f"profiling process died ({reason}): {stderr[-STDERR_TAIL_CHARS:].strip()}".rstrip(": ")
         return Outcome("failed", None, error, True, duration_s, worker)
-    record = json.loads(out_path.read_text())  # stored as it came; read through the contract
+    record = without_nonfinite(json.loads(out_path.read_text()))  # stored as it came, NaN and inf as None
     try:
         measurement = parse_measurement(record)
     except ValueError as error:  # pydantic's ValidationError is one: the record names no batch, a kind, ...

@@ -68,6 +68,7 @@ from tula_service.dispatch.dispatcher import (
     run_child,
 )
 from tula_service.dispatch.jobs import advance, comm_command_args, step_request
+from tula_service.measurement import without_nonfinite
 from tula_service.store.db import Point
 from tula_service.store.job_store import Store
 
@@ -139,7 +140,7 @@ def _on_actors(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     worker = f"ray:{ray.get_runtime_context().get_node_id()}"
     started = time.monotonic()
     try:
-        record = measure()
+        record = without_nonfinite(measure())
     except GroupLost as error:
         return Outcome("failed", None, f"Ray actor group lost: {error}", True, time.monotonic() - started, worker).to_dict()
     duration_s = time.monotonic() - started

@@ -62,8 +62,9 @@ from tula_service.fit.epochs_calibration import calibrated_interval
 from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs, max_step_gain
 from tula_service.fit.perfmodel.noise_trajectory import MAX_RESOLVED_NOISE_SCALE, TrajectoryNoiseScale, record_arrays
-from tula_service.measurement import ComputeMeasurement, PilotMeasurement
+from tula_service.measurement import NONFINITE_FIELDS, ComputeMeasurement, PilotMeasurement
 from tula_service.spec.job_spec import GradientStatsRecord, JobSpec
+from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
 
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
 STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
@@ -169,16 +170,39 @@ def _batch(records: list[Any]) -> int:
     return int(np.median(batches))
 
 
+GRADIENT_PAIR = ("true_grad_sq_norm", "trace_sigma")
+
+
+def _overflowed(point: ComputeMeasurement) -> bool:
+    """The point's |G|^2 or tr(Sigma) was not finite (an fp16 overflow, a diverging model): every iteration of the
+    profiler's was (it leaves such iterations out and counts them), or the record has the number as None, listed in
+    its NONFINITE_FIELDS; or it is past +-MAX_GRADIENT_STATISTIC, near the float limit."""
+    gradient = point.gradient
+    nonfinite = set((point.model_extra or {}).get(NONFINITE_FIELDS) or [])
+    values = [getattr(gradient, name) for name in GRADIENT_PAIR]
+    return (
+        (gradient.iterations == 0 and gradient.nonfinite_iterations > 0)
+        or any(f"gradient.{name}" in nonfinite for name in GRADIENT_PAIR)
+        or any(value is not None and abs(value) > MAX_GRADIENT_STATISTIC for value in values)
+    )
+
+
 def from_initialization(points: list[ComputeMeasurement]) -> NoiseEvidence | None:
-    with_stats = [m.gradient for m in points if m.gradient and m.gradient.true_grad_sq_norm is not None and m.gradient.trace_sigma is not None]
+    measured = [m for m in points if m.gradient]
+    left_out = sorted(int(m.batch_size) for m in measured if _overflowed(m))
+    with_stats = [m.gradient for m in measured if not _overflowed(m) and None not in (m.gradient.true_grad_sq_norm, m.gradient.trace_sigma)]
+    overflow_warning = (f"initialization: the gradient statistics of the points at batch {', '.join(map(str, left_out))} were not "
+                        f"finite or past +-{MAX_GRADIENT_STATISTIC:.0e} (an fp16 overflow, a diverging model): left out")  # fmt: skip
     if not with_stats:
-        return None
+        return NoiseEvidence("initialization", None, None, warnings=[overflow_warning], weak=True) if left_out else None
     noise = NoiseScaleModel().fit([g.true_grad_sq_norm for g in with_stats], [g.trace_sigma for g in with_stats])
     detail = {"points": noise.points_, "true_grad_sq_norm": noise.true_grad_sq_norm_, "trace_sigma": noise.trace_sigma_,
               "weights": "equal per point", "batches": [int(g.batch) for g in with_stats]}  # fmt: skip
     warnings = ["initialization: the noise scale was measured at the initial weights; it grows 10-1000x as the "
                 "loss falls (McCandlish et al. 2018), so larger batches are likely better than predicted: give "
                 "training.reference_run.gradient_stats or other_runs, or enable profiling.pilot"]  # fmt: skip
+    if left_out:
+        warnings.append(overflow_warning)
     stderr = noise.noise_scale_stderr_
     interval = (max(noise.noise_scale_ - 2 * stderr, 0.0), noise.noise_scale_ + 2 * stderr) if noise.noise_scale_ and stderr else None
     return NoiseEvidence("initialization", noise.noise_scale_, interval, stderr=stderr, detail=detail, warnings=warnings, weak=True)
