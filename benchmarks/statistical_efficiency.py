@@ -285,6 +285,21 @@ def read_records(task: Task, records: list[dict], target_samples: float, **optio
     return value if value is not None else TrajectoryNoiseScale(**options).fit(records, target_samples).noise_scale_
 
 
+def prefix_name(prefix: float) -> str:
+    return f"first {prefix:.0%} of the run only (pilot-like), extrapolated"
+
+
+def prefix_read(task: Task, records: list[dict], target_samples: float, prefix: float) -> float | None:
+    """The records up to `prefix` of the run to the target (at least two), read and extrapolated as a pilot's are."""
+    early = [r for r in records if r["samples"] <= prefix * target_samples] or records[:2]
+    return read_records(task, early, target_samples)
+
+
+def first_record_read(task: Task, records: list[dict]) -> float | None:
+    """The first record alone (the initial weights), with the optimizer's statistic where it is resolved."""
+    return _pooled(records[:1], STATISTIC_FOR_OPTIMIZER[task.optimizer]) or _pooled(records[:1])
+
+
 def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
     """The same records read by each alternative, with the statistic the service reads for the task's optimizer
     (preconditioned for Adam/AdamW; the raw one where that is not resolved, as the service falls back) unless
@@ -294,7 +309,7 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
     read = lambda early=records, **options: read_records(task, early, target_samples, **options)  # noqa: E731
     half = [r for r in records if r["samples"] >= target_samples / 2]
     estimates: dict[str, float | None] = {
-        "first record (initialization)": _pooled(records[:1], wanted) or _pooled(records[:1]),
+        "first record (initialization)": first_record_read(task, records),
         "pooled, whole run": _pooled(records, wanted) or _pooled(records),
         "pooled, second half (raw gradient)": _pooled(half),
         "pooled, 25-75% of the run": read(window=(0.25, 0.75), window_average="pooled"),
@@ -310,8 +325,7 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
     for fraction in (0.25, 0.5, 0.75):
         estimates[f"power-law trend read at {fraction:.0%} of the run"] = read(run_fraction=fraction, window=None)
     for prefix in PILOT_PREFIXES:
-        early = [r for r in records if r["samples"] <= prefix * target_samples] or records[:2]
-        estimates[f"first {prefix:.0%} of the run only (pilot-like), extrapolated"] = read(early)
+        estimates[prefix_name(prefix)] = prefix_read(task, records, target_samples, prefix)
     if any(r.get("precond_grad_sqr") is not None for r in records):
         for statistic in ("raw", "preconditioned"):
             estimates[f"Adam: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
@@ -412,6 +426,7 @@ def evaluate(task: Task) -> dict[str, Any]:
         geometric_model = EpochModel(other, task.epochs[other], geometric) if geometric else None
         result["every_reference"][str(other)] = {
             "noise_scale": other_report["noise_scale"]["value"],
+            "calibration_reads": calibration_reads(task, other, other_report["noise_scale"]["value"]),
             "median_abs_epochs_err_pct": median_abs(epochs_errors_pct(task, lambda b: float(other_model.predict(b)), other)),
             "regret": regret(task, lambda b: float(other_model.predict(b)))["regret"],
             "below_fitted_cbs": other <= truth_fit["noise_scale"],
@@ -477,56 +492,85 @@ def target_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
 
 CALIBRATION_READS = {  # evidence -> (the alternative that reads as it does, None: the service's own read; in words)
     "reference_run": (None, "the reference run's records"),
-    **{f"prefix@{prefix:g}": (f"first {prefix:.0%} of the run only (pilot-like), extrapolated",
+    **{f"prefix@{prefix:g}": (prefix_name(prefix),
                              f"the first {prefix:.0%} of the reference run's records, extrapolated (as a pilot's or a cut-short run's are)")
        for prefix in PILOT_PREFIXES},
     "initialization": ("first record (initialization)", "the reference run's first record (the initial weights)"),
 }  # fmt: skip
 
 
-def _read_by(result: dict[str, Any], alternative: str | None) -> float | None:
-    return result["noise_scale"] if alternative is None else (result["alternatives"].get(alternative) or {}).get("noise_scale")
+def calibration_reads(task: Task, reference_batch: int, service_read: float | None) -> dict[str, float | None]:
+    """What each kind of evidence of CALIBRATION_READS reads from the run at `reference_batch` taken as the reference
+    run: the service's own read, the prefixes, the first record."""
+    records, target_samples = _records_to_target(task, reference_batch)
+    reads = {"reference_run": service_read, "initialization": first_record_read(task, records)}
+    reads.update({f"prefix@{prefix:g}": prefix_read(task, records, target_samples, prefix) for prefix in PILOT_PREFIXES})
+    return reads
 
 
-def exact_ratios(result: dict[str, Any], read: float) -> dict[int, float]:
+def ratios_at(measured: dict[int, float], reference_batch: int, read: float) -> dict[int, float]:
     """k_b = B_exact(b) / B_read for each measured batch but the reference (epochs_calibration.exact_noise_scale)."""
-    ref, measured = result["reference_batch"], {int(b): e for b, e in result["measured_epochs"].items()}
-    return {b: exact_noise_scale(ref, measured[ref], b, e) / read for b, e in measured.items() if b != ref}
+    return {b: exact_noise_scale(reference_batch, measured[reference_batch], b, e) / read for b, e in measured.items() if b != reference_batch}
+
+
+def _measured(result: dict[str, Any]) -> dict[int, float]:
+    return {int(b): e for b, e in result["measured_epochs"].items()}
+
+
+def every_reference_ratios(result: dict[str, Any], source: str) -> list[float]:
+    """The ratios k of the task's measured batches with every run of the task taken as the reference run in turn
+    (its own records read as `source` reads them, its own epochs as E_ref): a user's reference run can be at any
+    batch, and the read's error depends on where (on Pollux it reads 3x higher at 32x the smallest batch)."""
+    measured = _measured(result)
+    return [k for batch, entry in result["every_reference"].items() if (read := entry["calibration_reads"].get(source))
+            for k in ratios_at(measured, int(batch), read).values()]  # fmt: skip
 
 
 def calibration(results: list[dict[str, Any]], date: str) -> dict[str, Any]:
     """The factors of the calibrated interval per kind of evidence (epochs_calibration.calibration_factors over the
-    ratios k_tb of every task's measured batches to the noise scale that evidence reads)."""
+    ratios k of every task's measured batches to the noise scale that evidence reads, every run of the task taken as
+    the reference run in turn: every_reference_ratios)."""
     evidence = {}
-    for source, (alternative, reads) in CALIBRATION_READS.items():
-        ratios = {r["task"]: list(exact_ratios(r, read).values()) for r in results if (read := _read_by(r, alternative))}
+    for source, (_, reads) in CALIBRATION_READS.items():
+        ratios = {r["task"]: ks for r in results if (ks := every_reference_ratios(r, source))}
         factors = calibration_factors(ratios)
         if factors is not None:
             factors["ratios"] = {name: [k if math.isfinite(k) else "inf" for k in ks] for name, ks in factors["ratios"].items()}
-            evidence[source] = {**factors, "reads": reads, **({"coverage": float(source.split("@")[1])} if "@" in source else {})}
+            evidence[source] = {**factors, "reads": reads, "references": "every run of each task in turn",
+                                **({"coverage": float(source.split("@")[1])} if "@" in source else {})}  # fmt: skip
     return {"measured": date, "command": ".venv/bin/python benchmarks/statistical_efficiency.py", "evidence": evidence}
+
+
+def _inside(measured: dict[int, float], reference_batch: int, read: float, factors: list[float]) -> dict[int, bool]:
+    """Per measured batch but the reference: inside the service's epochs interval (EpochModel.interval with the
+    range read x factors)?"""
+    model = EpochModel(reference_batch, measured[reference_batch], read, noise_scale_range=(read * factors[0], read * factors[1]))
+    return {b: lo <= e <= hi for b, e in measured.items() if b != reference_batch for lo, hi in [model.interval(b)]}
 
 
 def interval_coverage(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per task, left out of the calibration in turn (its factors from the other tasks, as for a held-out task): its
     measured epochs (the reference batch excluded) inside the service's epochs interval at their batch
-    (EpochModel.interval with the reference run's calibrated range), and whether the best single B_noise lies inside
-    the calibrated and inside the statistical interval."""
-    ratios = {r["task"]: list(exact_ratios(r, r["noise_scale"]).values()) for r in results}
+    (EpochModel.interval with the reference run's calibrated range), with the benchmark's reference run and with
+    every run as the reference in turn; and whether the best single B_noise lies inside the calibrated and inside
+    the statistical interval."""
+    ratios = {r["task"]: every_reference_ratios(r, "reference_run") for r in results}
     rows = []
     for r in results:
-        factors = calibration_factors({name: ks for name, ks in ratios.items() if name != r["task"]})
+        factors = calibration_factors({name: ks for name, ks in ratios.items() if name != r["task"] and ks})
         if factors is None:
             continue
         ref, read, best = r["reference_batch"], r["noise_scale"], r["truth_floor"]["best_noise_scale"]
-        measured = {int(b): e for b, e in r["measured_epochs"].items()}
+        measured = _measured(r)
+        inside = _inside(measured, ref, read, factors["factors"])
+        every = [ok for batch, entry in r["every_reference"].items() if entry["noise_scale"]
+                 for ok in _inside(measured, int(batch), entry["noise_scale"], factors["factors"]).values()]  # fmt: skip
         low, high = (read * f for f in factors["factors"])
-        model = EpochModel(ref, measured[ref], read, noise_scale_range=(low, high))
-        inside = {b: lo <= e <= hi for b, e in measured.items() if b != ref for lo, hi in [model.interval(b)]}
         statistical = r["noise_scale_interval"]
         rows.append({
             "task": r["task"], "factors": factors["factors"], "epochs_inside": sum(inside.values()), "epochs": len(inside),
             "outside": sorted(b for b, ok in inside.items() if not ok), "best_over_read": best / read,
+            "every_reference_inside": sum(every), "every_reference_epochs": len(every),
             "noise_scale_inside": low <= best <= high,
             "statistical_inside": bool(statistical) and statistical[0] <= best <= statistical[1],
         })  # fmt: skip
@@ -535,9 +579,11 @@ def interval_coverage(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def coverage_line(rows: list[dict[str, Any]], factors: list[float] | None) -> str:
     """The calibrated interval in one line: its factors, and with each task left out in turn, the measured epochs
-    inside the epochs interval, and the best B_noise inside the statistical and the calibrated interval."""
+    inside the epochs interval (from the benchmark's reference run, and from every run as the reference in turn), and
+    the best B_noise inside the statistical and the calibrated interval."""
     return (f"calibrated_interval: factors={'/'.join(f'{f:.2f}' for f in factors) if factors else 'none'} "
             f"epochs_inside_leave_one_out={sum(row['epochs_inside'] for row in rows)}/{sum(row['epochs'] for row in rows)} "
+            f"every_reference={sum(row['every_reference_inside'] for row in rows)}/{sum(row['every_reference_epochs'] for row in rows)} "
             f"best_noise_scale_inside_statistical={sum(row['statistical_inside'] for row in rows)}/{len(rows)} "
             f"best_noise_scale_inside_calibrated={sum(row['noise_scale_inside'] for row in rows)}/{len(rows)}")  # fmt: skip
 
@@ -550,10 +596,12 @@ def calibration_table(rows: list[dict[str, Any]], calibrated: dict[str, Any]) ->
         lines.append(f"| {source} | {entry['reads']} | {entry['tasks']} ({entry['pairs']}) | {entry['factors'][0]:.2f}, "
                      f"{entry['factors'][1]:.2f} | {entry['median_ratio']:.2f} | {inside}/{entry['pairs']} |")  # fmt: skip
     lines += ["", "| task | factors without the task | measured epochs inside the epochs interval (outside at) | "
-              "best B_noise / read | best B_noise inside: statistical interval, calibrated |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+              "the same, every run as the reference in turn | best B_noise / read | best B_noise inside: statistical interval, "
+              "calibrated |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in rows:
         outside = f" ({', '.join(map(str, row['outside']))})" if row["outside"] else ""
         lines.append(f"| {row['task']} | {row['factors'][0]:.2f}, {row['factors'][1]:.2f} | {row['epochs_inside']}/{row['epochs']}{outside} | "
+                     f"{row['every_reference_inside']}/{row['every_reference_epochs']} | "
                      f"{row['best_over_read']:.2f} | {'yes' if row['statistical_inside'] else 'no'}, "
                      f"{'yes' if row['noise_scale_inside'] else 'no'} |")  # fmt: skip
     return lines
@@ -713,10 +761,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   "How far the B_noise read is from the one the epochs need, measured across these tasks "
                   "(`tula_service/fit/epochs_calibration.py`; the full run writes `configs/epochs_calibration.json`, which "
                   "the service reads): per measured batch, B_exact = the B_noise that makes its epochs exact on the "
-                  "service's code path; the factors are the 10% and 90% quantiles of B_exact / read over all batches, each "
+                  "service's code path; the factors are the 10% and 90% quantiles of B_exact / read over all batches, with "
+                  "every run of a task taken as the reference run in turn (a user's reference run can be at any batch), each "
                   "task weighing the same, per kind of evidence. With each task left out of the quantiles in turn (as a "
-                  "held-out task would be): its measured epochs inside the service's epochs interval, and its best single "
-                  "B_noise inside the statistical interval the reading reports and inside the calibrated one.", "",
+                  "held-out task would be): its measured epochs inside the service's epochs interval (from the reference run "
+                  "of the table above, and from every run as the reference), and its best single B_noise inside the "
+                  "statistical interval the reading reports and inside the calibrated one.", "",
                   f"`{coverage_line(coverage, calibrated['evidence'].get('reference_run', {}).get('factors'))}`", "",
                   *calibration_table(coverage, calibrated)]  # fmt: skip
     if sweep:

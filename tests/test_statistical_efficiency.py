@@ -125,7 +125,7 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     assert json.loads((report.parent / "epochs_calibration.json").read_text())["evidence"]  # written beside the report
     assert shipped.read_text() == shipped_before  # the service's calibration is rewritten by the full run only
     coverage = run.stdout.strip().splitlines()[-2]
-    assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ "
+    assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ every_reference=\d+/\d+ "
                         r"best_noise_scale_inside_statistical=\d+/\d+ best_noise_scale_inside_calibrated=\d+/\d+", coverage)  # fmt: skip
     results = json.loads((report.parent / "results.json").read_text())["results"]
     pollux = {r["task"]: r for r in results if r["source"] == "pollux"}
@@ -150,3 +150,27 @@ def test_a_task_the_others_do_not_cover_falls_outside_when_left_out():
     off = {**off, "task": "read-4x-low", "noise_scale": off["noise_scale"] / 4}  # a reading 4x below its epochs' B_noise
     rows = {row["task"]: row for row in se.interval_coverage([*results, off])}
     assert rows["read-4x-low"]["epochs_inside"] == 0 and rows["exact-0"]["epochs_inside"] == rows["exact-0"]["epochs"]
+
+
+def _with_run_at(task: se.Task, batch: int, read: float) -> se.Task:
+    """The task with a run at `batch` whose records read `read` throughout."""
+    steps = int(task.epochs[batch] * task.dataset_size / (batch * 50))
+    task.trajectories[batch] = [{"samples": batch * 50 * (i + 1), "batch": batch, "grad_sqr": 1.0, "trace_sigma": read,
+                                 "window_steps": 50} for i in range(steps)]  # fmt: skip
+    return task
+
+
+def test_every_run_of_a_task_serves_as_the_reference_run_of_the_calibration():
+    """A run at 512 that reads its noise scale 4x high (as a larger reference run does on Pollux) enters the ratios the
+    factors are the quantiles of, though the benchmark's reference run at 32 reads exactly; and it counts in the
+    every-reference coverage."""
+    exact = [{**se.evaluate(synthetic_task(noise_scale=400.0)), "task": f"exact-{i}"} for i in range(5)]
+    high = {**se.evaluate(_with_run_at(synthetic_task(noise_scale=400.0), 512, 1600.0)), "task": "reads-high-at-512"}
+    assert set(high["every_reference"]) == {"32", "512"} and high["every_reference"]["512"]["noise_scale"] == pytest.approx(1600.0)
+    entry = se.calibration([*exact, high], "today")["evidence"]["reference_run"]
+    assert entry["pairs"] == 5 * 5 + 2 * 5 and entry["references"] == "every run of each task in turn"
+    assert sorted(entry["ratios"]["reads-high-at-512"])[0] == pytest.approx(0.25, rel=1e-3)  # B_exact 400 over the read 1600
+    rows = {row["task"]: row for row in se.interval_coverage([*exact, high])}
+    # left out, its run at 512 reads 4x high against factors [1, 1] from the exact tasks: its 5 other batches fall outside
+    assert (rows["reads-high-at-512"]["every_reference_inside"], rows["reads-high-at-512"]["every_reference_epochs"]) == (5, 10)
+    assert (rows["reads-high-at-512"]["epochs_inside"], rows["exact-0"]["every_reference_inside"]) == (5, 5)

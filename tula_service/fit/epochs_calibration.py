@@ -9,8 +9,10 @@ scale that makes E(b) = E_ref (1 + b / B_noise) / (1 + B_ref / B_noise) exact is
     B_exact = (b - rho B_ref) / (rho - 1),  rho = E_b / E_ref
 
 (0 where rho is past b / B_ref, no noise scale being that small; infinite where the epochs did not move the way
-any B_noise moves them), and k_tb = B_exact / B_read, with B_read what the evidence read for that task. The
-calibrated interval of a new reading is
+any B_noise moves them), and k_tb = B_exact / B_read, with B_read what the evidence read for that task. Every run
+of a task serves as the reference run in turn (its own records read, its own epochs E_ref): a user's reference run
+can be at any batch, and the read's error depends on where (on Pollux it reads higher the larger the reference
+batch). The calibrated interval of a new reading is
 
     [B_read x q_lo(k), B_read x q_hi(k)]
 
@@ -104,6 +106,11 @@ def load_calibration(path: Path | str = CALIBRATION_PATH) -> dict[str, Any] | No
     return _load(str(path))
 
 
+def _references(entry: dict[str, Any]) -> str:
+    """Which runs were the reference runs of the calibration, where it says (every run of each task, in turn)."""
+    return f" ({entry['references']} as the reference run)" if entry.get("references") else ""
+
+
 FULL_COVERAGE = 0.99  # records this close to the target read as a whole run (the trajectory extrapolates below it too)
 
 
@@ -148,7 +155,7 @@ def calibrated_interval(
         "value": [float(low), float(high)], "factors": [low_factor, high_factor], "quantiles": entry["quantiles"],
         "source": "fitted", "calibration": key,
         "why": f"B_read x [{low_factor:.2g}, {high_factor:.2g}]: the {entry['quantiles'][0]:.0%} and {entry['quantiles'][1]:.0%} "
-        f"quantiles, over {entry['pairs']} measured batches of {entry['tasks']} tasks (benchmarks/statistical_efficiency.py, "
+        f"quantiles, over {entry['pairs']} measured batches of {entry['tasks']} tasks{_references(entry)} (benchmarks/statistical_efficiency.py, "
         f"{calibration.get('measured', '?')}), of the B_noise that makes each batch's epochs exact over the one read from "
         f"{entry['reads']}; joined with the statistical interval. With each task left out of the quantiles in turn, "
         f"{inside} of the {entry['pairs']} batches' epochs fell inside. A candidate's epochs lie between E(B) at the two ends",
