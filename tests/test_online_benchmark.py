@@ -61,3 +61,36 @@ def test_the_summary_line_gives_the_medians_and_an_unreached_target_as_infinite(
     assert re.fullmatch(r"online: tasks=3 time_ratio_vs_static=0\.900 overhead_pct=2\.00", line)
     assert "time_ratio_vs_static=inf" in online.summary_line([_result(None, 1.0), _result(0.9, 1.0)])
     assert not math.isfinite(float(online.summary_line([_result(None, 1.0)]).split("time_ratio_vs_static=")[1].split()[0]))
+
+
+def _run(seed, steps, changes, outcome="reached"):
+    return {"seed": seed, "outcome": outcome, "steps": steps, "batches": [list(c) for c in changes]}
+
+
+def test_a_run_on_the_common_clock_is_its_stages_steps_at_their_batches_seconds():
+    clock = {64: 0.010, 128: 0.016}
+    run = _run(0, 100, [(0, 64, 0.1), (30, 128, 0.2), (80, 64, 0.1)])
+    assert online.clock_seconds(run, clock) == pytest.approx(30 * 0.010 + 50 * 0.016 + 20 * 0.010)
+    assert online.clock_seconds(run, clock, extra_s_per_step=0.001) == pytest.approx(30 * 0.011 + 50 * 0.017 + 20 * 0.011)
+    assert online.clock_seconds(_run(0, 100, [(0, 64, 0.1)], outcome="max_epochs"), clock) == math.inf
+
+
+def test_arms_are_compared_seed_by_seed_and_a_seed_whose_static_run_missed_is_left_out():
+    clock = {64: 0.01, 128: 0.015}
+    static = [_run(0, 100, [(0, 64, 0.1)]), _run(1, 200, [(0, 64, 0.1)]), _run(2, 50, [(0, 64, 0.1)], outcome="diverged")]
+    # seed 0 takes the same steps (ratio 1), seed 1 switches to 128 for half its steps and needs 140 (ratio 0.875)
+    arm = [_run(0, 100, [(0, 64, 0.1)]), _run(1, 140, [(0, 64, 0.1), (70, 128, 0.2)]), _run(2, 10, [(0, 64, 0.1)])]
+    assert online.paired_ratio(arm, static, clock) == pytest.approx((1.0 + (70 * 0.01 + 70 * 0.015) / 2.0) / 2)
+    assert online.paired_ratio(arm, static, clock, extra_s_per_step=0.001) == pytest.approx((1.1 + (70 * 0.011 + 70 * 0.016) / 2.0) / 2)
+    missed = [_run(0, 100, [(0, 64, 0.1)], outcome="max_epochs"), _run(1, 100, [(0, 64, 0.1)], outcome="max_epochs")]
+    assert online.paired_ratio(missed, static, clock) is None  # every compared seed infinite: no finite median
+    assert online.paired_ratio(arm, static[2:], clock) is None  # no static run reached the target
+    assert online.batches_trained({"static": static, "online": arm}) == {64, 128}
+
+
+def test_the_common_clock_times_every_batch_a_run_trained_at(monkeypatch):
+    monkeypatch.setattr(online, "CLOCK_ROUNDS", 2)
+    monkeypatch.setattr(online, "CLOCK_STEPS", 2)
+    task = TASKS["digits_cnn_sgd"]
+    clock = online.step_clock(task, online.task_data(task), {16, 64}, lr=0.01)
+    assert set(clock) == {16, 64} and all(0 < seconds < 5 for seconds in clock.values())
