@@ -338,3 +338,20 @@ def test_a_record_without_nonfinite_numbers_keeps_json_and_lists_where_they_were
     assert without_nonfinite(record) == {"kind": "compute", "iter_time": {"median_s": 0.1, "cv": None}, "series": [1.0, None], "n": 3,
                                          "nonfinite_fields": ["iter_time.cv", "series[1]"]}  # fmt: skip
     assert without_nonfinite({"kind": "compute", "n": 1.5}) == {"kind": "compute", "n": 1.5}
+
+
+def test_records_at_another_batch_are_read_over_the_second_half_of_their_own_run_to_the_target():
+    """A run at 8 x B_ref needs E(256) D samples, several times the reference run's T: its noise scale is read
+    over the second half of that (efficiency_evidence.run_target_samples), where it has grown further."""
+    grows = lambda s: 100.0 * s / TARGET_SAMPLES  # noqa: E731
+    at_256 = efficiency({"reference_run": {"gradient_stats": records(grows, count=120, last=8 * TARGET_SAMPLES, batch=256)}})
+    read, detail = at_256["noise_scale"]["value"], at_256["evidence"]["candidates"][0]["detail"]
+    epochs_at_256 = 10 * (1 + 256 / read) / (1 + 32 / read)  # E(b) = E_ref (1 + b / B) / (1 + B_ref / B)
+    assert detail["target_samples"] == pytest.approx(epochs_at_256 * 50_000, rel=1e-3)  # the fixed point T = E(256; B(T)) D
+    assert TARGET_SAMPLES < detail["target_samples"] < 8 * TARGET_SAMPLES
+    assert any("read as a run of" in w for w in at_256["warnings"])
+    # the reference run's own T would read the first part of the run at 256, where the noise scale is smaller
+    at_reference_target = [r for r in records(grows, count=120, last=8 * TARGET_SAMPLES, batch=32)]
+    assert read > efficiency({"reference_run": {"gradient_stats": at_reference_target}})["noise_scale"]["value"] * 1.5
+    same = efficiency({"reference_run": {"gradient_stats": records(grows, batch=32)}})["evidence"]["candidates"][0]["detail"]
+    assert same["target_samples"] == TARGET_SAMPLES  # at the reference batch, the reference run's T

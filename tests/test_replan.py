@@ -112,3 +112,25 @@ def test_live_steps_with_accumulation_on_one_device_count_per_micro_step_and_on_
     assert live_steps(several, config) == ([], 4)
     plain = [TelemetryRecord.model_validate({**r.model_dump(), "accumulation": 1}) for r in several]
     assert live_steps(plain, config)[0][0]["step_time_s"] == pytest.approx(0.2)
+
+
+def test_a_run_at_a_larger_batch_is_read_over_its_own_run_to_the_target():
+    """A run at 4 x the reference batch needs more samples to the target than the reference run: its noise scale
+    (growing along the run here) is read over the second half of its own run, not over the reference run's samples,
+    where it would read the run's first part and move it to a smaller batch late in training (benchmarks/online.py)."""
+    from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale
+
+    spec, points, config = _job()
+    config = {**config, "device_batch": 128, "global_batch": 128, "accumulation": 1}
+    steps = sorted({round(2 * TARGET_SAMPLES * (i + 1) / 60 / 128) for i in range(60)})
+    records = [{"step": s, "samples": s * 128, "grad_sqr": 1.0, "trace_sigma": 100.0 * s * 128 / TARGET_SAMPLES, "step_time_s": 0.05}
+               for s in steps]  # fmt: skip
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    read = advice["evidence"]["noise_scale"]["value"]
+    assert advice["evidence"]["noise_scale_from"] == "live trajectory"
+    as_reference_run = TrajectoryNoiseScale().fit([{**r, "batch": 128} for r in records], TARGET_SAMPLES).noise_scale_
+    assert read > 1.5 * as_reference_run
+    own_run = 10 * (1 + 128 / read) / (1 + 32 / read) * 50_000  # E(128) D at the read: the run it was read over
+    assert TARGET_SAMPLES < own_run < 2 * TARGET_SAMPLES
+    covered = max(r["samples"] for r in records if r["samples"] <= own_run) / own_run  # records past the target do not count
+    assert f"covers {covered:.0%} of the run to the target" in advice["evidence"]["noise_scale_why"]

@@ -10,6 +10,8 @@ to it with their ratio to it, so a disagreement is visible):
    gradient_stats, written by profiler.reference_logger): the user's model, data, optimizer and cluster, up
    to the target. Read by perfmodel.noise_trajectory: the noise scale averaged over the progress the run
    made in the second half of its samples to the target (the B_noise a fixed-batch run sees when it varies).
+   Records at a batch b other than training.reference_batch (a live run the service moved, a log at another
+   batch) are read over the second half of their own run to the target, E(b) D samples (run_target_samples).
 3. "pilot": the pilot point's trajectory (profiling.pilot): the same estimator, but a pilot covers the
    start of the run only, so the value is extrapolated and labelled so.
 4. "initialization": the compute points' statistics at the initial weights, pooled with equal weights.
@@ -53,6 +55,7 @@ batches (other_runs) hold the optimizer's behaviour and carry none.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +72,7 @@ from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
 STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
+RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by about 2x either way. On CPU tasks with momentum 0.9 the critical "
     "batch of epochs trained at the advised LR was 0.9-1.9x the noise scale read, and with the LR tuned at every batch "
@@ -116,15 +120,56 @@ def target_samples(spec: JobSpec) -> float:
     return spec.training.reference_epochs * spec.dataset.num_samples
 
 
+def run_target_samples(records: list[Any], spec: JobSpec, statistic: str) -> float:
+    """T_b: the samples the run that logged the records needs to reach the target, at its own global batch b.
+
+    The noise scale is read over a share of the run to the target (noise_trajectory), and a run at b needs
+    E(b) D samples, not the reference run's E_ref D. A live run at 8 B_ref with B_noise near B_ref needs several
+    times more, and the window [T/2, T] of the reference run's samples would be the first part of that run,
+    where the noise scale is smaller: re-planning read too small a B_noise and moved runs to smaller batches
+    late in training (benchmarks/online.py). E(b) depends on the B_noise read and the read on the window, so
+    T_b solves
+
+        T = E(b; B_noise(T)) D,   E(b; B) = E_ref (1 + b / B) / (1 + B_ref / B)   (EpochModel, with its step floor),
+
+    with B_noise(T) the estimator over the window of a run of T samples. E(b; B) lies between E_ref and
+    E_ref b / B_ref, so the root is searched by bisection on log T over that bracket (RUN_TARGET_BISECTIONS
+    halvings); as the noise scale grows with training, B_noise(T) grows with T and the two sides cross once (a
+    read that falls somewhere gives the first crossing found). At b = B_ref it is E_ref D. The LR headroom's
+    cap is left out: the run trained at its own LR."""
+    training = spec.training
+    reference = target_samples(spec)
+    batch = _batch(records)
+    if batch == training.reference_batch:
+        return reference
+    gain = max_step_gain(training.optimizer, training.reference_lr, training.max_lr)
+
+    def excess(log_samples: float) -> float:
+        read = TrajectoryNoiseScale(statistic=statistic).fit(records, math.exp(log_samples), interval=False).noise_scale_
+        epochs = EpochModel(training.reference_batch, training.reference_epochs, read, gain, optimizer=training.optimizer)
+        return math.log(float(epochs.predict(batch)) * spec.dataset.num_samples) - log_samples
+
+    low, high = sorted((math.log(reference), math.log(reference * batch / training.reference_batch)))
+    for _ in range(RUN_TARGET_BISECTIONS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+    return math.exp((low + high) / 2)
+
+
+def samples_to_target(records: list[Any], spec: JobSpec) -> float:
+    """run_target_samples with the statistic from_trajectory reads for the spec's optimizer (the raw gradient's when
+    the records lack the other)."""
+    wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
+    return run_target_samples(records, spec, wanted if record_arrays(records, wanted)["samples"].size else "raw")
+
+
 def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvidence | None:
     if not records:
         return None
     wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
-    estimates = {
-        name: TrajectoryNoiseScale(statistic=name).fit(records, target_samples(spec))
-        for name in ("raw", "preconditioned")
-        if record_arrays(records, name)["samples"].size
-    }
+    available = [name for name in ("raw", "preconditioned") if record_arrays(records, name)["samples"].size]
+    targets = {name: run_target_samples(records, spec, name) for name in available}
+    estimates = {name: TrajectoryNoiseScale(statistic=name).fit(records, targets[name]) for name in available}
     resolved = wanted in estimates and estimates[wanted].noise_scale_ is not None
     statistic = wanted if resolved else "raw"
     chosen = estimates[statistic]
@@ -146,7 +191,8 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
         )
     if detail["batch"] != spec.training.reference_batch:
         warnings.append(f"{source}: its records are at batch {detail['batch']}, not at training.reference_batch "
-                        f"({spec.training.reference_batch})")  # fmt: skip
+                        f"({spec.training.reference_batch}): read as a run of {targets[statistic]:.4g} samples to the target, "
+                        f"E({detail['batch']}) D at the noise scale read (the reference run's: {target_samples(spec):.4g})")  # fmt: skip
     interval = _extrapolation_interval(chosen) if chosen.noise_scale_ is not None else None
     weak = chosen.extrapolated_ and chosen.coverage_ < WEAK_COVERAGE
     return NoiseEvidence(source, chosen.noise_scale_, interval, detail=detail, warnings=warnings, weak=weak)

@@ -8,8 +8,10 @@ The run's live records enter the same code paths as measurements taken anywhere 
   reference run (tula_service.fit.perfmodel.noise_trajectory: the progress-weighted mean over the second half
   of the run to the target, extrapolated by the trend while the run has not got there, and labelled so). AGS
   delta takes the live variability the same way. Only when the live trajectory is at least as strong as the
-  job's own evidence: it covers at least the share of the run to the target (T = reference_epochs x D
-  samples) that the job's reference run or pilot covered (records past T do not count). Epochs measured at
+  job's own evidence: it covers at least the share of the run to the target that the job's reference run or
+  pilot covered (records past the target do not count). The run to the target is measured at the run's own
+  batch b: E(b) D samples (efficiency_evidence.run_target_samples), not the reference run's
+  T = reference_epochs x D, so that a run at a larger batch is read over the second half of its own run. Epochs measured at
   other batches (training.other_runs) are stronger than any trajectory and are kept; initial-weight
   statistics cover nothing and give way at once. Until then the job's evidence stays, and the answer says so:
   a run 10% of the way to the target that replaced a reference run logged to the target would swap a
@@ -46,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.fit.efficiency_evidence import measured_lr_headroom, target_samples
+from tula_service.fit.efficiency_evidence import measured_lr_headroom, samples_to_target, target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
 from tula_service.measurement import PilotMeasurement, parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule
@@ -165,7 +167,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     gradients, (steps, steps_left_out) = gradient_records(records, config), live_steps(records, config)
     job_spec = JobSpec.stored(stored_spec)
     job_source, job_coverage = job_evidence(job_spec, measurements)
-    live_coverage = coverage(gradients, target_samples(job_spec))
+    live_coverage = coverage(gradients, samples_to_target(gradients, job_spec)) if gradients else 0.0  # at the run's own batch
     use_live = bool(gradients) and live_coverage >= job_coverage
     spec = live_spec(stored_spec, config, gradients if use_live else [])
     job_headroom = measured_lr_headroom(job_spec, (_job_pilots(measurements) or [None])[-1]) if use_live else None

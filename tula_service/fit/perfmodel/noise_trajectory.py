@@ -221,7 +221,8 @@ class TrajectoryNoiseScale:
         self.window_average = window_average
         self.statistic = statistic
 
-    def fit(self, records: Sequence[Any], target_samples: float) -> "TrajectoryNoiseScale":
+    def fit(self, records: Sequence[Any], target_samples: float, interval: bool = True) -> "TrajectoryNoiseScale":
+        """interval=False skips the bootstrap (interval_ None): for a read that is one step of a search."""
         arrays = record_arrays(records, self.statistic)
         within = arrays["samples"] <= target_samples
         arrays = {key: value[within] for key, value in arrays.items()}
@@ -233,7 +234,7 @@ class TrajectoryNoiseScale:
         bins, self.unresolved_bins_ = bins_of(arrays) if self.records_ else ([], 0)
         self.bins_ = bins
         self.noise_scale_, self.slope_, self.extrapolated_, self.method_ = self._estimate(bins, arrays)
-        self.interval_ = self._interval(bins, arrays) if self.noise_scale_ is not None else None
+        self.interval_ = self._interval(bins, arrays) if interval and self.noise_scale_ is not None else None
         return self
 
     def _window(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
