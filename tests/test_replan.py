@@ -134,3 +134,18 @@ def test_a_run_at_a_larger_batch_is_read_over_its_own_run_to_the_target():
     assert TARGET_SAMPLES < own_run < 2 * TARGET_SAMPLES
     covered = max(r["samples"] for r in records if r["samples"] <= own_run) / own_run  # records past the target do not count
     assert f"covers {covered:.0%} of the run to the target" in advice["evidence"]["noise_scale_why"]
+
+
+def test_a_run_at_a_larger_batch_caps_the_lr_with_the_headroom_of_the_second_half_of_its_own_run():
+    spec, points, config = _job()
+    config = {**config, "device_batch": 128, "global_batch": 128, "accumulation": 1}
+    steps = sorted({round(2 * TARGET_SAMPLES * (i + 1) / 60 / 128) for i in range(60)})
+    records = [{"step": s, "samples": s * 128, "grad_sqr": 1.0, "trace_sigma": 100.0 * s * 128 / TARGET_SAMPLES, "step_time_s": 0.05}
+               for s in steps]  # fmt: skip
+    early = min(records, key=lambda r: abs(r["samples"] - 0.6 * TARGET_SAMPLES))  # the reference run's second half, its own first
+    late = min(records, key=lambda r: abs(r["samples"] - 1.8 * TARGET_SAMPLES))
+    early.update(stability_headroom=1.2, stability_lr=0.1)
+    late.update(stability_headroom=2.5, stability_lr=0.1)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    headroom = advice["evidence"]["lr_headroom"]
+    assert headroom["value"] == pytest.approx(2.5) and headroom["evidence"].startswith("reference_run, second half: 1 records")

@@ -301,7 +301,7 @@ def headroom_over_reference_lr(record: GradientStatsRecord, reference_lr: float 
 
 def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None, earlier: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The smallest headroom over the reference LR (headroom_over_reference_lr) over the second half of the
-    reference run to the target (the part its noise scale is read from), else `earlier` (re-planning a run from
+    reference run to the target (the part its noise scale is read from: at the records' own batch, samples_to_target), else `earlier` (re-planning a run from
     its live records: the job's own headroom, the same model's), else over the reference run's first half, else
     over the pilot's records, with its evidence; None without one. With training.max_lr too, the LR is capped at
     the lower of the two.
@@ -311,7 +311,8 @@ def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None, earlier:
     values on plain SGD and on a CNN, and a cap at that dip bound where an LR 4x the reference trained."""
     reference = spec.training.reference_run
     measured = [r for r in (reference.gradient_stats if reference else []) if r.stability_headroom is not None]
-    late = [r for r in measured if r.samples >= target_samples(spec) / 2]
+    half = samples_to_target(list(reference.gradient_stats), spec) / 2 if measured else 0.0  # of the run at the records' batch
+    late = [r for r in measured if r.samples >= half]
     candidates = [("reference_run, second half", late), ("reference_run, first half only", measured),
                   ("pilot (the start of the run)", [r for r in (pilot.trajectory if pilot else []) if r.stability_headroom is not None])]  # fmt: skip
     reference_lr = spec.training.reference_lr
