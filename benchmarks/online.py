@@ -60,6 +60,7 @@ Run:  .venv/bin/python benchmarks/online.py [--quick] [--tasks NAME ...] [--seed
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime as dt
 import json
@@ -388,6 +389,12 @@ def paired_ratio(runs: list[dict[str, Any]], static_runs: list[dict[str, Any]], 
     return ratio if math.isfinite(ratio) else None
 
 
+def applied_changes(run: dict[str, Any]) -> list[str]:
+    """The batch changes a run made, "from->to@step" (its stages; the server's decisions may come after the run ended)."""
+    stages = run["batches"]
+    return [f"{int(before[1])}->{int(after[1])}@{int(after[0])}" for before, after in zip(stages, stages[1:]) if int(before[1]) != int(after[1])]
+
+
 def batches_trained(arms: dict[str, list[dict[str, Any]]]) -> set[int]:
     return {int(change[1]) for runs in arms.values() for run in runs for change in run["batches"]}
 
@@ -458,11 +465,14 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "seed (steps x seconds per step at their batch, timed in interleaved rounds; the online arm with the telemetry "
              "overhead added). Wall ratio: median wall seconds over seeds, against static's; the runs' own clocks, noisy "
              "by 10-30% on this shared machine.", "",
-             "| task | evidence | chosen batch | B_noise | arm | ratio vs static | wall: median s to target | wall ratio | steps (median) | decisions |",
+             "Changes applied: the batch changes the runs made (from->to@step, with the number of seeds that made it); advice "
+             "that came after a run had ended is not among them.", "",
+             "| task | evidence | chosen batch | B_noise | arm | ratio vs static | wall: median s to target | wall ratio | steps (median) | changes applied |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         for arm, runs in r["runs"].items():
-            decisions = [f"{d['from']}->{d['to']}@{d['step']}" for run in runs for d in run.get("decisions", [])]
+            counted = collections.Counter(change for run in runs for change in applied_changes(run))
+            decisions = [change + (f" ({n} seeds)" if n > 1 else "") for change, n in counted.items()]
             lines.append(f"| {r['task']} | {r['evidence']} | {r['chosen_batch']} | {_fmt(r['noise_scale'])} | {arm} | {_fmt(r['ratio_vs_static'][arm])} | "
                          f"{_fmt(r['median_train_s'][arm])} | {_fmt(r.get('wall_ratio_vs_static', {}).get(arm))} | "
                          f"{statistics.median(run['steps'] for run in runs):g} | {', '.join(decisions[:6]) or '-'} |")  # fmt: skip

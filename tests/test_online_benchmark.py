@@ -94,3 +94,9 @@ def test_the_common_clock_times_every_batch_a_run_trained_at(monkeypatch):
     task = TASKS["digits_cnn_sgd"]
     clock = online.step_clock(task, online.task_data(task), {16, 64}, lr=0.01)
     assert set(clock) == {16, 64} and all(0 < seconds < 5 for seconds in clock.values())
+
+
+def test_the_report_shows_the_changes_a_run_made_not_advice_that_came_after_it_ended():
+    run = {**_run(1, 128, [(0, 512, 0.04), (122, 256, 0.03)]), "decisions": [{"step": 100, "from": 512, "to": 256}, {"step": 163, "from": 512, "to": 256}]}
+    assert online.applied_changes(run) == ["512->256@122"]
+    assert online.applied_changes(_run(0, 100, [(0, 64, 0.1), (50, 64, 0.2)])) == []  # an LR change only
