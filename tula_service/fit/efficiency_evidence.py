@@ -143,9 +143,10 @@ def run_target_samples(records: list[Any], spec: JobSpec, statistic: str) -> flo
     if batch == training.reference_batch:
         return reference
     gain = max_step_gain(training.optimizer, training.reference_lr, training.max_lr)
+    arrays = record_arrays(records, statistic)  # once: converting the records is most of a read's cost
 
     def excess(log_samples: float) -> float:
-        read = TrajectoryNoiseScale(statistic=statistic).fit(records, math.exp(log_samples), interval=False).noise_scale_
+        read = TrajectoryNoiseScale(statistic=statistic).fit_arrays(arrays, math.exp(log_samples), interval=False).noise_scale_
         epochs = EpochModel(training.reference_batch, training.reference_epochs, read, gain, optimizer=training.optimizer)
         return math.log(float(epochs.predict(batch)) * spec.dataset.num_samples) - log_samples
 

@@ -223,7 +223,11 @@ class TrajectoryNoiseScale:
 
     def fit(self, records: Sequence[Any], target_samples: float, interval: bool = True) -> "TrajectoryNoiseScale":
         """interval=False skips the bootstrap (interval_ None): for a read that is one step of a search."""
-        arrays = record_arrays(records, self.statistic)
+        return self.fit_arrays(record_arrays(records, self.statistic), target_samples, interval)
+
+    def fit_arrays(self, arrays: dict[str, np.ndarray], target_samples: float, interval: bool = True) -> "TrajectoryNoiseScale":
+        """fit on the records already as record_arrays(records, self.statistic): a search that reads the same
+        records at many targets converts them once."""
         within = arrays["samples"] <= target_samples
         arrays = {key: value[within] for key, value in arrays.items()}
         self.records_ = int(arrays["samples"].size)
