@@ -53,8 +53,12 @@ ratio of median seconds over seeds beside it, steps, the decisions the run took,
 Last line: `online: tasks=N time_ratio_vs_static=X overhead_pct=Y` (medians over tasks; X on the common
 clock). AGS is not applied in any arm (it changes the update, not the time model under test).
 
-Run:  .venv/bin/python benchmarks/online.py [--quick] [--tasks NAME ...] [--seeds N] [--out DIR]
-      --quick: 2 seeds, writes into a temporary folder. Full: docs/validation/online.{md,json}.
+On a GPU (--device cuda): the data, the models and the server's profiling on the GPU; everything else as above.
+Every timed block ends in a device synchronization, so that a step's seconds hold its kernels.
+
+Run:  .venv/bin/python benchmarks/online.py [--quick] [--tasks NAME ...] [--seeds N] [--out DIR] [--device cpu|cuda]
+      --quick: 3 seeds, writes into a temporary folder. Full: docs/validation/online.{md,json}. Each task's result is
+      written as soon as it is done, so that a run cut short keeps the tasks it finished.
 """
 
 from __future__ import annotations
@@ -111,14 +115,14 @@ PILOT_SHARE = 0.1
 # -- the static recommendation --------------------------------------------------------------------------
 
 
-def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot") -> dict[str, Any]:
-    """The job a user of this task would submit: one device, min_time, the reference batch's LR and epochs, and as
-    noise-scale evidence the service's pilot over PILOT_SHARE of the reference run (evidence "pilot") or the
-    reference run's whole trajectory ("reference_run")."""
+def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device: str = "cpu") -> dict[str, Any]:
+    """The job a user of this task would submit: one device (a CPU core, or the GPU), min_time, the reference batch's
+    LR and epochs, and as noise-scale evidence the service's pilot over PILOT_SHARE of the reference run (evidence
+    "pilot") or the reference run's whole trajectory ("reference_run")."""
     reference = truth["batches"][str(task.reference_batch)]
     training = {"optimizer": task.optimizer, "reference_batch": task.reference_batch, "reference_lr": reference["lr"],
                 "reference_epochs": reference["epochs"]}  # fmt: skip
-    profiling = {"time_cap_s": 2, "device": "cpu", "threads": 1}
+    profiling = {"time_cap_s": 2, "device": device, **({"threads": 1} if device == "cpu" else {})}
     if evidence == "reference_run":
         training["reference_run"] = {"gradient_stats": [contract_record(r) for r in as_one_run(reference["trajectory"], reference)]}
     else:
@@ -195,6 +199,17 @@ class Replay(Arm):
         return self.batch, self.lr
 
 
+def on_device(task: Task, seed: int, data: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The task's model for a seed (initialized on the CPU, as the ground truth's), on the device the data are on."""
+    return task_model(task, seed).to(data["train_x"].device)
+
+
+def synchronize(data: dict[str, torch.Tensor]) -> None:
+    """Wait for the data's device, so that a timer read after it counts the kernels launched before it."""
+    if data["train_x"].device.type == "cuda":
+        torch.cuda.synchronize(data["train_x"].device)
+
+
 def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -202,22 +217,24 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> float:
     """One optimizer step over MICRO_BATCHES micro-batches (the client's statistics need them; with a client, only
-    on the steps it samples, the others whole); the loss."""
+    on the steps it samples, the others whole); the loss, read after optimizer.step() as plain_step reads it (the
+    client gets the loss tensor: a float before optimizer.step() would make the host wait for the GPU there)."""
     optimizer.zero_grad(set_to_none=True)
-    total, pieces = 0.0, MICRO_BATCHES if client is None or client.sampling else 1
+    pieces = MICRO_BATCHES if client is None or client.sampling else 1
     if pieces == 1:  # a whole step as plain_step runs it: no chunk views, no division node in the graph
-        loss = mean_loss(model(inputs), targets)
-        loss.backward()
-        total = float(loss.detach())
+        total = mean_loss(model(inputs), targets)
+        total.backward()
     else:
+        losses = []
         for x, y in zip(inputs.chunk(pieces), targets.chunk(pieces)):
             loss = mean_loss(model(x), y) / pieces
             loss.backward()
-            total += float(loss.detach())
+            losses.append(loss.detach())
+        total = torch.stack(losses).sum()
     if client is not None:
-        client.step(loss=total)
+        client.step(loss=total.detach())
     optimizer.step()
-    return total
+    return float(total.detach())
 
 
 def plain_step(model, optimizer, inputs, targets) -> float:
@@ -232,7 +249,7 @@ def train_to_target(task: Task, data: dict[str, torch.Tensor], seed: int, arm: A
                     model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:  # fmt: skip
     """Train until the target (module docstring); seconds of training, steps, epochs, and the (step, global batch,
     LR after warm-up) of each change."""
-    model = model or task_model(task, seed)
+    model = model or on_device(task, seed, data)
     optimizer = optimizer or task_optimizer(task, model, arm.lr)
     stream = BatchStream(task.train_samples, torch.Generator().manual_seed(10_000 + seed))
     eval_samples = task.train_samples / EVALS_PER_EPOCH
@@ -246,6 +263,7 @@ def train_to_target(task: Task, data: dict[str, torch.Tensor], seed: int, arm: A
         rows = stream.next(batch)
         inputs, targets = data["train_x"][rows], data["train_y"][rows]
         loss = split_step(model, optimizer, inputs, targets, client) if client is not None else plain_step(model, optimizer, inputs, targets)
+        synchronize(data)
         train_s += time.perf_counter() - started
         if not math.isfinite(loss):
             outcome = "diverged"
@@ -265,7 +283,7 @@ def train_to_target(task: Task, data: dict[str, torch.Tensor], seed: int, arm: A
 def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[str, Any], max_epochs: float) -> dict[str, Any]:
     run = httpx.post(f"{server}/v1/runs", json={"job_id": job_id, "min_steps_between_changes": MIN_STEPS_BETWEEN_CHANGES}, timeout=30)
     run_id = run.raise_for_status().json()["id"]
-    model = task_model(task, seed)
+    model = on_device(task, seed, data)
     optimizer = task_optimizer(task, model, task_reference_lr(rec))
     client = TulaRun(server, run_id, model, optimizer, every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
                      sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
@@ -299,7 +317,7 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
     run_id = httpx.post(f"{server}/v1/runs", json={"job_id": job_id}, timeout=30).raise_for_status().json()["id"]
     # the same architecture: the same step cost; plain_again is plain once more, the measurement's own A/A difference
     # client_offline: the same client writing JSONL, without the sender thread (its posts and plan requests)
-    models = {arm: task_model(task, 0) for arm in ("plain", "split", "client", "client_offline", "plain_again")}
+    models = {arm: on_device(task, 0, data) for arm in ("plain", "split", "client", "client_offline", "plain_again")}
     optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
     start = {name: tensor.clone() for name, tensor in models["plain"].state_dict().items()}
     offline_folder = tempfile.TemporaryDirectory(prefix="tula-online-offline-")
@@ -316,6 +334,7 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
                 model.load_state_dict(start)
                 optimizers[arm].state.clear()
                 stream = BatchStream(task.train_samples, torch.Generator().manual_seed(1_000 + round_))
+                synchronize(data)
                 started = time.perf_counter()
                 for _ in range(OVERHEAD_STEPS):
                     rows = stream.next(batch)
@@ -324,6 +343,7 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
                         plain_step(model, optimizers[arm], inputs, targets)
                     else:
                         split_step(model, optimizers[arm], inputs, targets, clients.get(arm))
+                synchronize(data)
                 times[arm].append((time.perf_counter() - started) / OVERHEAD_STEPS)
     finally:
         for client in clients.values():
@@ -347,7 +367,7 @@ def step_clock(task: Task, data, batches: set[int] | list[int], lr: float) -> di
     """Seconds per plain step (data indexing, forward, backward, optimizer) at each global batch, timed in
     CLOCK_ROUNDS interleaved rounds of CLOCK_STEPS steps after one untimed step, every batch from the same weights
     and optimizer state, the order reversed every other round; the median over rounds (module docstring, 4)."""
-    model = task_model(task, 0)
+    model = on_device(task, 0, data)
     optimizer = task_optimizer(task, model, lr)
     start = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     times: dict[int, list[float]] = {int(b): [] for b in batches}
@@ -358,10 +378,12 @@ def step_clock(task: Task, data, batches: set[int] | list[int], lr: float) -> di
             stream = BatchStream(task.train_samples, torch.Generator().manual_seed(2_000 + round_))
             rows = stream.next(batch)
             plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])  # untimed: the first step after a reset
+            synchronize(data)
             started = time.perf_counter()
             for _ in range(CLOCK_STEPS):
                 rows = stream.next(batch)
                 plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+            synchronize(data)
             times[batch].append((time.perf_counter() - started) / CLOCK_STEPS)
     return {batch: statistics.median(seconds) for batch, seconds in times.items()}
 
@@ -402,12 +424,12 @@ def batches_trained(arms: dict[str, list[dict[str, Any]]]) -> set[int]:
 # -- the benchmark ----------------------------------------------------------------------------------------
 
 
-def run_task(name: str, truth: dict[str, Any], server: str, seeds: int, evidence: str) -> dict[str, Any]:
+def run_task(name: str, truth: dict[str, Any], server: str, seeds: int, evidence: str, device: str = "cpu") -> dict[str, Any]:
     task = TASKS[name]
     torch.set_num_threads(1)
-    data = task_data(task)
+    data = {key: tensor.to(device) for key, tensor in task_data(task).items()}
     started = time.monotonic()
-    job_id, rec = recommendation(server, job_spec(task, truth, evidence))
+    job_id, rec = recommendation(server, job_spec(task, truth, evidence, device))
     profile_s = time.monotonic() - started
     reference_lr, warmup_steps = task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"]
     max_epochs = MAX_EPOCHS_FACTOR * truth["batches"][str(task.reference_batch)]["epochs"]
@@ -522,24 +544,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evidence", choices=("pilot", "reference_run"), default="pilot",
                         help="the static plan's noise-scale evidence: a pilot over PILOT_SHARE of the run, or the reference run's trajectory")
     parser.add_argument("--out", type=Path, default=None, help="folder for online.md and online.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the runs train and the server profiles")
     args = parser.parse_args(argv)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
     out = args.out or (Path(tempfile.mkdtemp(prefix="tula-online-")) if args.quick else REPO / "docs" / "validation")
     out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device on this machine")
     truth = json.loads(GROUND_TRUTH.read_text())["tasks"]
+    machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name(0)}"
+    meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else "") + f" --evidence {args.evidence} --device {args.device}",
+            "date": dt.date.today().isoformat(), "machine": machine, "seeds": seeds}  # fmt: skip
     results = []
     server_log = Path(tempfile.mkdtemp(prefix="tula-online-server-")) / "server.log"  # never into the tracked docs
     with on_cpu(SERVER_CPU), api_server(None, server_log, executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
         for name in args.tasks:
-            result = run_task(name, truth[name], server, seeds, args.evidence)
+            result = run_task(name, truth[name], server, seeds, args.evidence, args.device)
             results.append(result)
+            (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+            (out / "online.md").write_text(markdown(results, meta))
             print(f"{name}: chosen {result['chosen_batch']}, ratio vs static {json.dumps({k: _fmt(v) for k, v in result['ratio_vs_static'].items()})} "
                   f"(wall {json.dumps({k: _fmt(v) for k, v in result['wall_ratio_vs_static'].items()})}), "
                   f"overhead {result['overhead']['overhead_pct']:.2f}% (offline {result['overhead']['offline_pct']:.2f}%, A/A {result['overhead']['a_a_pct']:+.2f}%)", flush=True)  # fmt: skip
-    meta = {"command": "benchmarks/online.py" + (" --quick" if args.quick else "") + f" --evidence {args.evidence}", "date": dt.date.today().isoformat(),
-            "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", "seeds": seeds}  # fmt: skip
-    (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    (out / "online.md").write_text(markdown(results, meta))
     print(f"wrote {out / 'online.md'} (server log: {server_log})")
     print(summary_line(results))
     return 0

@@ -101,8 +101,9 @@ def apply_memory_limit(limit_bytes: int | None, device: torch.device) -> dict | 
         return None
     limit_bytes = int(limit_bytes)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # the call refuses a bare "cuda"
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), index)
         return {"bytes": limit_bytes, "how": "torch.cuda.set_per_process_memory_fraction"}
     import resource
 

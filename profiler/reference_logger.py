@@ -7,7 +7,7 @@ Two lines in a plain loop (then `tula submit SPEC --reference-stats stats.jsonl`
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()                        # under DDP: returns after the all-reduce
-        logger.step(loss=loss.item())          # after backward(), before optimizer.step()
+        logger.step(loss=loss.detach())        # after backward(), before optimizer.step()
         optimizer.step()
     logger.close()                             # or `with GradientStatsLogger(...) as logger:`
 
@@ -20,6 +20,11 @@ One process: accumulate k micro-batches per step and say so (the small batches o
             (F.cross_entropy(model(x), t) / 4).backward()
         logger.step()
         optimizer.step()
+
+The loss may be a float or a one-element tensor. Pass the tensor (`loss.detach()`) on a GPU: `loss.item()`
+waits for the device before optimizer.step() can be launched, which on a step of a millisecond or two
+costs a sizeable share of it; a tensor stays on the device until the window's end, where all of the
+window's losses come back in one copy with its statistics.
 
 The samples per micro-batch are read from each forward pass's first tensor argument (dim 0); pass
 `device_batch=` when that is not the batch (dict inputs keyed otherwise, sequence-first tensors, a
@@ -124,8 +129,9 @@ RECORD_KEYS = (
 )  # fmt: skip
 
 # One row per optimizer step; summed over the ranks at the end of a window (one all-reduce).
-MICRO_SQ, FULL_SQ, PRE_MICRO_SQ, PRE_FULL_SQ = range(4)  # device values: sums of squared norms
-LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(4, 10)  # host values
+DEVICE_COLUMNS = 4
+MICRO_SQ, FULL_SQ, PRE_MICRO_SQ, PRE_FULL_SQ = range(DEVICE_COLUMNS)  # device values: sums of squared norms
+LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_COLUMNS, DEVICE_COLUMNS + 6)  # host values
 
 NOTHING_TO_COMPARE = (
     "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to "
@@ -208,6 +214,7 @@ class GradientStatsLogger:
         self._adam_groups = _adam_groups(optimizer, self.parameters)
         self._rows_device: list[torch.Tensor] = []
         self._rows_host: list[list[float]] = []
+        self._losses_device: list[tuple[int, torch.Tensor]] = []  # (row, loss) of the steps given a tensor loss
         self._metric: float | None = None
         self._stability: tuple[float, float] | None = None  # (headroom, LR) of the most restrictive measurement
         self._prev_norm: float | None = None
@@ -249,6 +256,12 @@ class GradientStatsLogger:
             self._grad_hooks = []
 
     @property
+    def forward_passes(self) -> int | None:
+        """The forward passes with gradients since the last step(), as the forward hook counted them; None when
+        device_batch was given (no hook counts them)."""
+        return len(self._tally.forward_sizes) if self._hooks else None
+
+    @property
     def sampling(self) -> bool:
         """Whether the step under way takes statistics (module docstring, Sampling)."""
         return self.sample_every == 1 or self.steps % self.sample_every in (0, 1)
@@ -284,14 +297,17 @@ class GradientStatsLogger:
 
     # -- once per optimizer step -------------------------------------------------------------------
 
-    def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
+    def step(self, loss: float | torch.Tensor | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's last backward() (and DDP's all-reduce), before optimizer.step().
 
-        loss: this rank's training loss of the step (averaged over the ranks and the window).
+        loss: this rank's training loss of the step (averaged over the ranks and the window): a float, or a
+        one-element tensor, which is read at the window's end rather than now (module docstring).
         metric: an evaluation metric, when there is one (the record keeps the window's last).
         Returns the record when this step closes a window (on every rank), else None."""
         if self._closed:
             raise RuntimeError("step() after close(): make a new GradientStatsLogger")
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(f"loss must be a float or a one-element tensor, got a tensor of shape {tuple(loss.shape)}")
         if not self.sampling:  # no gradient hooks ran, only the forward sizes were tallied: count the samples and the loss
             forward_sizes, self._tally.forward_sizes = self._tally.forward_sizes, []  # a step that raises below is dropped
             sizes = self._unsampled_sizes(forward_sizes)
@@ -309,8 +325,10 @@ class GradientStatsLogger:
             sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
             squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
         self._rows_device.append(squared_norms)
+        if isinstance(loss, torch.Tensor):
+            self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
         self._rows_host.append([
-            0.0 if loss is None else float(loss), float(loss is not None), float(micro_batches),
+            0.0 if loss is None or isinstance(loss, torch.Tensor) else float(loss), float(loss is not None), float(micro_batches),
             float(sum(sizes)), float(sum(s * s for s in sizes)), float(precond_ok),
         ])  # fmt: skip
         if metric is not None:
@@ -375,17 +393,24 @@ class GradientStatsLogger:
 
     def _write_window(self) -> dict[str, Any] | None:
         """The window's rows (device values nan on the steps not sampled), summed over the ranks, as a record."""
+        if self._losses_device:  # the tensor losses, in one copy from the device
+            rows, losses = zip(*self._losses_device)
+            alike = len({(loss.device, loss.dtype) for loss in losses}) == 1
+            stacked = torch.stack(losses) if alike else torch.stack([loss.to(self._device, self._dtype) for loss in losses])
+            for row, value in zip(rows, stacked.double().cpu().tolist()):
+                self._rows_host[row][LOSS_SUM - DEVICE_COLUMNS] = value
+            self._losses_device = []
         sampled = [i for i, row in enumerate(self._rows_device) if row is not None]
         device = torch.stack([self._rows_device[i] for i in sampled]) if sampled else None
         if self.world_size > 1:  # one all-reduce of the whole window; every rank samples the same steps
-            rows = torch.full((len(self._rows_host), 4), math.nan, device=self._device, dtype=self._dtype)
+            rows = torch.full((len(self._rows_host), DEVICE_COLUMNS), math.nan, device=self._device, dtype=self._dtype)
             if device is not None:
                 rows[sampled] = device
             rows = torch.cat([rows, torch.tensor(self._rows_host, device=self._device, dtype=self._dtype)], dim=1)
             dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.process_group)
             rows = rows.cpu().tolist()
         else:  # one process: the host values stay Python floats, one copy of the sampled rows from the device
-            rows = [[math.nan] * 4 + host for host in self._rows_host]
+            rows = [[math.nan] * DEVICE_COLUMNS + host for host in self._rows_host]
             for i, values in zip(sampled, device.cpu().tolist() if device is not None else []):
                 rows[i][:4] = values
         self._rows_device, self._rows_host = [], []

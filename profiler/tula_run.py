@@ -7,7 +7,7 @@ step's way (issue 17).
         for x, t in zip(inputs.chunk(2), targets.chunk(2)):
             loss = F.cross_entropy(model(x), t) / 2
             loss.backward()
-        run.step(loss=loss.item())   # after the step's backward passes, before optimizer.step()
+        run.step(loss=loss.detach())  # after the step's backward passes, before optimizer.step()
         optimizer.step()
         advice = run.advice          # the latest GET /v1/runs/{id}/plan answer, or None
     run.close()
@@ -149,7 +149,9 @@ class TulaRun:
         self._sampled_count = self._sampled_count_at_fit = self._windows_since_fit = 0
         self._client_s = 0.0  # seconds inside step(), over _client_steps calls
         self._client_steps = 0
-        self._pass_hook = model.register_forward_pre_hook(self._count_pass)
+        # the forward passes of a step: the logger's forward hook counts them already (one hook a pass, not two), except
+        # with device_batch given, where it has none
+        self._pass_hook = model.register_forward_pre_hook(self._count_pass) if self.logger.forward_passes is None else None
         self._thread = None
         if self.leader and server is not None:
             self._thread = threading.Thread(target=self._send_loop, name="tula-run-telemetry", daemon=True)
@@ -161,14 +163,15 @@ class TulaRun:
         if torch.is_grad_enabled():
             self._passes += 1
 
-    def step(self, loss: float | None = None, metric: float | None = None) -> dict[str, Any] | None:
+    def step(self, loss: float | torch.Tensor | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's backward passes, before optimizer.step(); the telemetry record when this step
-        closes a window, else None."""
+        closes a window, else None. loss: a float or a one-element tensor; on a GPU pass the tensor (loss.detach()),
+        which is read at the window's end, not now (GradientStatsLogger.step)."""
         entered = time.perf_counter()
         now = time.monotonic()
         if self._last_step_at is not None:
             seconds = now - self._last_step_at
-            self._step_times.append((self._passes, seconds))
+            self._step_times.append((self._passes if self._pass_hook is not None else self.logger.forward_passes, seconds))
             if self.logger.sampling:  # of the step now ending
                 self._sampled_s.append(seconds)
                 self._sampled_count += 1
@@ -321,7 +324,8 @@ class TulaRun:
         post what is buffered; what is left stays in `offline_path` (when given) for `upload`."""
         previous = self.logger.last_record
         self.logger.close()  # writes the last, partial window
-        self._pass_hook.remove()
+        if self._pass_hook is not None:
+            self._pass_hook.remove()
         last = self.logger.last_record
         if last is not None and last is not previous and self.leader:
             record = self._record(last, time.monotonic())

@@ -40,6 +40,9 @@ def main(out_dir: str, server: str) -> None:
         summary = {"global_step": trainer.state.global_step, "world_size": dist.get_world_size(), "dropped_steps": tula.dropped_steps,
                    "clipped_steps": tula.clipped_steps, "closed": tula.closed, "leader": tula.run.leader, "accumulation": tula.run.accumulation}  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary))
+    if dist.is_initialized():  # left alive, gloo's threads can abort the exit ("terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

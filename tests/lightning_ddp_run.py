@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning
 import torch
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,6 +41,9 @@ def main(out_dir: str, server: str, precision: str) -> None:
         summary = {"global_step": trainer.global_step, "world_size": trainer.world_size, "dropped_steps": tula.dropped_steps,
                    "closed": tula.closed, "leader": tula.run.leader, "accumulation": tula.run.accumulation}  # fmt: skip
         (out / "summary.json").write_text(json.dumps(summary))
+    if dist.is_initialized():  # left alive, gloo's threads can abort the exit ("terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

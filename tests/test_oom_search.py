@@ -33,3 +33,23 @@ def test_search_brackets_the_largest_batch_that_fits_under_a_memory_limit(store)
     tight = limit["smallest_oom_batch"] - limit["largest_ok_batch"] <= max(1, int(0.05 * limit["largest_ok_batch"]))
     assert tight or len(by_kind["search"]) == 8
     assert max(r["device_batch"] for r in finished.recommendation["candidates"]) <= limit["largest_ok_batch"]
+
+
+@pytest.mark.parametrize(("device", "index"), [("cuda", 3), ("cuda:1", 1)])
+def test_a_memory_limit_on_a_bare_cuda_device_names_the_current_device(monkeypatch, device, index):
+    """On the H200 (benchmarks/gpu_check.py, 2026-12-04) a memory limit on torch.device("cuda") failed the point with
+    torch's "Expected a torch.device with a specified index": set_per_process_memory_fraction refuses a device
+    without an index. torch's own index check stands in for the GPU this machine lacks."""
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    from profiler.memory import apply_memory_limit
+    from tula_service.units import GIB
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("Properties", (), {"total_memory": 8 * GIB})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fractions.append((f, _get_device_index(d))))
+    limit = apply_memory_limit(2 * GIB, torch.device(device))
+    assert fractions == [(0.25, index)]
+    assert limit == {"bytes": 2 * GIB, "how": "torch.cuda.set_per_process_memory_fraction"}

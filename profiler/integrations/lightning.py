@@ -25,7 +25,8 @@ Hooks, in the order Lightning 2.x calls them, and why each:
 - on_before_optimizer_step: `run.step(loss=...)`. Lightning calls it from the optimizer closure after the
   last micro-batch's backward (after DDP's all-reduce and the GradScaler's unscale_), and before gradient
   clipping and optimizer.step(): the statistics see the step's whole, unclipped gradient. The loss is the
-  mean of the step's micro-batch losses (the training_step outputs; one host synchronization a step). A step whose backward passes are not
+  mean of the step's micro-batch losses (the training_step outputs), kept on the device until the window's end
+  (no host synchronization a step, except under 16-mixed, where the scaler's scale is read). A step whose backward passes are not
   `accumulation` (an epoch's last, partial accumulation; a training_step that returned None) is left out of
   the telemetry and counted in `dropped_steps`.
 - on_fit_end, teardown: close the run once (the last partial window, then the sender's flush).
@@ -180,13 +181,15 @@ def _grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
-def _step_loss(losses: list[torch.Tensor], trainer: pl.Trainer) -> float | None:
+def _step_loss(losses: list[torch.Tensor], trainer: pl.Trainer) -> torch.Tensor | None:
     """The mean of the step's micro-batch losses: each came divided by accumulate_grad_batches (and times the
-    GradScaler's scale under 16-mixed, unchanged until the scaler's update() after optimizer.step())."""
+    GradScaler's scale under 16-mixed, unchanged until the scaler's update() after optimizer.step()). A tensor
+    on the device, which the logger reads at its window's end: a float here would wait for the GPU before
+    every optimizer step."""
     if not losses:
         return None
     total = torch.stack(losses).sum()
     scaler = _grad_scaler(trainer)
     if scaler is not None and scaler.is_enabled():
         total = total / scaler.get_scale()
-    return float(total)
+    return total.detach()
