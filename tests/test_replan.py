@@ -50,6 +50,21 @@ def test_a_live_trajectory_as_long_as_the_reference_run_replaces_it():
     assert advice["change"] is not None and advice["change"]["global_batch"] > config["global_batch"]
 
 
+def test_a_move_late_in_the_run_must_save_the_hysteresis_of_the_whole_run():
+    """The same rate gain moves a run with most of it ahead and keeps one near its end: the saving is the gain times
+    the share of the run left (1 - samples done / predicted samples to the target at the current batch)."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0, last=0.5 * TARGET_SAMPLES)})
+    answers = {}
+    for share in (0.6, 0.97):
+        records = _live(config, share * TARGET_SAMPLES, 5000.0)
+        answers[share] = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    early, late = answers[0.6], answers[0.97]
+    assert early["predicted"]["gain"] == pytest.approx(late["predicted"]["gain"], rel=0.05) and late["predicted"]["gain"] > DEFAULT_HYSTERESIS
+    assert early["predicted"]["share_of_run_left"] == pytest.approx(0.4, abs=0.02) and early["change"] is not None
+    assert late["predicted"]["share_of_run_left"] == pytest.approx(0.03, abs=0.02) and late["change"] is None
+    assert late["predicted"]["saving"] < DEFAULT_HYSTERESIS and "of the run is left" in late["why"] and "kept" in late["why"], late["why"]
+
+
 def test_the_live_runs_stability_headroom_caps_the_lr_it_moves_to_and_without_one_the_jobs_stands():
     """The live trajectory replaces the job's reference run for the noise scale; the LR cap comes from the live
     run's own headroom in the second half (read relative to the reference LR), else from the job's."""
@@ -58,14 +73,15 @@ def test_the_live_runs_stability_headroom_caps_the_lr_it_moves_to_and_without_on
         record.update(stability_headroom=1.7, stability_lr=0.1)
     spec, points, config = _job(reference_run={"gradient_stats": reference})
     records = _live(config, 0.6 * TARGET_SAMPLES, 5000.0)
-    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    options = {**OPTIONS, "hysteresis": 0.01}  # the capped LR's move saves 4.1% of the run, 40% of it left: moved all the same
+    advice = advise(spec, points, [], options, config, records, records[-1]["step"])
     assert advice["evidence"]["noise_scale_from"] == "live trajectory" and advice["change"] is not None
     job_cap = advice["evidence"]["lr_headroom"]
     assert job_cap["value"] == pytest.approx(1.7) and job_cap["evidence"].startswith("the job's: reference_run, second half")
     assert advice["change"]["lr_multiplier"]["value"] == pytest.approx(1.7)  # AdaScale at B_noise 5000 asks for 1.99
     for record in records[-5:]:  # the live run measured at half the reference LR: 3 x 0.05 is 1.5x the reference LR
         record.update(stability_headroom=3.0, stability_lr=0.05)
-    live = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    live = advise(spec, points, [], options, config, records, records[-1]["step"])
     assert live["evidence"]["lr_headroom"]["value"] == pytest.approx(1.5) and live["evidence"]["lr_headroom"]["evidence"].startswith("reference_run, second half: 5 records")
     assert live["change"]["lr_multiplier"]["value"] == pytest.approx(1.5)
 
@@ -86,14 +102,14 @@ def test_epochs_measured_at_other_batches_are_never_replaced():
 
 def test_a_gain_that_does_not_hold_over_the_noise_scales_interval_keeps_the_run():
     spec, points, config = _job()
-    records = _live(config, 0.6 * TARGET_SAMPLES, 1.0, records=4)
+    records = _live(config, 0.4 * TARGET_SAMPLES, 1.0, records=4)
     for i, record in enumerate(records):  # four records that swing 100x: B_noise about 1000, known to 2x at best
         record["trace_sigma"] = 2000.0 if i % 2 else 20.0
     advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
     low, high = advice["evidence"]["noise_scale"]["interval"]
     assert high / low > 2 and advice["predicted"]["gain"] >= DEFAULT_HYSTERESIS and advice["change"] is None
     assert "not at the other end of its interval" in advice["why"] and "kept" in advice["why"], advice["why"]
-    steady = _live(config, 0.6 * TARGET_SAMPLES, 1010.0, records=4)  # the same level measured steadily: it moves
+    steady = _live(config, 0.4 * TARGET_SAMPLES, 1010.0, records=4)  # the same level measured steadily: it moves
     assert advise(spec, points, [], OPTIONS, config, steady, steady[-1]["step"])["change"] is not None
 
 

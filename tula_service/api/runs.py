@@ -74,7 +74,8 @@ class RunPlan(BaseModel):
     config: dict[str, Any] = Field(description="the configuration to train with from now on")
     why: str
     predicted: dict[str, Any] = Field(description="time to the target of the current and the best configuration on the "
-                                      "run's placement (each with its source and error), the gain, the hysteresis and rate limit")
+                                      "run's placement (each with its source and error), the gain, the share of the run left, the saving "
+                                      "(gain x share left) the hysteresis asks of a move, and the rate limit")
     evidence: dict[str, Any] = Field(description="what the advice rests on: telemetry and gradient records, the noise scale "
                                      "with its evidence, the live steps the step-time model was refitted to")
     decisions: list[dict[str, Any]]

@@ -23,9 +23,15 @@ The run's live records enter the same code paths as measurements taken anywhere 
 - The choice. The copy's cluster is the run's placement (its devices do not change within a run) and its
   objective min_time; of the candidates on the run's placement, the fastest to the target is compared with
   the run's current configuration, both predicted by the refitted models. The run moves to it only when
-  it is predicted at least `hysteresis` faster (default 5%) and at least `min_steps_between_changes`
-  optimizer steps have passed since the last change, and only when the gain holds over the noise scale's
-  interval (recomputed at both of its ends; weak evidence without an interval does not move a run): a live
+  the move saves at least `hysteresis` (default 5%) of the run's time to the target, and at least
+  `min_steps_between_changes` optimizer steps have passed since the last change, and only when the saving holds
+  over the noise scale's interval (recomputed at both of its ends; weak evidence without an interval does not
+  move a run). The saving is the gain over the rest of the run times the share of the run left:
+      saving = (1 - T_best / T_current) x (1 - samples done / (E_current D)),
+  with T the predicted times to the target and E_current the predicted epochs at the current batch. A move late
+  in a run saves little whatever its rate, and rests on the noise scale where the records end (the trend past
+  them is an extrapolation): benchmarks/online.py saw runs moved 512 -> 256 at step 112-115 of about 120 take
+  longer than the runs left alone. A live
   estimate from a few records is noisy, and a run that follows every swing of it flaps between batches
   (benchmarks/online.py saw 128 -> 1024 and 128 -> 64 on the same task). The memory model bounds every
   candidate as in any plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
@@ -179,6 +185,8 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     since = step - config["since_step"]
     hysteresis, min_steps = run_options["hysteresis"], run_options["min_steps_between_changes"]
     gain = 1.0 - best["total_time_s"]["value"] / current["total_time_s"]["value"] if best and current else None
+    left = _share_left(records, current, job_spec)
+    saving = gain * left if gain is not None else None
     efficiency = planned["models"]["efficiency"]
     epochs = _epoch_model(spec, efficiency)
     change = None
@@ -186,10 +194,11 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
         why = (f"the run's configuration (device batch {config['device_batch']}, accumulation {config['accumulation']} on "
                f"{config['placement']}) is not among the candidates the refitted models allow (memory): kept, as nothing "
                "better can be said")  # fmt: skip
-    elif best is current or gain < hysteresis:
-        why = (f"the best configuration on {config['placement']} is predicted {max(gain, 0.0):.1%} faster to the target, "
-               f"below the {hysteresis:.0%} it takes to change: kept")  # fmt: skip
-    elif (doubt := _doubt(spec, efficiency, best, current, hysteresis)) is not None:
+    elif best is current or saving < hysteresis:
+        why = (f"the best configuration on {config['placement']} is predicted {max(gain, 0.0):.1%} faster to the target"
+               + (f" and {left:.0%} of the run is left: it saves {max(saving, 0.0):.1%} of the run" if left < 1.0 else "")
+               + f", below the {hysteresis:.0%} it takes to change: kept")  # fmt: skip
+    elif (doubt := _doubt(spec, efficiency, best, current, hysteresis, left)) is not None:
         why = f"predicted {gain:.1%} faster at B_noise {efficiency['noise_scale']['value']:.3g}, but {doubt}: kept"
     elif since < min_steps:
         why = (f"predicted {gain:.1%} faster, but only {since} steps since the last change (at least {min_steps}): "
@@ -201,8 +210,9 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
         current_rule = lr_rule(spec, config["global_batch"], epochs)
         change["lr_relative_to_current"] = rule["multiplier"]["value"] / current_rule["multiplier"]["value"]
         why = (f"global batch {config['global_batch']} -> {best['global_batch']} (device batch {best['device_batch']}, "
-               f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target, at least the "
-               f"{hysteresis:.0%} it takes to change; LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})")  # fmt: skip
+               f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target with {left:.0%} of the run "
+               f"left, a saving of {saving:.1%} of the run, at least the {hysteresis:.0%} it takes to change; "
+               f"LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})")  # fmt: skip
     return {
         "step": last_step,
         "change": change,
@@ -211,7 +221,8 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
             "current_total_time_s": current["total_time_s"] if current else None,
             "best_total_time_s": best["total_time_s"] if best else None,
             "best": {k: best[k] for k in ("device_batch", "accumulation", "global_batch", "placement")} if best else None,
-            "gain": gain, "hysteresis": hysteresis, "steps_since_change": since, "min_steps_between_changes": min_steps,
+            "gain": gain, "share_of_run_left": left, "saving": saving, "hysteresis": hysteresis, "steps_since_change": since,
+            "min_steps_between_changes": min_steps,
         },
         "evidence": {
             "telemetry_records": len(records),
@@ -235,11 +246,24 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     }  # fmt: skip
 
 
-def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], current: dict[str, Any], hysteresis: float) -> str | None:
-    """Why the move to `best` does not hold over what the noise scale may be, or None when it holds: the gain
+def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, spec: JobSpec) -> float:
+    """1 - samples done / (E_current D): the share of the run to the target still ahead at the current
+    configuration's predicted epochs (module docstring, The choice; samples done at an earlier batch count as
+    at this one); 1 before any record with samples, 0 past the prediction."""
+    done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)
+    if current is None or done == 0.0:
+        return 1.0
+    run_samples = float(current["epochs"]["value"]) * spec.dataset.num_samples
+    return min(1.0, max(0.0, 1.0 - done / run_samples)) if run_samples > 0 else 0.0
+
+
+def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], current: dict[str, Any], hysteresis: float,
+           left: float = 1.0) -> str | None:  # fmt: skip
+    """Why the move to `best` does not hold over what the noise scale may be, or None when it holds: the saving
     recomputed at both ends of the noise scale's interval (each candidate's epochs E(B) at that B_noise times its
-    predicted seconds per epoch) must reach the hysteresis too. Evidence labelled weak without an interval is
-    doubt enough. Epochs fitted to runs at other batches (other_runs) are measured: the point gain stands."""
+    predicted seconds per epoch; times `left`, the share of the run left) must reach the hysteresis too. Evidence
+    labelled weak without an interval is doubt enough. Epochs fitted to runs at other batches (other_runs) are
+    measured: the point gain stands."""
     noise = efficiency.get("noise_scale") or {}
     if noise.get("evidence") == "other_runs":
         return None
@@ -249,9 +273,9 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
     for end in interval:
         model = _epoch_model_at(spec, end, efficiency)
         seconds = [float(model.predict(c["global_batch"])) * c["total_time_s"]["value"] / c["epochs"]["value"] for c in (best, current)]
-        if 1.0 - seconds[0] / seconds[1] < hysteresis:
+        if (1.0 - seconds[0] / seconds[1]) * left < hysteresis:
             return (f"not at the other end of its interval [{interval[0]:.3g}, {interval[1]:.3g}] (at {end:.3g}: "
-                    f"{1.0 - seconds[0] / seconds[1]:.1%})")  # fmt: skip
+                    f"{(1.0 - seconds[0] / seconds[1]) * left:.1%} of the run)")  # fmt: skip
     return None
 
 

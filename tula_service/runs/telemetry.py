@@ -36,7 +36,8 @@ class RunRequest(_Strict):
     job_id: str = Field(min_length=1, max_length=64)
     hysteresis: float = Field(
         DEFAULT_HYSTERESIS, ge=0, le=1,
-        description="change the configuration only when the predicted time to the target falls by at least this share",
+        description="change the configuration only when the move saves at least this share of the run's predicted time to the "
+        "target (the gain over the rest of the run times the share of the run left)",
     )  # fmt: skip
     min_steps_between_changes: int = Field(
         DEFAULT_MIN_STEPS_BETWEEN_CHANGES, ge=0, le=10**9, description="optimizer steps after a change before the next one"
