@@ -288,6 +288,19 @@ def test_an_unreliable_recommendation_is_said_first_and_the_knee_method_in_words
     assert not clean.startswith("WARNING") and f"  {rec['knee']['method']}: {rec['knee']['method_explained']}" in clean
 
 
+def test_a_pick_at_the_edge_of_the_search_is_said_under_the_chosen_configuration():
+    from tests.handmade import measurement
+    from tula_service.cli.printing import format_recommendation
+    from tula_service.plan.recommend import plan
+    from tula_service.spec.job_spec import JobSpec
+
+    spec = JobSpec.model_validate(spec_dict(objective="min_time"))
+    rec = plan(spec, [measurement(b, beta_s_per_sample=1e-6) for b in (8, 16, 32, 64, 128)])
+    lines = format_recommendation(rec).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  at the edge of the search: "))
+    assert lines[at] == f"  at the edge of the search: {rec['search_space']['chosen_at_edge']['why']}"
+    assert lines[at - 1].startswith("  ") and any(line.startswith("chosen: ") for line in lines[:at])
+
 def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats():
     from tests.handmade import measurement
     from tula_service.cli.human import human_duration, human_number

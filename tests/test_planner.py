@@ -286,3 +286,20 @@ def test_the_knee_names_its_candidate():
     rec = _plan()
     knee = rec["candidates"][rec["knee"]["candidate"]]
     assert knee == rec["chosen"] and knee["global_batch"] == rec["knee"]["global_batch"] and knee["pareto"]
+
+
+def test_a_pick_that_the_range_set_says_so_and_one_inside_the_range_does_not():
+    """Step time flat in the batch (launch-bound steps, as on an H200): min_time keeps improving with the batch and
+    takes the largest the search allows; the answer says the range set the pick and how far its epochs are
+    extrapolated. Step time proportional to the batch: the pick is inside the range, and nothing is said."""
+    spec = JobSpec.model_validate(spec_dict(objective="min_time"))
+    flat = plan(spec, [measurement(b, beta_s_per_sample=1e-6) for b in [8, 16, 32, 64, 128]])
+    edge = flat["search_space"]["chosen_at_edge"]
+    assert flat["chosen"]["device_batch"] == 128 and edge["global_batch"] == flat["chosen"]["global_batch"]
+    assert edge["next_smaller_global_batch"] == 64 * flat["chosen"]["accumulation"] and edge["improvement"] > 0
+    assert edge["batch_over_reference"] == pytest.approx(flat["chosen"]["global_batch"] / 32)
+    assert "the range set this pick" in edge["why"] and "farthest extrapolation" in edge["why"]
+    inside = plan(spec, [measurement(b, beta_s_per_sample=1e-3) for b in [8, 16, 32, 64, 128]])
+    assert inside["chosen"]["device_batch"] < 128 and inside["search_space"]["chosen_at_edge"] is None
+    knee = plan(JobSpec.model_validate(spec_dict(objective="knee")), [measurement(b, beta_s_per_sample=1e-6) for b in [8, 16, 32, 64, 128]])
+    assert knee["search_space"]["chosen_at_edge"] is None  # the knee, a deadline or a budget set their own picks

@@ -68,6 +68,9 @@ def format_recommendation(rec: dict[str, Any]) -> str:
                      "quadratic model's; the value is their geometric middle)")
     if chosen.get("extrapolated"):
         lines.append(f"  step time extrapolated: {', '.join(chosen['extrapolated'])} beyond every multi-device measurement")
+    edge = (rec.get("search_space") or {}).get("chosen_at_edge")
+    if edge:
+        lines.append(f"  at the edge of the search: {edge['why']}")
     knee = rec.get("knee") or {}
     if knee.get("method_explained") and rec["objective"] == "knee":
         lines.append(f"  {knee['method']}: {knee['method_explained']}")

@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"Database:       {database_url}", flush=True)
     print(f"Executor:       {args.executor}", flush=True)
     roots = environment().data_roots
-    print(f"Data roots:     {', '.join(roots) if roots else f'none: file datasets are refused (--data-root DIR allows one)'}", flush=True)
+    print(f"Data roots:     {', '.join(roots) if roots else 'none: file datasets are refused (--data-root DIR allows one)'}", flush=True)
     print(f"Auth:           {auth}", flush=True)
     print(f"Allowed hosts:  {', '.join(allowed_hosts)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -198,6 +198,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
             "memory_margin": {"value": MEMORY_MARGIN, "source": "assumed"},
             "devices": sorted({int(n) for n in candidates["devices"]}),
             "accumulation_steps": list(ACCUMULATION_STEPS),
+            "chosen_at_edge": chosen_at_edge(rows, chosen, spec.objective, spec.training.reference_batch),
         },
         "profiled": {
             "ok_batches": sorted(timed_batches),
@@ -395,6 +396,45 @@ def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhe
         time, cost = row["total_time_s"]["value"], row["cost_usd"]["value"]
         row["total_time_s"]["calibrated_interval"] = [time * low, time * high]
         row["cost_usd"]["calibrated_interval"] = [fixed_overhead_usd + (cost - fixed_overhead_usd) * f for f in (low, high)]
+
+
+EDGE_OBJECTIVES = {"min_time": "total_time_s", "min_cost": "cost_usd"}
+
+
+def chosen_at_edge(rows: list[dict[str, Any]], chosen: int, objective: str, reference_batch: int) -> dict[str, Any] | None:
+    """Whether the search's range, not the models, set the pick: the chosen per-device batch is the largest swept
+    (batch_sizes.max, or what fits the memory) on its placement and accumulation, and the objective (time for
+    min_time, cost for min_cost) still improves from the next smaller device batch to it. Then the optimum lies at
+    or past the edge, and the pick's epochs are the efficiency model at its farthest extrapolation from the
+    reference batch. Seen on an H200 (docs/validation.md, issue 17): step time flat in the batch, so min_time took
+    the largest batch allowed, 32x the reference, where the ground truth's 42.5 epochs are 1.5x the model's at the
+    reference run's noise scale and 5.6x at the pilot's the job had. None when the pick is
+    inside the range, or for the other objectives (a deadline, a budget or the knee sets those picks)."""
+    metric = EDGE_OBJECTIVES.get(objective)
+    if metric is None:
+        return None
+    row = rows[chosen]
+    same = [r for r in rows if r["placement"] == row["placement"] and r["accumulation"] == row["accumulation"]]
+    smaller = [r for r in same if r["device_batch"] < row["device_batch"]]
+    if row["device_batch"] != max(r["device_batch"] for r in same) or not smaller:
+        return None
+    neighbour = max(smaller, key=lambda r: r["device_batch"])
+    improvement = 1.0 - row[metric]["value"] / neighbour[metric]["value"]
+    if improvement <= 0:
+        return None
+    ratio = row["global_batch"] / reference_batch
+    interval = row["epochs"].get("calibrated_interval")
+    spread = f"; its calibrated interval is {interval[0]:.3g}-{interval[1]:.3g} epochs" if interval else ""
+    return {
+        "global_batch": row["global_batch"], "next_smaller_global_batch": neighbour["global_batch"], "improvement": improvement,
+        "batch_over_reference": ratio,
+        "why": (f"device batch {row['device_batch']} is the largest the search allowed (batch_sizes.max or the memory), and "
+                f"{objective} still improves {improvement:.1%} from global batch {neighbour['global_batch']} to "
+                f"{row['global_batch']}: the range set this pick, not the models, and its epochs ({row['epochs']['value']:.3g}) "
+                f"are the efficiency model {ratio:.3g}x past the reference batch, its farthest extrapolation{spread}. Past "
+                "the batches its evidence measured, epochs can grow faster than E(B) = E_min (1 + B / B_noise) allows; a "
+                "run at the next smaller batch, or a reference run nearer this one, checks it"),
+    }  # fmt: skip
 
 
 def _candidate_row(

@@ -224,12 +224,26 @@ class Device(BaseModel):
     memory_gib: SourcedValue = Field(description="per device: spec or catalog-assumed")
 
 
+class EdgeNote(BaseModel):
+    """The pick sits at the edge of the search (tula_service.plan.recommend.chosen_at_edge)."""
+
+    global_batch: int
+    next_smaller_global_batch: int
+    improvement: float = Field(description="how much the objective improves from the next smaller device batch to the pick (a share)")
+    batch_over_reference: float = Field(description="the pick's global batch over training.reference_batch: how far its epochs are extrapolated")
+    why: str
+
+
 class SearchSpace(BaseModel):
     device_batches: list[int] = Field(description="per-device batches swept (within the profiled range, below any OOM)")
     max_device_batch: SourcedValue = Field(description="the largest whose predicted memory fits the device")
     memory_margin: SourcedValue = Field(description="fraction of the device memory kept free")
     devices: list[int]
     accumulation_steps: list[int]
+    chosen_at_edge: EdgeNote | None = Field(
+        None, description="set when the range, not the models, set the pick: the chosen device batch is the largest swept on "
+        "its placement and accumulation, and the objective (min_time, min_cost) still improves up to it; null otherwise, "
+        "and in a recommendation stored before it was given")  # fmt: skip
 
 
 class MemoryLimit(BaseModel):
