@@ -24,7 +24,8 @@ One process: accumulate k micro-batches per step and say so (the small batches o
 The loss may be a float or a one-element tensor. Pass the tensor (`loss.detach()`) on a GPU: `loss.item()`
 waits for the device before optimizer.step() can be launched, which on a step of a millisecond or two
 costs a sizeable share of it; a tensor stays on the device until the window's end, where all of the
-window's losses come back in one copy with its statistics.
+window's losses come back in one copy with its statistics. A tensor on the CPU is read at once (there is
+nothing to wait for, and a float costs less to keep than a tensor view).
 
 The samples per micro-batch are read from each forward pass's first tensor argument (dim 0); pass
 `device_batch=` when that is not the batch (dict inputs keyed otherwise, sequence-first tensors, a
@@ -255,6 +256,8 @@ class GradientStatsLogger:
                 hook.remove()
             self._grad_hooks = []
 
+    READ_AT_ONCE = frozenset({"cpu"})  # devices whose tensor losses are read in step(): no asynchronous queue to wait on
+
     @property
     def forward_passes(self) -> int | None:
         """The forward passes with gradients since the last step(), as the forward hook counted them; None when
@@ -306,8 +309,11 @@ class GradientStatsLogger:
         Returns the record when this step closes a window (on every rank), else None."""
         if self._closed:
             raise RuntimeError("step() after close(): make a new GradientStatsLogger")
-        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
-            raise ValueError(f"loss must be a float or a one-element tensor, got a tensor of shape {tuple(loss.shape)}")
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"loss must be a float or a one-element tensor, got a tensor of shape {tuple(loss.shape)}")
+            if loss.device.type in self.READ_AT_ONCE:  # nothing to wait for: a float now is cheaper than a view kept
+                loss = loss.item()
         if not self.sampling:  # no gradient hooks ran, only the forward sizes were tallied: count the samples and the loss
             forward_sizes, self._tally.forward_sizes = self._tally.forward_sizes, []  # a step that raises below is dropped
             sizes = self._unsampled_sizes(forward_sizes)
