@@ -343,6 +343,17 @@ def median_abs(errors: dict[int, float]) -> float:
     return float(np.median(np.abs(list(errors.values())))) if errors else float("nan")
 
 
+def flat_step_regret(task: Task, predict: Callable[[float], float]) -> dict[str, Any]:
+    """The regret of the min-time pick on a device whose step costs the same at every batch (launch-bound steps: an
+    H200 took 1.1-1.7 ms a step from batch 32 to 4096 on these models, docs/validation.md), where time to the target
+    is proportional to steps = epochs x D / B: the pick rests on the epochs model at the largest batches, its
+    farthest extrapolation. Every measured batch is a candidate, as no device clock limits them."""
+    measured = {b: e / b for b, e in task.epochs.items()}
+    predicted = {b: predict(b) / b for b in task.epochs}
+    pick, best = min(predicted, key=predicted.get), min(measured, key=measured.get)
+    return {"pick": pick, "best": best, "regret": measured[pick] / measured[best]}
+
+
 def regret(task: Task, predict: Callable[[float], float]) -> dict[str, Any]:
     timed = [b for b in task.epochs if b in task.seconds_per_epoch]
     measured = {b: task.epochs[b] * task.seconds_per_epoch[b] for b in timed}
@@ -396,6 +407,7 @@ def evaluate(task: Task) -> dict[str, Any]:
         "cbs_ratio": cbs_ratio(noise, truth_fit["noise_scale"]),
         "truth_floor": truth_floor(task, truth_fit),
         "regret": regret(task, lambda b: float(model.predict(b))),
+        "flat_step_regret": flat_step_regret(task, lambda b: float(model.predict(b))),
         "perfect_scaling": perfect_scaling(task, ref),
         "alternatives": {},
         "every_reference": {},
@@ -436,10 +448,22 @@ def evaluate(task: Task) -> dict[str, Any]:
     return result
 
 
+def _flat_cell(result: dict[str, Any]) -> str:
+    flat = result.get("flat_step_regret")
+    return f"{flat['pick']} ({flat['best']}), {flat['regret']:.2f}" if flat else "-"
+
+
 def perfect_scaling(task: Task, ref: int) -> dict[str, Any]:
     """Perfect scaling: E(B) = E_ref at every batch (what a linear-scaling habit assumes)."""
     errors = epochs_errors_pct(task, lambda b: task.epochs[ref], ref)
     return {"median_abs_epochs_err_pct": median_abs(errors), "regret": regret(task, lambda b: task.epochs[ref])["regret"]}
+
+
+def flat_step_line(results: list[dict[str, Any]]) -> str:
+    """The min-time pick on a flat step clock (flat_step_regret), printed before the summary line."""
+    regrets = [r["flat_step_regret"]["regret"] for r in results]
+    over = sum(x > 1.10 for x in regrets)
+    return f"flat_step_time: tasks={len(results)} max_regret={max(regrets):.2f} median_regret={np.median(regrets):.2f} tasks_over_1.10={over}"
 
 
 def summary_line(results: list[dict[str, Any]]) -> str:
@@ -720,8 +744,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
     lines = [f"Measured {meta['date']} on {meta['machine']}; ground truth: {meta['ground_truth']}.", "",
              "```sh", ".venv/bin/python benchmarks/statistical_efficiency.py", "```", "", "```", meta["summary"], "```", "",
              "| task | optimizer | target | B_ref | evidence | B_noise predicted [interval] | CBS fitted to truth | ratio | "
-             "median abs epochs err % | inside seed range | min-time pick (best) | regret | perfect scaling: err %, regret |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "median abs epochs err % | inside seed range | min-time pick (best) | regret | flat step time: pick (best), regret | "
+             "perfect scaling: err %, regret |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:
         low, high = r["noise_scale_interval"] or (float("nan"), float("nan"))
         lines.append(
@@ -729,8 +754,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
             f"{r['noise_scale']:.4g} [{low:.3g}, {high:.3g}] | {r['cbs_fitted_to_truth']:.4g}"
             f"{' (lower bound)' if r['cbs_fit_lower_bound'] else ''} | {r['cbs_ratio']:.2f} | {r['median_abs_epochs_err_pct']:.1f} | "
             f"{r['predictions_inside_seed_range']}/{len(r['epochs_err_pct'])} | {r['regret']['pick']} ({r['regret']['best']}) | "
-            f"{r['regret']['regret']:.2f} | {r['perfect_scaling']['median_abs_epochs_err_pct']:.1f}, {r['perfect_scaling']['regret']:.2f} |"
+            f"{r['regret']['regret']:.2f} | {_flat_cell(r)} | "
+            f"{r['perfect_scaling']['median_abs_epochs_err_pct']:.1f}, {r['perfect_scaling']['regret']:.2f} |"
         )  # fmt: skip
+    if all("flat_step_regret" in r for r in results):
+        lines += ["", "Flat step time: the min-time pick where a step costs the same at every batch, time ~ epochs / B "
+                  "(launch-bound steps, as on the H200 in docs/validation.md): `" + flat_step_line(results) + "`."]
     lines += ["", "### Predicted vs measured epochs per batch", ""]
     for r in results:
         batches = list(r["measured_epochs"])
@@ -865,8 +894,11 @@ def main(argv: list[str] | None = None) -> int:
         write_report(text, REPO / "docs" / "validation.md")
     for r in results:
         print(f"  {r['task']:22s} evidence={r['evidence']:13s} B_noise={r['noise_scale']:9.4g} cbs_truth={r['cbs_fitted_to_truth']:9.4g} "
-              f"err={r['median_abs_epochs_err_pct']:5.1f}% regret={r['regret']['regret']:.2f}", file=sys.stderr)  # fmt: skip
+              f"err={r['median_abs_epochs_err_pct']:5.1f}% regret={r['regret']['regret']:.2f} "
+              f"flat-step regret={r['flat_step_regret']['regret']:.2f} ({r['flat_step_regret']['pick']} vs {r['flat_step_regret']['best']})",
+              file=sys.stderr)  # fmt: skip
     print(f"report: {out / 'report.md'}", file=sys.stderr)
+    print(flat_step_line(results))
     print(coverage_line(coverage, calibrated["evidence"].get("reference_run", {}).get("factors")))
     print(line)
     return 0

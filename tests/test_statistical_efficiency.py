@@ -71,6 +71,21 @@ def test_the_momentum_ablation_keeps_the_effective_lr_and_takes_sgd_tasks_only()
         se.momentum_ablation(["mnist1d_cnn1d_adam"])
 
 
+def test_on_a_flat_step_clock_the_pick_is_the_fewest_predicted_steps_and_rising_steps_show_as_regret():
+    """Time ~ epochs / B where a step costs the same at every batch: the exact model picks the measured best; steps
+    that rise past 512 (epochs 3x at 1024, as mnist1d_cnn1d_adam's 2048 on the H200) make its pick of 1024 cost
+    1.5x, which the CPU clock's regret does not see."""
+    exact = se.evaluate(synthetic_task())
+    assert exact["flat_step_regret"] == {"pick": 1024, "best": 1024, "regret": pytest.approx(1.0)}
+    task = synthetic_task()
+    task.epochs[1024] = 3 * task.epochs[512]
+    rising = se.evaluate(task)
+    assert rising["flat_step_regret"]["pick"] == 1024 and rising["flat_step_regret"]["best"] == 512
+    assert rising["flat_step_regret"]["regret"] == pytest.approx(1.5) and rising["regret"]["regret"] == pytest.approx(1.0)
+    line = se.flat_step_line([exact, rising])
+    assert line == "flat_step_time: tasks=2 max_regret=1.50 median_regret=1.25 tasks_over_1.10=1"
+
+
 def test_the_summary_line_takes_medians_and_worsts():
     results = [{"median_abs_epochs_err_pct": e, "regret": {"regret": r}, "cbs_ratio": c}
                for e, r, c in ((5.0, 1.0, 1.2), (15.0, 1.3, 2.0), (10.0, 1.05, 1.1))]  # fmt: skip
@@ -124,6 +139,8 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     shipped = REPO / "configs" / "epochs_calibration.json"
     assert json.loads((report.parent / "epochs_calibration.json").read_text())["evidence"]  # written beside the report
     assert shipped.read_text() == shipped_before  # the service's calibration is rewritten by the full run only
+    assert re.fullmatch(r"flat_step_time: tasks=\d+ max_regret=[\d.]+ median_regret=[\d.]+ tasks_over_1\.10=\d+",
+                        run.stdout.strip().splitlines()[-3])  # fmt: skip
     coverage = run.stdout.strip().splitlines()[-2]
     assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ every_reference=\d+/\d+ "
                         r"best_noise_scale_inside_statistical=\d+/\d+ best_noise_scale_inside_calibrated=\d+/\d+", coverage)  # fmt: skip
