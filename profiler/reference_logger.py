@@ -418,7 +418,7 @@ class GradientStatsLogger:
         else:  # one process: the host values stay Python floats, one copy of the sampled rows from the device
             rows = [[math.nan] * DEVICE_COLUMNS + host for host in self._rows_host]
             for i, values in zip(sampled, device.cpu().tolist() if device is not None else []):
-                rows[i][:4] = values
+                rows[i][:DEVICE_COLUMNS] = values
         self._rows_device, self._rows_host = [], []
         record = self._record(rows)
         self._metric = None

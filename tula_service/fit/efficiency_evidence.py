@@ -120,8 +120,10 @@ def target_samples(spec: JobSpec) -> float:
     return spec.training.reference_epochs * spec.dataset.num_samples
 
 
-def run_target_samples(records: list[Any], spec: JobSpec, statistic: str) -> float:
+def run_target_samples(arrays: dict[str, np.ndarray], batch: int, spec: JobSpec, statistic: str) -> float:
     """T_b: the samples the run that logged the records needs to reach the target, at its own global batch b.
+    arrays: the records as record_arrays(records, statistic), converted once by the caller (the conversion is most
+    of a read's cost, and the bisection reads them RUN_TARGET_BISECTIONS times); batch: their global batch (_batch).
 
     The noise scale is read over a share of the run to the target (noise_trajectory), and a run at b needs
     E(b) D samples, not the reference run's E_ref D. A live run at 8 B_ref with B_noise near B_ref needs several
@@ -139,11 +141,9 @@ def run_target_samples(records: list[Any], spec: JobSpec, statistic: str) -> flo
     cap is left out: the run trained at its own LR."""
     training = spec.training
     reference = target_samples(spec)
-    batch = _batch(records)
     if batch == training.reference_batch:
         return reference
     gain = max_step_gain(training.optimizer, training.reference_lr, training.max_lr)
-    arrays = record_arrays(records, statistic)  # once: converting the records is most of a read's cost
 
     def excess(log_samples: float) -> float:
         read = TrajectoryNoiseScale(statistic=statistic).fit_arrays(arrays, math.exp(log_samples), interval=False).noise_scale_
@@ -160,21 +160,26 @@ def run_target_samples(records: list[Any], spec: JobSpec, statistic: str) -> flo
 def samples_to_target(records: list[Any], spec: JobSpec) -> float:
     """run_target_samples with the statistic from_trajectory reads for the spec's optimizer (the raw gradient's when
     the records lack the other)."""
-    wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
-    return run_target_samples(records, spec, wanted if record_arrays(records, wanted)["samples"].size else "raw")
+    statistic = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
+    arrays = record_arrays(records, statistic)
+    if not arrays["samples"].size:
+        statistic, arrays = "raw", record_arrays(records, "raw")
+    return run_target_samples(arrays, _batch(records), spec, statistic)
 
 
 def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvidence | None:
     if not records:
         return None
     wanted = STATISTIC_FOR_OPTIMIZER[spec.training.optimizer]
-    available = [name for name in ("raw", "preconditioned") if record_arrays(records, name)["samples"].size]
-    targets = {name: run_target_samples(records, spec, name) for name in available}
-    estimates = {name: TrajectoryNoiseScale(statistic=name).fit(records, targets[name]) for name in available}
+    arrays = {name: record_arrays(records, name) for name in ("raw", "preconditioned")}  # once each: a read's main cost
+    available = [name for name, converted in arrays.items() if converted["samples"].size]
+    batch = _batch(records)
+    targets = {name: run_target_samples(arrays[name], batch, spec, name) for name in available}
+    estimates = {name: TrajectoryNoiseScale(statistic=name).fit_arrays(arrays[name], targets[name]) for name in available}
     resolved = wanted in estimates and estimates[wanted].noise_scale_ is not None
     statistic = wanted if resolved else "raw"
     chosen = estimates[statistic]
-    detail = {**chosen.describe(), "batch": int(_batch(records)),
+    detail = {**chosen.describe(), "batch": int(batch),
               "preconditioned_noise_scale": estimates["preconditioned"].noise_scale_ if "preconditioned" in estimates else None,
               "raw_noise_scale": estimates["raw"].noise_scale_ if "raw" in estimates else None}  # fmt: skip
     warnings = []
@@ -186,7 +191,7 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
                         f"{MAX_RESOLVED_NOISE_SCALE:.0e} samples: the noise scale is not resolved")  # fmt: skip
     elif chosen.extrapolated_:
         warnings.append(
-            f"{source}: the records cover {chosen.coverage_:.1%} of the reference run's samples to the target; "
+            f"{source}: the records cover {chosen.coverage_:.1%} of their run's samples to the target; "
             f"B_noise is extrapolated to {chosen.run_fraction:.0%} of the run (slope {chosen.slope_:.2f} in log-log)"
             + (": weak evidence, the noise scale usually keeps growing" if chosen.coverage_ < WEAK_COVERAGE else "")
         )

@@ -273,9 +273,10 @@ def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], curr
     for end in interval:
         model = _epoch_model_at(spec, end, efficiency)
         seconds = [float(model.predict(c["global_batch"])) * c["total_time_s"]["value"] / c["epochs"]["value"] for c in (best, current)]
-        if (1.0 - seconds[0] / seconds[1]) * left < hysteresis:
+        saving = (1.0 - seconds[0] / seconds[1]) * left
+        if saving < hysteresis:
             return (f"not at the other end of its interval [{interval[0]:.3g}, {interval[1]:.3g}] (at {end:.3g}: "
-                    f"{(1.0 - seconds[0] / seconds[1]) * left:.1%} of the run)")  # fmt: skip
+                    f"{saving:.1%} of the run)")  # fmt: skip
     return None
 
 
