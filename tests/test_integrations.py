@@ -146,12 +146,23 @@ def test_lightning_callback_passes_sampling_and_the_overhead_budget_to_its_run(t
     _assert_sampling_options_reach_the_run(tula, _jsonl(path))
 
 
+# A gloo rank can abort after training, as its C++ threads are torn down (seen in 1 of 3 clean-clone runs of make test
+# after the scripts destroy their process group, and in 2 of 6 runs before): such a launch is run once more.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _ddp_run(command: list[str], tmp_path) -> tuple[dict, list[dict], dict[int, float]]:
     """Runs a 2-process DDP script of tests/ (lightning_ddp_run.py, hf_ddp_run.py): its summary, its offline
-    records and each step's true |g_B|^2 over both ranks' micro-batches."""
+    records and each step's true |g_B|^2 over both ranks' micro-batches. A launch that aborted at teardown
+    (TEARDOWN_ABORT) is run once more, from clean outputs; any other failure fails at once."""
     import subprocess
 
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    for attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr:
+            break
+        for name in ("telemetry.jsonl", "summary.json", "true_grad_sqr.json"):  # the offline records are appended: start clean
+            (tmp_path / name).unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr[-3000:]
     true_grad_sqr = {int(step): value for step, value in json.loads((tmp_path / "true_grad_sqr.json").read_text()).items()}
     return json.loads((tmp_path / "summary.json").read_text()), _jsonl(tmp_path / "telemetry.jsonl"), true_grad_sqr
