@@ -26,11 +26,13 @@ step's way (issue 17).
   pass (the loop calls a submodule, not the model) the `accumulation` argument stands.
 - Overhead budget: with `overhead_budget=f` (e.g. 0.02) the client keeps its own cost near f of the step
   by taking statistics on fewer steps. At the end of a window that followed a sampled step (else every
-  BUDGET_REFIT_WINDOWS windows) it estimates, from the step times it measures
-  (medians over the last STEP_HISTORY plain steps and SAMPLED_HISTORY sampled ones, the seconds between
-  step() calls) and the time spent in its own step() calls,
-      overhead(n) = (2 (t_sampled - t_plain) / n + t_client) / (t_plain - t_client),
-  where t_sampled - t_plain is what a sampled step adds (the per-parameter norms, and the split into
+  BUDGET_REFIT_WINDOWS windows) it estimates, from what it times (the loop's own seconds of a plain step, from
+  one step() call's return to the next call, median t_plain over the last STEP_HISTORY; the mean seconds inside
+  its step() calls on those steps, t_client, window ends included; a sampled step's seconds in all, both parts,
+  median t_sampled over the last SAMPLED_HISTORY),
+      overhead(n) = (2 (t_sampled - t_plain - t_client) / n + t_client) / t_plain,
+  where t_sampled - t_plain - t_client is what a sampled step adds (the per-parameter norms, in the backward pass
+  and in its step() call, and the split into
   micro-batches where the loop splits only for the statistics; intervals over PAUSE_FACTOR x the median
   plain step held a pause, an evaluation say, and are left out of both), and picks the smallest period
   n = sample_every x 2^j (at most MAX_SAMPLE_EVERY) with overhead(n) <= f; `overhead` holds the latest
@@ -140,15 +142,17 @@ class TulaRun:
         self._buffer: collections.deque[dict[str, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._started = time.monotonic()
-        self._last_step_at: float | None = None
+        self._started = time.perf_counter()
+        self._last_step_at: float | None = None  # when the last step() was entered
+        self._last_exit: float | None = None  # when it returned
         self._step_times: list[tuple[int, float]] = []  # (forward passes, seconds) per step of the window
         self._passes = 0
-        self._plain_s: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)  # steps without statistics
+        # the budget's inputs (module docstring, Overhead budget): per plain step the loop's own seconds between two
+        # step() calls and the seconds inside the call; per sampled step both together
+        self._plain_work_s: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
+        self._plain_call_s: collections.deque[float] = collections.deque(maxlen=STEP_HISTORY)
         self._sampled_s: collections.deque[float] = collections.deque(maxlen=SAMPLED_HISTORY)
         self._sampled_count = self._sampled_count_at_fit = self._windows_since_fit = 0
-        self._client_s = 0.0  # seconds inside step(), over _client_steps calls
-        self._client_steps = 0
         # the forward passes of a step: the logger's forward hook counts them already (one hook a pass, not two), except
         # with device_batch given, where it has none
         self._pass_hook = model.register_forward_pre_hook(self._count_pass) if self.logger.forward_passes is None else None
@@ -168,23 +172,24 @@ class TulaRun:
         closes a window, else None. loss: a float or a one-element tensor; on a GPU pass the tensor (loss.detach()),
         which is read at the window's end, not now (GradientStatsLogger.step)."""
         entered = time.perf_counter()
-        now = time.monotonic()
+        sampled = self.logger.sampling  # of the step now ending
         if self._last_step_at is not None:
-            seconds = now - self._last_step_at
-            self._step_times.append((self._passes if self._pass_hook is not None else self.logger.forward_passes, seconds))
-            if self.logger.sampling:  # of the step now ending
-                self._sampled_s.append(seconds)
-                self._sampled_count += 1
-            else:
-                self._plain_s.append(seconds)
-        self._last_step_at, self._passes = now, 0
+            self._step_times.append((self._passes if self._pass_hook is not None else self.logger.forward_passes, entered - self._last_step_at))
+        work_s = None if self._last_exit is None else entered - self._last_exit
+        self._last_step_at, self._passes = entered, 0
+        try:
+            return self._step(loss, metric, entered)
+        finally:
+            self._last_exit = time.perf_counter()
+            if work_s is not None:
+                self._time_step(sampled, work_s, self._last_exit - entered)
+
+    def _step(self, loss: float | torch.Tensor | None, metric: float | None, now: float) -> dict[str, Any] | None:
         stats = self.logger.step(loss=loss, metric=metric)
         if stats is None:
-            self._count_client(entered)
             return None
         record = self._record(stats, now)
         self._step_times = []
-        self._count_client(entered)
         if self.overhead_budget is not None and self._refit_due():
             self._fit_sampling_to_budget()
         if self.leader:
@@ -216,9 +221,16 @@ class TulaRun:
         record.update({name: stats[name] for name in TELEMETRY_FIELDS if stats.get(name) is not None})
         return record
 
-    def _count_client(self, entered: float) -> None:
-        self._client_s += time.perf_counter() - entered
-        self._client_steps += 1
+    def _time_step(self, sampled: bool, work_s: float, call_s: float) -> None:
+        """A step's seconds for the budget: the loop's own (from the last step() call's return to this one) and this
+        call's. A sampled step's are kept together (what it costs in all); a plain step's apart, the call being the
+        client's cost on every step (window ends and budget fits amortized in it)."""
+        if sampled:
+            self._sampled_s.append(work_s + call_s)
+            self._sampled_count += 1
+        else:
+            self._plain_work_s.append(work_s)
+            self._plain_call_s.append(call_s)
 
     def _refit_due(self) -> bool:
         """Whether the budget's period is worth fitting again at this window's end: a sampled step has been
@@ -234,17 +246,16 @@ class TulaRun:
 
     def _fit_sampling_to_budget(self) -> None:
         """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget)."""
-        if not self._plain_s or not self._sampled_s or not self._client_steps:
+        if not self._plain_work_s or not self._sampled_s:
             return
-        client_s = self._client_s / self._client_steps
-        longest_s = PAUSE_FACTOR * statistics.median(self._plain_s)
-        plain = [seconds for seconds in self._plain_s if seconds <= longest_s]
+        client_s = statistics.fmean(self._plain_call_s)  # a mean: the rare window ends' records count in proportion
+        longest_s = PAUSE_FACTOR * statistics.median(self._plain_work_s)
+        plain = [seconds for seconds in self._plain_work_s if seconds <= longest_s]
         sampled = [seconds for seconds in self._sampled_s if seconds <= longest_s]
         if not sampled:
             return
-        plain_s = statistics.median(plain)
-        bare_s = max(plain_s - client_s, 1e-9)  # a plain interval holds the client's own call as well
-        extra_s = max(statistics.median(sampled) - plain_s, 0.0)
+        bare_s = max(statistics.median(plain), 1e-9)
+        extra_s = max(statistics.median(sampled) - bare_s - client_s, 0.0)
         room_s = self.overhead_budget * bare_s - client_s
         needed = MAX_SAMPLE_EVERY if room_s <= 0 else 2.0 * extra_s / room_s
         period = self.min_sample_every
@@ -328,7 +339,7 @@ class TulaRun:
             self._pass_hook.remove()
         last = self.logger.last_record
         if last is not None and last is not previous and self.leader:
-            record = self._record(last, time.monotonic())
+            record = self._record(last, time.perf_counter())
             if self._offline is not None:
                 self._offline.write(json.dumps(record, allow_nan=False) + "\n")
             if self._thread is not None:
