@@ -72,10 +72,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import one_more_run  # noqa: E402
 import pollux_traces  # noqa: E402
 
 from tula_service.fit.efficiency_evidence import STATISTIC_FOR_OPTIMIZER, epoch_model  # noqa: E402
-from tula_service.fit.epochs_calibration import CALIBRATION_PATH, calibration_factors, exact_noise_scale  # noqa: E402
+from tula_service.fit.epochs_calibration import CALIBRATION_PATH, calibration_factors, exact_noise_scale, run_scatter  # noqa: E402
 from tula_service.fit.perfmodel.efficiency import EpochModel, fit_epochs_to_runs  # noqa: E402
 from tula_service.fit.perfmodel.noise_trajectory import TrajectoryNoiseScale, pooled_ratio, record_arrays  # noqa: E402
 from tula_service.spec.job_spec import JobSpec  # noqa: E402
@@ -239,11 +240,14 @@ def _or_inf(value: float | None) -> float:
 # -- the service's prediction ---------------------------------------------------------------------------------
 
 
-def reference_spec(task: Task, reference_batch: int, records: list[dict], with_max_lr: bool = False) -> JobSpec:
+def reference_spec(task: Task, reference_batch: int, records: list[dict], with_max_lr: bool = False,
+                   other_runs: dict[int, float] | None = None) -> JobSpec:  # fmt: skip
     """The job a user would submit with this reference run (see the module docstring); with_max_lr adds the
-    reference run's LR and the LR sweep's largest as training.reference_lr and training.max_lr."""
+    reference run's LR and the LR sweep's largest as training.reference_lr and training.max_lr; other_runs (batch ->
+    epochs) go as training.other_runs."""
     training = {"reference_batch": reference_batch, "reference_epochs": task.epochs[reference_batch],
-                "optimizer": task.optimizer, "reference_run": {"gradient_stats": records}}  # fmt: skip
+                "optimizer": task.optimizer, "reference_run": {"gradient_stats": records},
+                "other_runs": [{"batch": b, "epochs": e} for b, e in sorted((other_runs or {}).items())]}  # fmt: skip
     if with_max_lr:
         reference_lr = task.lr[reference_batch]
         training.update(reference_lr=reference_lr, max_lr=max(task.max_lr, reference_lr))
@@ -254,9 +258,10 @@ def reference_spec(task: Task, reference_batch: int, records: list[dict], with_m
     })  # fmt: skip
 
 
-def service_model(task: Task, reference_batch: int, with_max_lr: bool = False) -> tuple[EpochModel, dict[str, Any]]:
+def service_model(task: Task, reference_batch: int, with_max_lr: bool = False,
+                  other_runs: dict[int, float] | None = None) -> tuple[EpochModel, dict[str, Any]]:  # fmt: skip
     records = [_contract_record(r) for r in task.trajectories[reference_batch]]
-    return epoch_model(reference_spec(task, reference_batch, records, with_max_lr), [], None)
+    return epoch_model(reference_spec(task, reference_batch, records, with_max_lr, other_runs), [], None)
 
 
 def _contract_record(record: dict) -> dict:
@@ -413,6 +418,12 @@ def evaluate(task: Task) -> dict[str, Any]:
         "every_reference": {},
         "with_max_lr": None,
     }
+    result["one_more_run"] = one_more_run.one_more_run(
+        task.epochs, ref, lambda runs: service_model(task, ref, other_runs=runs),
+        lambda min_epochs, noise_scale: lambda b: min_epochs * (1 + b / noise_scale),
+        lambda predict, left_out: (median_abs({b: 100.0 * (predict(b) / e - 1.0) for b, e in task.epochs.items() if b not in left_out}),
+                                   regret(task, predict)["regret"]),
+    )  # fmt: skip
     if task.max_lr and ref in task.lr:
         capped, capped_report = service_model(task, ref, with_max_lr=True)
         result["with_max_lr"] = {
@@ -562,7 +573,9 @@ def calibration(results: list[dict[str, Any]], date: str) -> dict[str, Any]:
             factors["ratios"] = {name: [k if math.isfinite(k) else "inf" for k in ks] for name, ks in factors["ratios"].items()}
             evidence[source] = {**factors, "reads": reads, "references": "every run of each task in turn",
                                 **({"coverage": float(source.split("@")[1])} if "@" in source else {})}  # fmt: skip
-    return {"measured": date, "command": ".venv/bin/python benchmarks/statistical_efficiency.py", "evidence": evidence}
+    scatter = run_scatter({r["task"]: r["cbs_fit_rms_log_error"] for r in results})
+    return {"measured": date, "command": ".venv/bin/python benchmarks/statistical_efficiency.py", "evidence": evidence,
+            **({"run_scatter": scatter} if scatter else {})}  # fmt: skip
 
 
 def _inside(measured: dict[int, float], reference_batch: int, read: float, factors: list[float]) -> dict[int, bool]:
@@ -785,6 +798,15 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
         lines.append(f"| {r['task']} | {r['noise_scale']:.4g} | {floor['best_noise_scale']:.4g} ({floor['best_noise_scale'] / r['noise_scale']:.2f}) | "
                      f"{floor['best_median_abs_epochs_err_pct']:.1f} | {floor['reference_off_fitted_curve_pct']:+.1f} | "
                      f"{floor['fitted_curve_median_abs_epochs_err_pct']:.1f}, {r['cbs_fit_rms_log_error']:.3f} |")  # fmt: skip
+    if all("one_more_run" in r for r in results):
+        lines += ["", "### One more run", "",
+                  "The reference run's records plus the epochs measured at ONE more batch (training.other_runs, as a user "
+                  "would give them), through the service's code path: E_min and B_noise fitted to the two runs jointly with "
+                  "the records' read as a prior (`efficiency_evidence.from_runs`), against the same fit without the prior "
+                  "(runs alone). Median abs epochs err % over the batches other than the two, and the min-time pick's regret. "
+                  "The prior's spread and the run scatter come from `configs/epochs_calibration.json`, measured on these tasks "
+                  "(`benchmarks/one_more_run.py`).", "",
+                  f"`{one_more_run.summary_line(results)}`", "", *one_more_run.table(results)]  # fmt: skip
     if calibrated and coverage:
         lines += ["", "### The calibrated interval", "",
                   "How far the B_noise read is from the one the epochs need, measured across these tasks "
@@ -898,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
               f"flat-step regret={r['flat_step_regret']['regret']:.2f} ({r['flat_step_regret']['pick']} vs {r['flat_step_regret']['best']})",
               file=sys.stderr)  # fmt: skip
     print(f"report: {out / 'report.md'}", file=sys.stderr)
+    print(one_more_run.summary_line(results))
     print(flat_step_line(results))
     print(coverage_line(coverage, calibrated["evidence"].get("reference_run", {}).get("factors")))
     print(line)

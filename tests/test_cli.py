@@ -322,6 +322,11 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
             f"{human_duration(time[1])} (the epochs model's error measured across tasks; see B_noise below)") in lines
     assert f"    - {MOMENTUM_CAVEAT}" in lines and any("grows 10-1000x" in line for line in lines)
     assert f"  epochs assume: {ASSUMED_LR['advised_rule']}" in lines
+    run = rec["models"]["efficiency"]["next_run"]  # 8 x the reference batch 32
+    assert run["batch"] == 256 and (f"  to settle the epochs: measure a run at global batch 256 to the same target and give its "
+                                    f"epochs as training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs "
+                                    f"(80%: {human_number(run['predicted_epochs_interval'][0])}-"
+                                    f"{human_number(run['predicted_epochs_interval'][1])}))") in lines  # fmt: skip
     assert f"    - LR stability {LR_STABILITY_ASSUMED}" not in lines  # the chosen batch is the reference: the LR is not raised
     small_reference = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_batch": 8}))
     raised = format_recommendation(plan(small_reference, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

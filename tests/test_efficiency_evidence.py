@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tests.handmade import measurement, spec_dict
+from tula_service.fit.efficiency_evidence import epoch_model
 from tula_service.fit.perfmodel.efficiency import adascale_gain
 from tula_service.plan.recommend import plan
 from tula_service.plan.whatif import WhatIf, replan
@@ -75,13 +76,62 @@ def test_a_pilot_trajectory_is_used_when_the_user_gives_none_and_is_labelled_ext
     assert calibrated["calibration"] == "prefix@0.05" and calibrated["value"][1] > high
 
 
+def _epochs_at(batch, noise_scale=800.0):
+    """The epochs of E(B) = E_min (1 + B / B_noise) through the hand-made spec's reference run (10 epochs at 32)."""
+    return 10.0 * (1 + batch / noise_scale) / (1 + 32 / noise_scale)
+
+
 def test_epochs_at_other_batches_fit_e_min_and_b_noise_and_win_over_statistics():
-    training = {"reference_run": {"gradient_stats": records(lambda s: 50.0)},
-                "other_runs": [{"batch": 256, "epochs": 10.0 * (1 + 256 / 800) / (1 + 32 / 800)}]}  # fmt: skip
+    """Runs at 32 and 256 that say B_noise = 800 against records that read 50: the runs win (their evidence, their
+    formula), fitted jointly with the read as a prior, which they outweigh: the fit lands near them, with an
+    interval that holds 800, and the disagreement is said."""
+    training = {"reference_run": {"gradient_stats": records(lambda s: 50.0)}, "other_runs": [{"batch": 256, "epochs": _epochs_at(256)}]}
     report = efficiency(training)
-    assert report["noise_scale"]["evidence"] == "other_runs" and report["noise_scale"]["value"] == pytest.approx(800.0, rel=1e-3)
-    assert "fitted to the measured runs" in report["formula"]
+    noise = report["noise_scale"]
+    assert noise["evidence"] == "other_runs" and "fitted to the measured runs, with the reference run's noise scale as a prior" in report["formula"]
+    detail = report["evidence"]["candidates"][0]["detail"]
+    assert detail["runs_alone"]["noise_scale"] == pytest.approx(800.0, rel=1e-3)
+    assert detail["prior"]["read"] == pytest.approx(50.0) and detail["prior"]["calibration"] == "reference_run"
+    assert 50.0 < noise["value"] < 800.0 and abs(np.log(noise["value"] / 800.0)) < abs(np.log(noise["value"] / 50.0))
+    assert noise["interval"][0] < noise["value"] < noise["interval"][1] and noise["interval"][1] > 800.0
+    assert any("outside the 80% range" in w and "reference run's read of 50" in w for w in report["warnings"])
     assert {c["source"] for c in report["evidence"]["candidates"]} == {"other_runs", "reference_run", "initialization"}
+
+
+def test_runs_close_together_lean_on_the_statistics_and_runs_far_apart_outweigh_them():
+    """The same truth (B_noise 800) and the same read (200): a second run at 2x the reference batch moves its epochs by
+    little more than a run's scatter, so the joint fit stays nearer the read; one at 16x pins B_noise down. The
+    interval narrows accordingly. Without statistics of any kind (no points, no records) there is no prior: the runs
+    alone, exactly."""
+    fits = {}
+    for batch in (64, 512):
+        training = {"reference_run": {"gradient_stats": records(lambda s: 200.0)}, "other_runs": [{"batch": batch, "epochs": _epochs_at(batch)}]}
+        fits[batch] = efficiency(training)["noise_scale"]
+    assert abs(np.log(fits[512]["value"] / 800.0)) < abs(np.log(fits[64]["value"] / 800.0))
+    width = {batch: np.log(fit["interval"][1] / fit["interval"][0]) for batch, fit in fits.items()}
+    assert width[512] < width[64]
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"other_runs": [{"batch": 64, "epochs": _epochs_at(64)}]}))
+    alone = epoch_model(spec, [], None)[1]  # no profiling point, no records
+    assert alone["noise_scale"]["value"] == pytest.approx(800.0, rel=1e-3) and alone["noise_scale"]["interval"] is None
+    assert any("two runs determine E_min and B_noise exactly" in w for w in alone["warnings"])
+
+
+def test_the_run_to_measure_next_is_named_until_runs_are_given():
+    """Epochs from gradient statistics name the run that would settle them: 8x the reference batch (capped at the data
+    set), with the epochs predicted there and their calibrated interval; with the runs given, none."""
+    from tula_service.fit.efficiency_evidence import NEXT_RUN_MULTIPLE
+
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_run": {"gradient_stats": records(lambda s: 200.0)}}))
+    model, report = epoch_model(spec, [], None)
+    run = report["next_run"]
+    assert run["batch"] == NEXT_RUN_MULTIPLE * 32 and run["predicted_epochs"] == pytest.approx(float(model.predict(run["batch"])))
+    low, high = run["predicted_epochs_interval"]
+    assert low < run["predicted_epochs"] < high and "training.other_runs" in run["why"]
+    small = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32], dataset={"name": "synthetic_images", "num_samples": 100},
+                                             training={"reference_run": {"gradient_stats": records(lambda s: 200.0, last=1000)}}))  # fmt: skip
+    assert epoch_model(small, [], None)[1]["next_run"]["batch"] == 100  # capped at the data set
+    measured = {"other_runs": [{"batch": 256, "epochs": _epochs_at(256)}], "reference_run": {"gradient_stats": records(lambda s: 200.0)}}
+    assert efficiency(measured)["next_run"] is None
 
 
 def test_other_runs_must_not_repeat_a_batch():

@@ -169,6 +169,26 @@ def test_runs_that_scale_perfectly_bound_b_noise_from_below():
     assert fit["lower_bound"] and fit["noise_scale"] == PERFECT_SCALING_NOISE_SCALE_FACTOR * 256
 
 
+def test_a_prior_that_agrees_with_exact_runs_changes_nothing_and_its_interval_narrows_with_the_runs_reach():
+    """With a prior centred on the truth, exact runs are fitted exactly; the 80% interval of B_noise (Laplace) holds it
+    and is narrower when the runs span 64x than 2x. Runs that scale perfectly get a finite posterior instead of the
+    lower bound (the prior bounds it), and a prior needs positive parameters."""
+    prior = {"center": 400.0, "sigma_log": 1.0, "run_scatter_log": 0.08}
+    widths = {}
+    for largest in (64, 2048):
+        batches = [32, largest]
+        fit = fit_epochs_to_runs(batches, [10.0 * (1 + b / 400.0) for b in batches], prior)
+        assert fit["noise_scale"] == pytest.approx(400.0, rel=1e-3) and fit["min_epochs"] == pytest.approx(10.0, rel=1e-3)
+        low, high = fit["interval"]
+        assert low < 400.0 < high and fit["runs_alone"]["noise_scale"] == pytest.approx(400.0, rel=1e-3)
+        widths[largest] = np.log(high / low)
+    assert widths[2048] < widths[64] / 2
+    flat = fit_epochs_to_runs([32, 256], [10.0, 9.5], prior)
+    assert flat["runs_alone"]["lower_bound"] and not flat["lower_bound"] and 400.0 < flat["noise_scale"] < PERFECT_SCALING_NOISE_SCALE_FACTOR * 256
+    with pytest.raises(ValueError, match="run_scatter_log"):
+        fit_epochs_to_runs([32, 256], [10.0, 12.0], {**prior, "run_scatter_log": 0.0})
+
+
 def test_one_run_is_not_enough_to_fit():
     with pytest.raises(ValueError, match="two or more"):
         fit_epochs_to_runs([32, 32], [10.0, 11.0])

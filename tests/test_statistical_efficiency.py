@@ -49,6 +49,27 @@ def test_a_noise_scale_off_by_4x_shows_in_every_score():
     assert result["median_abs_epochs_err_pct"] > 50
 
 
+def test_one_more_run_at_a_batch_far_off_brings_a_wrong_read_back_and_the_service_suggests_that_batch():
+    """The records read 100 where the truth is 400 (the reference run alone misses by over 50%). One more exact run at
+    8x the reference batch outweighs that read in the joint fit: error a few percent, at 2x less so. The
+    multiple the benchmark scores is the one the service names (efficiency_evidence.NEXT_RUN_MULTIPLE)."""
+    import one_more_run
+
+    from tula_service.fit.efficiency_evidence import NEXT_RUN_MULTIPLE
+
+    task = synthetic_task()
+    task.trajectories[32] = [dict(r, trace_sigma=100.0) for r in task.trajectories[32]]
+    result = se.evaluate(task)
+    rows = result["one_more_run"]
+    assert set(rows) == {"2", "4", "8", "16"} and rows["8"]["batch"] == 256 and rows["8"]["with_prior"]
+    assert rows["8"]["median_abs_epochs_err_pct"] < 5.0 < result["median_abs_epochs_err_pct"]
+    assert rows["2"]["median_abs_epochs_err_pct"] > rows["8"]["median_abs_epochs_err_pct"]
+    assert rows["8"]["runs_alone"]["median_abs_epochs_err_pct"] == pytest.approx(0.0, abs=0.01)  # exact runs, no prior
+    assert one_more_run.ADVISED_MULTIPLE == NEXT_RUN_MULTIPLE
+    line = one_more_run.summary_line([result])
+    assert line.startswith("one_more_run: at=8x tasks=1 ") and "tasks_over_15pct=0" in line
+
+
 def test_the_truth_floor_of_an_exact_truth_is_its_own_noise_scale_with_no_error():
     floor = se.evaluate(synthetic_task(noise_scale=400.0))["truth_floor"]
     assert floor["best_noise_scale"] == pytest.approx(400.0, rel=0.01)
@@ -141,6 +162,9 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     assert shipped.read_text() == shipped_before  # the service's calibration is rewritten by the full run only
     assert re.fullmatch(r"flat_step_time: tasks=\d+ max_regret=[\d.]+ median_regret=[\d.]+ tasks_over_1\.10=\d+",
                         run.stdout.strip().splitlines()[-3])  # fmt: skip
+    assert re.fullmatch(r"one_more_run: at=8x tasks=\d+ median_epochs_err_pct=[\d.]+ worst_task_epochs_err_pct=[\d.]+ max_regret=[\d.]+ "
+                        r"runs_alone_worst_task_epochs_err_pct=[\d.]+ runs_alone_max_regret=[\d.]+ tasks_over_15pct=\d+",
+                        run.stdout.strip().splitlines()[-4])  # fmt: skip
     coverage = run.stdout.strip().splitlines()[-2]
     assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ every_reference=\d+/\d+ "
                         r"best_noise_scale_inside_statistical=\d+/\d+ best_noise_scale_inside_calibrated=\d+/\d+", coverage)  # fmt: skip

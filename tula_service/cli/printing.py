@@ -109,7 +109,7 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     """B_noise with its interval and evidence, and every caveat on it (tula_service.fit.efficiency_evidence)."""
     noise = efficiency.get("noise_scale")
     if not noise:
-        return [f"  epochs: {efficiency['note']}"] if efficiency.get("note") else []
+        return ([f"  epochs: {efficiency['note']}"] if efficiency.get("note") else []) + _next_run_lines(efficiency)
     interval = noise.get("interval")
     line = (f"  noise scale B_noise {human_number(noise['value'])}"
             + (f" [{human_number(interval[0])}, {human_number(interval[1])}]" if interval else "")
@@ -118,7 +118,17 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     if calibrated:
         line += f"; 80% interval {_range(calibrated['value'])} ({calibrated['why']})"
     assumes = [f"  epochs assume: {efficiency['assumes_lr']}"] if efficiency.get("assumes_lr") else []
-    return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", []))]
+    return [line, *assumes, *(f"    - {warning}" for warning in efficiency.get("warnings", [])), *_next_run_lines(efficiency)]
+
+
+def _next_run_lines(efficiency: dict[str, Any]) -> list[str]:
+    """The run that would settle the epochs (efficiency_evidence.next_run), when there is one to suggest."""
+    run = efficiency.get("next_run")
+    if not run:
+        return []
+    interval = f" (80%: {_range(run['predicted_epochs_interval'])})" if run.get("predicted_epochs_interval") else ""
+    return [f"  to settle the epochs: measure a run at global batch {run['batch']} to the same target and give its epochs as "
+            f"training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs{interval})"]
 
 
 def _range(ends: list[float], human: Any = human_number) -> str:

@@ -25,6 +25,11 @@ run, extrapolated as a pilot's or a cut-short reference run's are, since how far
 they are; their first record, for the initial weights) and written to configs/epochs_calibration.json by `benchmarks/statistical_efficiency.py` (not
 --quick), with the tasks and ratios they come from and the coverage with each task left out in turn. Nothing is
 fitted per task: the same factors apply to every job, and their coverage on held-out tasks is the test of them.
+
+The same ratios weigh a read against measured runs: noise_scale_prior turns them into a log-normal for B_noise
+(centred on the read times the median ratio, its sigma from the quantiles' spread), and run_scatter says how far one
+run's log epochs lie off E(B) (the median over tasks of the truth's rms scatter about the fitted curve, written to the
+file as "run_scatter"); perfmodel.efficiency.fit_epochs_to_runs fits measured runs with that prior.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import json
 import math
 from functools import lru_cache
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -160,3 +166,32 @@ def calibrated_interval(
         f"{entry['reads']}; joined with the statistical interval. With each task left out of the quantiles in turn, "
         f"{inside} of the {entry['pairs']} batches' epochs fell inside. A candidate's epochs lie between E(B) at the two ends",
     }  # fmt: skip
+
+
+def noise_scale_prior(source: str, noise_scale: float | None, calibration: dict[str, Any] | None = None,
+                      coverage: float | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """What a noise-scale reading from `source` says about the B_noise the epochs need, as a log-normal: the measured
+    ratios k = B_exact / B_read (module docstring) put ln B_noise at ln(B_read x median k) with the spread of their
+    quantiles, sigma_log = ln(q_hi / q_lo) / (2 z) (z the normal quantile of QUANTILES[1]); with run_scatter_log, how
+    far one run's log epochs lie off E(B) (calibration "run_scatter"). The prior of the joint fit to measured runs
+    (perfmodel.efficiency.fit_epochs_to_runs); None where the reading or either calibration is missing."""
+    calibration = load_calibration() if calibration is None else calibration
+    found = calibration_entry((calibration or {}).get("evidence") or {}, source, coverage)
+    scatter = (calibration or {}).get("run_scatter")
+    if not noise_scale or not found or not scatter:
+        return None
+    key, entry = found
+    low_factor, high_factor = entry["factors"]
+    z = float(NormalDist().inv_cdf(entry["quantiles"][1]))
+    return {"center": noise_scale * entry["median_ratio"], "sigma_log": math.log(high_factor / low_factor) / (2 * z),
+            "run_scatter_log": scatter["rms_log"], "source": source, "read": noise_scale, "calibration": key}  # fmt: skip
+
+
+def run_scatter(fitted_rms_logs: dict[str, float]) -> dict[str, Any] | None:
+    """How far one measured run's epochs lie off E(B) = E_min (1 + B / B_noise), in ln: the median over tasks of the rms
+    ln error of the curve fitted to all of a task's batches (its truth's scatter about the form; each task's batches
+    are medians over seeds, so one run scatters somewhat more). None with fewer than MIN_TASKS tasks."""
+    values = [v for v in fitted_rms_logs.values() if v is not None and math.isfinite(v) and v > 0]
+    if len(values) < MIN_TASKS:
+        return None
+    return {"rms_log": float(np.median(values)), "tasks": len(values), "per_task": dict(fitted_rms_logs)}

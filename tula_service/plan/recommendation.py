@@ -415,6 +415,15 @@ class NoiseScale(_Detail):
         None, description="the interval the model's error measured across tasks gives (80%); the candidates' epochs, time and cost carry the matching calibrated_interval; null where none applies (other_runs)")
 
 
+class NextRun(BaseModel):
+    """The run to measure next where the epochs rest on gradient statistics or on nothing (efficiency_evidence.next_run)."""
+
+    batch: int = Field(description="global batch of the run: its epochs to the same target, given as training.other_runs, settle the epochs model")
+    predicted_epochs: float = Field(description="the epochs predicted at that batch now")
+    predicted_epochs_interval: list[float] | None = Field(None, description="their calibrated 80% interval, where the noise scale has one")
+    why: str
+
+
 class AssumedEfficiency(_Detail):
     """No informative noise-scale measurement: epochs constant up to the reference batch, steps beyond it."""
 
@@ -424,6 +433,7 @@ class AssumedEfficiency(_Detail):
     evidence: EvidenceReport
     warnings: list[str]
     note: str
+    next_run: NextRun | None = None
 
 
 class FittedEfficiency(_Detail):
@@ -440,6 +450,7 @@ class FittedEfficiency(_Detail):
     warnings: list[str]
     weak: bool
     note: str
+    next_run: NextRun | None = Field(None, description="the run to measure next; null where the epochs come from measured runs (training.other_runs)")
 
 
 class FitReport(_Detail):

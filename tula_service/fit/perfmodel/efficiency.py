@@ -70,7 +70,8 @@ and the advice read nothing else of it.
 
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -267,13 +268,24 @@ class EpochModel:
 PERFECT_SCALING_NOISE_SCALE_FACTOR = 1e3  # B_noise reported for runs that show no efficiency loss: 1000 x their largest batch
 
 
-def fit_epochs_to_runs(batches: list[int], epochs: list[float]) -> dict[str, float | bool]:
+def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str, float] | None = None) -> dict[str, Any]:
     """E_min and B_noise of E(B) = E_min (1 + B / B_noise) fitted to epochs measured at two or more global
     batches (least squares on log epochs, which weighs relative errors alike). Linear in the unknowns:
     E(B) = E_min + (E_min / B_noise) B, so a non-negative least-squares line through (B, E) starts it.
     When the epochs do not grow with the batch (slope <= 0), the runs show no loss of efficiency within
     their range: B_noise is then only bounded from below, and reported as
-    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set."""
+    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set.
+
+    With a prior (what the gradient statistics read, as epochs_calibration.noise_scale_prior gives it: ln B_noise
+    ~ N(ln center, sigma_log^2), and run_scatter_log, the scatter of one run's log epochs about the form), the fit is
+    the maximum a posteriori one instead,
+
+        min over (E_min, B_noise) of  sum_i ((ln E(B_i) - ln E_i) / s)^2 + ((ln B_noise - ln center) / sigma_log)^2,
+
+    so runs close together in batch (which pin B_noise down poorly: their epochs differ by little more than their
+    scatter) lean on the statistics, and runs far apart outweigh them; `interval` is then the 80% interval of
+    B_noise from the curvature at the optimum (Laplace: the covariance (J^T J)^-1 of the standardized residuals), and
+    `runs_alone` the fit without the prior, for comparison."""
     from scipy.optimize import least_squares
 
     batch = np.asarray(batches, dtype=float)
@@ -284,15 +296,45 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float]) -> dict[str, flo
     if slope <= 0 or intercept <= 0:
         noise_scale = PERFECT_SCALING_NOISE_SCALE_FACTOR * float(batch.max())
         min_epochs = float(np.exp(np.mean(np.log(measured / (1 + batch / noise_scale)))))
-        return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": True, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+        alone = {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": True, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+    else:
+
+        def residuals(log_params: np.ndarray) -> np.ndarray:
+            min_epochs, noise_scale = np.exp(log_params)
+            return np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)
+
+        fit = least_squares(residuals, np.log([intercept, intercept / slope]))
+        min_epochs, noise_scale = (float(v) for v in np.exp(fit.x))
+        alone = {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+    if prior is None:
+        return alone
+    return _fit_with_prior(batch, measured, prior) | {"runs_alone": alone}
+
+
+INTERVAL_Z = 1.2816  # the standard normal's 90% quantile: an 80% interval, as the calibrated one's (epochs_calibration.QUANTILES)
+
+
+def _fit_with_prior(batch: np.ndarray, measured: np.ndarray, prior: dict[str, float]) -> dict[str, Any]:
+    """The maximum a posteriori fit of fit_epochs_to_runs (its docstring)."""
+    from scipy.optimize import least_squares
+
+    center, sigma_log, scatter = prior["center"], prior["sigma_log"], prior["run_scatter_log"]
+    if not (center > 0 and sigma_log > 0 and scatter > 0):
+        raise ValueError(f"a noise-scale prior needs center, sigma_log and run_scatter_log > 0, got {prior}")
 
     def residuals(log_params: np.ndarray) -> np.ndarray:
         min_epochs, noise_scale = np.exp(log_params)
-        return np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)
+        runs = (np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)) / scatter
+        return np.append(runs, (log_params[1] - math.log(center)) / sigma_log)
 
-    fit = least_squares(residuals, np.log([intercept, intercept / slope]))
+    start = np.log([float(np.exp(np.mean(np.log(measured / (1 + batch / center))))), center])
+    fit = least_squares(residuals, start)
     min_epochs, noise_scale = (float(v) for v in np.exp(fit.x))
-    return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
+    covariance = np.linalg.pinv(fit.jac.T @ fit.jac)
+    spread = INTERVAL_Z * math.sqrt(max(float(covariance[1, 1]), 0.0))
+    return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False,
+            "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale),
+            "interval": [noise_scale * math.exp(-spread), noise_scale * math.exp(spread)], "prior": dict(prior)}  # fmt: skip
 
 
 def _rms_log(batch: np.ndarray, measured: np.ndarray, min_epochs: float, noise_scale: float) -> float:
