@@ -14,9 +14,12 @@ service names when it suggests a run (efficiency_evidence.NEXT_RUN_MULTIPLE must
 is at it. Caveat: the prior's factors and the run scatter come from configs/epochs_calibration.json, measured on
 these same tasks (each task's weight in them is 1/14), so the joint fit is not fully held out here.
 
+The joint fit's 80% interval of the epochs (EpochModel.interval from the fit's covariance) is checked too: how many
+of the other batches' measured epochs fall inside it (inside_80pct_interval, summed over the tasks).
+
 Line (printed by benchmarks/statistical_efficiency.py before its own):
     one_more_run: at=8x tasks=N median_epochs_err_pct=X worst_task_epochs_err_pct=Y max_regret=Z
-                  runs_alone_worst_task_epochs_err_pct=Y2 runs_alone_max_regret=Z2 tasks_over_15pct=K
+                  runs_alone_worst_task_epochs_err_pct=Y2 runs_alone_max_regret=Z2 tasks_over_15pct=K inside_80pct_interval=I/M
 """
 
 from __future__ import annotations
@@ -48,10 +51,14 @@ def one_more_run(epochs: dict[int, float], reference_batch: int, service_model: 
         detail = report["evidence"]["candidates"][0]["detail"]
         alone = detail.get("runs_alone") or {"min_epochs": report["min_epochs"]["value"], "noise_scale": report["noise_scale"]["value"]}
         joint_err, joint_regret = score(lambda b: float(model.predict(b)), {reference_batch, second})
+        others = [b for b in epochs if b not in (reference_batch, second) and math.isfinite(epochs[b])]
+        intervals = {b: model.interval(b) for b in others}
+        inside = sum(lo <= epochs[b] <= hi for b, (lo, hi) in ((b, i) for b, i in intervals.items() if i is not None))
         alone_err, alone_regret = score(model_from(alone["min_epochs"], alone["noise_scale"]), {reference_batch, second})
         rows[str(multiple)] = {
             "batch": second, "noise_scale": report["noise_scale"]["value"], "interval": report["noise_scale"]["interval"],
             "median_abs_epochs_err_pct": joint_err, "regret": joint_regret, "with_prior": "prior" in detail,
+            "inside_interval": [inside, sum(i is not None for i in intervals.values())],
             "runs_alone": {"noise_scale": alone["noise_scale"], "median_abs_epochs_err_pct": alone_err, "regret": alone_regret},
         }  # fmt: skip
     return rows
@@ -67,7 +74,8 @@ def summary_line(results: list[dict[str, Any]], multiple: int = ADVISED_MULTIPLE
     return (f"one_more_run: at={multiple}x tasks={len(rows)} median_epochs_err_pct={np.median(errors):.1f} "
             f"worst_task_epochs_err_pct={max(errors):.1f} max_regret={max(row['regret'] for row in rows):.2f} "
             f"runs_alone_worst_task_epochs_err_pct={max(a['median_abs_epochs_err_pct'] for a in alone):.1f} "
-            f"runs_alone_max_regret={max(a['regret'] for a in alone):.2f} tasks_over_15pct={sum(e > TARGET_PCT for e in errors)}")  # fmt: skip
+            f"runs_alone_max_regret={max(a['regret'] for a in alone):.2f} tasks_over_15pct={sum(e > TARGET_PCT for e in errors)} "
+            f"inside_80pct_interval={sum(row['inside_interval'][0] for row in rows)}/{sum(row['inside_interval'][1] for row in rows)}")  # fmt: skip
 
 
 def table(results: list[dict[str, Any]]) -> list[str]:

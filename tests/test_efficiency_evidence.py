@@ -95,6 +95,10 @@ def test_epochs_at_other_batches_fit_e_min_and_b_noise_and_win_over_statistics()
     assert 50.0 < noise["value"] < 800.0 and abs(np.log(noise["value"] / 800.0)) < abs(np.log(noise["value"] / 50.0))
     assert noise["interval"][0] < noise["value"] < noise["interval"][1] and noise["interval"][1] > 800.0
     assert any("outside the 80% range" in w and "reference run's read of 50" in w for w in report["warnings"])
+    rec = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training=training)), POINTS)
+    for candidate in rec["candidates"]:  # the fit's prediction interval on every candidate, time and cost alike
+        low, high = candidate["epochs"]["calibrated_interval"]
+        assert low < candidate["epochs"]["value"] < high and candidate["total_time_s"]["calibrated_interval"][0] < candidate["total_time_s"]["value"]
     assert {c["source"] for c in report["evidence"]["candidates"]} == {"other_runs", "reference_run", "initialization"}
 
 

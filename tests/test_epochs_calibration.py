@@ -4,6 +4,7 @@ tasks (tula_service.fit.epochs_calibration), and how it reaches the candidates' 
 import json
 import math
 
+import numpy as np
 import pytest
 
 from tests.handmade import measurement, spec_dict
@@ -144,11 +145,17 @@ def test_every_candidate_carries_the_calibrated_interval_of_its_epochs_time_and_
     assert all(lo <= e <= hi for lo, e, hi in zip(curve["calibrated_low"], curve["epochs"], curve["calibrated_high"]))
 
 
-def test_epochs_fitted_to_measured_runs_carry_no_calibrated_interval():
+def test_epochs_fitted_to_measured_runs_carry_the_fits_prediction_interval_not_factors():
+    """No factors were measured for runs; with the profiled points' noise scale as the prior, the candidates and the
+    curve carry the joint fit's 80% prediction interval, which is tight at the measured batches and widens away."""
     rec = _plan({"other_runs": [{"batch": 64, "epochs": 12.0}, {"batch": 128, "epochs": 16.0}]})
     assert rec["models"]["efficiency"]["noise_scale"]["calibrated_interval"] is None
-    assert all("calibrated_interval" not in row["epochs"] for row in rec["candidates"])
-    assert "calibrated_low" not in rec["curves"]["epochs"]
+    spread = {row["global_batch"]: np.log(row["epochs"]["calibrated_interval"][1] / row["epochs"]["calibrated_interval"][0])
+              for row in rec["candidates"]}  # fmt: skip
+    assert all(low < row["epochs"]["value"] < high for row in rec["candidates"] for low, high in [row["epochs"]["calibrated_interval"]])
+    assert spread[max(spread)] > spread[128]
+    curve = rec["curves"]["epochs"]
+    assert len(curve["calibrated_low"]) == len(curve["global_batch"])
 
 
 def test_a_statistical_interval_reaching_zero_plans_with_the_steps_bound_as_its_end():

@@ -189,6 +189,21 @@ def test_a_prior_that_agrees_with_exact_runs_changes_nothing_and_its_interval_na
         fit_epochs_to_runs([32, 256], [10.0, 12.0], {**prior, "run_scatter_log": 0.0})
 
 
+def test_a_fit_to_runs_gives_a_prediction_interval_of_the_curve_and_a_runs_scatter():
+    """EpochModel.interval of a fit with a covariance: E(B) exp(-+ z sqrt(J C J^T + s^2)), J = [1, -(B/B_n)/(1 + B/B_n)]:
+    with no parameter uncertainty only the run's scatter s is left; the uncertainty of ln B_noise alone counts for
+    nothing at B -> 0 and in full as B grows past B_noise."""
+    from tula_service.fit.perfmodel.efficiency import INTERVAL_Z
+
+    exact = EpochModel(32, 10.4, noise_scale=400.0, min_epochs=10.0, log_covariance=[[0.0, 0.0], [0.0, 0.0]], run_scatter_log=0.1)
+    low, high = exact.interval(800)
+    assert (low, high) == pytest.approx((30.0 * np.exp(-INTERVAL_Z * 0.1), 30.0 * np.exp(INTERVAL_Z * 0.1)))
+    noise_only = EpochModel(32, 10.4, noise_scale=400.0, min_epochs=10.0, log_covariance=[[0.0, 0.0], [0.0, 0.25]])
+    small, large = (np.log(np.divide(*noise_only.interval(b)[::-1])) / (2 * INTERVAL_Z) for b in (1e-6, 4e6))
+    assert small == pytest.approx(0.0, abs=1e-6) and large == pytest.approx(0.5, rel=1e-3)
+    assert EpochModel(32, 10.4, noise_scale=400.0, min_epochs=10.0).interval(800) is None  # no covariance: none
+
+
 def test_one_run_is_not_enough_to_fit():
     with pytest.raises(ValueError, match="two or more"):
         fit_epochs_to_runs([32, 32], [10.0, 11.0])

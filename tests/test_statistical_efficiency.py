@@ -163,7 +163,7 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     assert re.fullmatch(r"flat_step_time: tasks=\d+ max_regret=[\d.]+ median_regret=[\d.]+ tasks_over_1\.10=\d+",
                         run.stdout.strip().splitlines()[-3])  # fmt: skip
     assert re.fullmatch(r"one_more_run: at=8x tasks=\d+ median_epochs_err_pct=[\d.]+ worst_task_epochs_err_pct=[\d.]+ max_regret=[\d.]+ "
-                        r"runs_alone_worst_task_epochs_err_pct=[\d.]+ runs_alone_max_regret=[\d.]+ tasks_over_15pct=\d+",
+                        r"runs_alone_worst_task_epochs_err_pct=[\d.]+ runs_alone_max_regret=[\d.]+ tasks_over_15pct=\d+ inside_80pct_interval=\d+/\d+",
                         run.stdout.strip().splitlines()[-4])  # fmt: skip
     coverage = run.stdout.strip().splitlines()[-2]
     assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ every_reference=\d+/\d+ "

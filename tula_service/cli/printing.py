@@ -60,9 +60,11 @@ def format_recommendation(rec: dict[str, Any]) -> str:
         f" ({chosen['memory_bytes']['source']}), epochs {human_number(chosen['epochs']['value'])} ({chosen['epochs']['source']})",
     ]
     if chosen["epochs"].get("calibrated_interval"):
+        runs = _evidence(rec) == "other_runs"
         lines.append(f"  80% interval: epochs {_range(chosen['epochs']['calibrated_interval'])}, total time "
-                     f"{_range(chosen['total_time_s']['calibrated_interval'], human_duration)} (the epochs model's error "
-                     "measured across tasks; see B_noise below)")
+                     f"{_range(chosen['total_time_s']['calibrated_interval'], human_duration)} ("
+                     + ("the fit to the measured runs, a run's scatter included" if runs else "the epochs model's error measured across tasks")
+                     + "; see B_noise below)")  # fmt: skip
     if chosen["epochs"].get("interval"):
         lines.append(f"  epochs with the LR capped: {_range(chosen['epochs']['interval'])} (no cost from the cap to the "
                      "quadratic model's; the value is their geometric middle)")
@@ -103,6 +105,12 @@ def format_recommendation(rec: dict[str, Any]) -> str:
     lines += ["", table(["BATCH", "DEVICE_B", "DEVICES", "ACC", "MEMORY", "ITER", "EPOCHS", "EPOCHS_80%", "TOTAL", "COST"], rows, align=">")]
     lines.append(f"({len(rec['candidates'])} candidates in all; Pareto front shown; --json for everything)")
     return "\n".join(lines)
+
+
+def _evidence(rec: dict[str, Any]) -> str | None:
+    """Which evidence set the noise scale (models.efficiency.noise_scale.evidence), None where none did."""
+    noise = ((rec.get("models") or {}).get("efficiency") or {}).get("noise_scale")
+    return noise.get("evidence") if noise else None
 
 
 def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:

@@ -292,7 +292,8 @@ def from_runs(spec: JobSpec, statistics: NoiseEvidence | None = None) -> NoiseEv
     warnings = []
     alone = fit.get("runs_alone", fit)
     if prior is not None:
-        detail.update(prior=prior, runs_alone={key: alone[key] for key in ("noise_scale", "min_epochs", "lower_bound", "rms_log_error")})
+        detail.update(prior=prior, runs_alone={key: alone[key] for key in ("noise_scale", "min_epochs", "lower_bound", "rms_log_error")},
+                      log_covariance=fit["log_covariance"])  # fmt: skip
         low, high = (prior["center"] * math.exp(side * INTERVAL_Z * prior["sigma_log"]) for side in (-1, 1))
         if not low <= alone["noise_scale"] <= high:
             warnings.append(
@@ -391,6 +392,8 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
         min_epochs=chosen.min_epochs if chosen else None, optimizer=training.optimizer,
         lr_headroom=headroom["value"] if headroom and chosen and chosen.source != "other_runs" else None,
         noise_scale_range=tuple(calibrated["value"]) if calibrated else None,
+        log_covariance=chosen.detail.get("log_covariance") if chosen and chosen.source == "other_runs" else None,
+        run_scatter_log=chosen.detail["prior"]["run_scatter_log"] if chosen and chosen.detail.get("prior") else None,
     )  # fmt: skip
     summary = report(chosen, evidence, epochs, headroom, calibrated)
     summary["next_run"] = next_run(spec, chosen, epochs)

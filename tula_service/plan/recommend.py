@@ -275,8 +275,8 @@ def model_curves(
 
 
 def _calibrated_band(epochs: Any, global_batch: np.ndarray) -> dict[str, list[float]]:
-    """The epochs curve's calibrated band (EpochModel.interval at each batch), when the model has a calibrated range."""
-    if getattr(epochs, "noise_scale_range", None) is None:
+    """The epochs curve's calibrated band (EpochModel.interval at each batch), when the model has one (EpochModel.banded)."""
+    if not getattr(epochs, "banded", False):
         return {}
     ends = [epochs.interval(float(batch)) for batch in global_batch]
     if any(end is None for end in ends):
@@ -380,12 +380,14 @@ def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhe
     """Each candidate whose LR the stability headroom caps gets its epochs' interval (EpochModel.cap_interval). With a
     calibrated noise-scale range (tula_service.fit.epochs_calibration), every candidate's epochs, total time and cost
     get `calibrated_interval`: the epochs between E(B) at the range's ends (EpochModel.interval), the time in
-    proportion, the cost's time-billed part in proportion (the fixed overhead stays)."""
+    proportion, the cost's time-billed part in proportion (the fixed overhead stays). Epochs fitted to measured runs
+    with the statistics as a prior get the fit's own 80% interval the same way (its covariance, whose inputs, the
+    prior's spread and a run's scatter, are measured across tasks)."""
     for row in rows:
         interval = epochs.cap_interval(row["global_batch"])
         if interval is not None:
             row["epochs"].update(interval=list(interval), why=CAP_INTERVAL_WHY)
-        if getattr(epochs, "noise_scale_range", None) is None:
+        if not getattr(epochs, "banded", False):
             continue
         calibrated = epochs.interval(row["global_batch"])
         value = row["epochs"]["value"]

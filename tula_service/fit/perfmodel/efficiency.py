@@ -77,6 +77,7 @@ import numpy as np
 
 from tula_service.fit.perfmodel.noise_trajectory import pooled_ratio
 
+INTERVAL_Z = 1.2816  # the standard normal's 90% quantile: an 80% interval, as the calibrated one's (epochs_calibration.QUANTILES)
 OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw")  # the LR grows with sqrt(step gain)
 TINY_NOISE_SCALE = 1e-9  # x the reference batch: a B_noise this small gives E(B) = E_ref B / B_ref to 1e-9
 
@@ -155,12 +156,17 @@ class EpochModel:
     def __init__(
         self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
         min_epochs: float | None = None, optimizer: str = "sgd", lr_headroom: float | None = None,
-        noise_scale_range: tuple[float, float] | None = None,
+        noise_scale_range: tuple[float, float] | None = None, log_covariance: list[list[float]] | None = None,
+        run_scatter_log: float | None = None,
     ):  # fmt: skip
         """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run.
         optimizer: how the LR buys a step gain (lr_multiplier_of_gain). lr_headroom: the measured stability
         headroom h (>= 1 caps the LR there; below 1 the reference LR is already past it, and the cap is 1).
-        noise_scale_range: the calibrated interval of B_noise (tula_service.fit.epochs_calibration), for interval()."""
+        noise_scale_range: the calibrated interval of B_noise (tula_service.fit.epochs_calibration), for interval().
+        log_covariance, run_scatter_log: the covariance of (ln E_min, ln B_noise) of a fit to measured runs with a
+        prior (`fit_epochs_to_runs`) and a run's scatter in ln epochs that it assumed, for interval() of such a fit."""
+        self.log_covariance = None if log_covariance is None else np.asarray(log_covariance, dtype=float)
+        self.run_scatter_log = run_scatter_log
         if noise_scale_range is not None and not (0 <= noise_scale_range[0] <= noise_scale_range[1]):
             raise ValueError(f"noise_scale_range must be 0 <= low <= high, got {noise_scale_range}")
         self.noise_scale_range = None if noise_scale_range is None else (float(noise_scale_range[0]), float(noise_scale_range[1]))
@@ -204,11 +210,18 @@ class EpochModel:
         free = self.min_epochs * (1.0 + batch / self.noise_scale)
         return float(self._floored(free, batch)), float(self._floored(free * self.capped_step_factor(batch), batch))
 
+    @property
+    def banded(self) -> bool:
+        """Whether interval() gives every batch a band: a calibrated noise-scale range, or a fit to runs with a covariance."""
+        return self.noise_scale_range is not None or (self.min_epochs_fitted and self.log_covariance is not None)
+
     def interval(self, global_batch: float) -> tuple[float, float] | None:
         """The epochs at this batch over the calibrated noise-scale range: E(B) with B_noise at each end of
         noise_scale_range, E_min re-anchored at the reference run as predict's is, each end with its own LR cap and
         cap_interval; joined with this model's prediction and cap_interval. Without a range (or with E_min fitted to
         measured runs, which the range was not measured for) the cap's interval alone, else None."""
+        if self.min_epochs_fitted and self.log_covariance is not None:
+            return self._fitted_interval(global_batch)
         models = [self]
         if self.noise_scale_range is not None and self.noise_scale and not self.min_epochs_fitted:
             # a range that reaches 0 ends at the steps bound E_ref B / B_ref, the limit B_noise -> 0 (a tiny B_noise gives it)
@@ -218,6 +231,20 @@ class EpochModel:
         ends = [float(m.predict(global_batch)) for m in models]
         ends += [end for m in models for end in (m.cap_interval(global_batch) or ())]
         return min(ends), max(ends)
+
+    def _fitted_interval(self, global_batch: float) -> tuple[float, float]:
+        """The 80% prediction interval of the epochs a run at B would measure, from a fit to measured runs: ln E(B) =
+        ln E_min + ln(1 + B / B_noise) has the gradient J = [1, -(B / B_noise) / (1 + B / B_noise)] in (ln E_min,
+        ln B_noise), so the curve's variance is J C J^T with C the fit's log_covariance (the delta method), and a run's
+        own scatter about it, s^2 (run_scatter_log), adds to it: the ends are E(B) exp(-+ z sqrt(J C J^T + s^2));
+        floored as predict is."""
+        batch = float(global_batch)
+        share = (batch / self.noise_scale) / (1.0 + batch / self.noise_scale)
+        gradient = np.array([1.0, -share])
+        variance = float(gradient @ self.log_covariance @ gradient) + (self.run_scatter_log or 0.0) ** 2
+        spread = INTERVAL_Z * math.sqrt(max(variance, 0.0))
+        value = self.min_epochs * (1.0 + batch / self.noise_scale)
+        return float(self._floored(value * math.exp(-spread), batch)), float(self._floored(value * math.exp(spread), batch))
 
     def _with_noise_scale(self, noise_scale: float) -> "EpochModel":
         return EpochModel(self.reference_batch, self.reference_epochs, noise_scale, self.max_step_gain,
@@ -284,8 +311,9 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
 
     so runs close together in batch (which pin B_noise down poorly: their epochs differ by little more than their
     scatter) lean on the statistics, and runs far apart outweigh them; `interval` is then the 80% interval of
-    B_noise from the curvature at the optimum (Laplace: the covariance (J^T J)^-1 of the standardized residuals), and
-    `runs_alone` the fit without the prior, for comparison."""
+    B_noise from the curvature at the optimum (Laplace: the covariance (J^T J)^-1 of the standardized residuals, given
+    as `log_covariance` of (ln E_min, ln B_noise) for EpochModel.interval), and `runs_alone` the fit without the
+    prior, for comparison."""
     from scipy.optimize import least_squares
 
     batch = np.asarray(batches, dtype=float)
@@ -311,8 +339,6 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
     return _fit_with_prior(batch, measured, prior) | {"runs_alone": alone}
 
 
-INTERVAL_Z = 1.2816  # the standard normal's 90% quantile: an 80% interval, as the calibrated one's (epochs_calibration.QUANTILES)
-
 
 def _fit_with_prior(batch: np.ndarray, measured: np.ndarray, prior: dict[str, float]) -> dict[str, Any]:
     """The maximum a posteriori fit of fit_epochs_to_runs (its docstring)."""
@@ -334,7 +360,8 @@ def _fit_with_prior(batch: np.ndarray, measured: np.ndarray, prior: dict[str, fl
     spread = INTERVAL_Z * math.sqrt(max(float(covariance[1, 1]), 0.0))
     return {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False,
             "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale),
-            "interval": [noise_scale * math.exp(-spread), noise_scale * math.exp(spread)], "prior": dict(prior)}  # fmt: skip
+            "interval": [noise_scale * math.exp(-spread), noise_scale * math.exp(spread)], "prior": dict(prior),
+            "log_covariance": covariance.tolist()}  # fmt: skip
 
 
 def _rms_log(batch: np.ndarray, measured: np.ndarray, min_epochs: float, noise_scale: float) -> float:
