@@ -400,6 +400,16 @@ def test_every_number_in_the_recommendation_card_says_where_it_came_from(tab, se
         assert all(badge.inner_text().split(" ")[0] in allowed for badge in badges)
 
 
+def test_the_run_to_measure_next_is_named_with_its_predicted_epochs(tab, server):
+    """The handmade job's epochs rest on the initial weights' noise scale: the card names the run that would settle
+    them (models.efficiency.next_run), as the API does."""
+    run = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["models"]["efficiency"]["next_run"]
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    assert page.inner_text("#next-run-batch") == f"global batch {run['batch']}"
+    assert "training.other_runs" in page.locator("#recommendation-body .facts dd", has=page.locator("#next-run-batch")).inner_text()
+
+
 def test_an_unreliable_profile_is_a_banner_above_the_recommendation(tab, server):
     page = tab.open(f"/jobs/{server.noisy_id}")
     wait_for_plan(page, "stored")

@@ -68,6 +68,7 @@ export function renderRecommendation(container, rec, context) {
         sourced(rec.device.memory_gib, (gib) => `${significant(gib)} GiB`)]),
       item("Price", sourced(price, (usd) => `${formatUsd(usd)} ${PRICE_UNIT[rec.pricing.kind]}`)),
       efficiency.noise_scale ? noiseScaleItem(efficiency) : [],
+      nextRunItem(efficiency.next_run),
       lrItem(lr),
       warmupItem(rec.training_advice.warmup),
       scheduleItem(rec.training_advice.batch_schedule),
@@ -97,6 +98,15 @@ function noiseScaleItem(efficiency) {
   const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}${calibrated}`;
   const why = [efficiency.note, noise.calibrated_interval?.why, ...(efficiency.warnings || [])].filter(Boolean).join(" ");
   return item("Noise scale", badged(text + (efficiency.weak ? " (weak evidence)" : ""), "fitted"), why);
+}
+
+// The run whose epochs would settle the epochs model (efficiency_evidence.next_run), until runs are given.
+function nextRunItem(run) {
+  if (!run) return [];
+  const interval = run.predicted_epochs_interval;
+  const range = interval ? ` (80%: ${significant(interval[0])} – ${significant(interval[1])})` : "";
+  return item("Measure next", [el("span", { id: "next-run-batch" }, `global batch ${run.batch}`), " to the same target: ",
+    badged(`${significant(run.predicted_epochs)} epochs predicted now${range}`, "predicted")], run.why);
 }
 
 function copyBlock(label, id, text, open) {
