@@ -228,6 +228,24 @@ def test_plan_with_another_reference_run_and_an_lr_ceiling(done_job):
     assert refused.returncode == 2 and "training" in refused.stderr and "needs reference_lr" in refused.stderr
 
 
+def test_plan_with_a_run_measured_where_the_answer_said_fits_the_runs(done_job):
+    """The run the answer names (models.efficiency.next_run), measured and given back with --other-run: the epochs
+    come from the runs now, with the stored noise scale as their prior, and no further run is named."""
+    server, job_id, _ = done_job
+    stored = json.loads(tula("show", job_id, "--json", "--server", server.url).stdout)["recommendation"]
+    batch = stored["models"]["efficiency"]["next_run"]["batch"]
+    planned = tula("plan", job_id, "--other-run", f"{batch}:14.5", "--json", "--server", server.url)
+    assert planned.returncode == 0, planned.stderr
+    body = json.loads(planned.stdout)
+    assert body["what_if"] == {"training": {"other_runs": [{"batch": batch, "epochs": 14.5}]}}
+    efficiency = body["models"]["efficiency"]
+    assert efficiency["noise_scale"]["evidence"] == "other_runs" and efficiency["next_run"] is None
+    assert "prior" in efficiency["evidence"]["candidates"][0]["detail"]
+    for bad in ("256", "256:0", "x:3", "0:3"):
+        refused = tula("plan", job_id, "--other-run", bad, "--server", server.url)
+        assert refused.returncode == 2 and "is not BATCH:EPOCHS" in refused.stderr, (bad, refused.stderr)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -326,7 +344,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     assert run["batch"] == 256 and (f"  to settle the epochs: measure a run at global batch 256 to the same target and give its "
                                     f"epochs as training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs "
                                     f"(80%: {human_number(run['predicted_epochs_interval'][0])}-"
-                                    f"{human_number(run['predicted_epochs_interval'][1])}))") in lines  # fmt: skip
+                                    f"{human_number(run['predicted_epochs_interval'][1])}); tula plan JOB --other-run 256:EPOCHS)") in lines  # fmt: skip
     assert f"    - LR stability {LR_STABILITY_ASSUMED}" not in lines  # the chosen batch is the reference: the LR is not raised
     small_reference = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_batch": 8}))
     raised = format_recommendation(plan(small_reference, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

@@ -64,6 +64,16 @@ def duration_h(text: str) -> float:
     return hours
 
 
+def run_result(text: str) -> dict[str, Any]:
+    """`256:14.5`: epochs to the same target measured at a global batch, as one of training.other_runs."""
+    batch, _, epochs = text.partition(":")
+    try:
+        run = {"batch": positive_int(batch.strip()), "epochs": positive_float(epochs.strip())}
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not BATCH:EPOCHS (a whole batch >= 1, epochs > 0), e.g. 256:14.5") from None
+    return run
+
+
 # --- talking to the server: its refusals and failures as one CliError each ---------------------------
 
 
@@ -220,7 +230,7 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
     if args.price is not None:
         pricing["price"] = args.price
     training = {key: value for key, value in (("reference_epochs", args.reference_epochs), ("reference_lr", args.reference_lr),
-                                              ("max_lr", args.max_lr)) if value is not None}  # fmt: skip
+                                              ("max_lr", args.max_lr), ("other_runs", args.other_runs)) if value is not None}  # fmt: skip
 
     # --deadline alone means the deadline objective, --budget alone the budget one; both is ambiguous.
     objective = args.objective
@@ -343,7 +353,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 WHAT_IF_FLAGS = ("gpus", "nodes", "gpus_per_node", "gpu_type", "device_memory_gib", "price", "pricing_kind", "objective",
-                 "deadline_h", "budget", "reference_epochs", "reference_lr", "max_lr")  # fmt: skip
+                 "deadline_h", "budget", "reference_epochs", "reference_lr", "max_lr", "other_runs")  # fmt: skip
 
 
 def _measurement_files(paths: list[str]) -> tuple[list[dict[str, Any]], str | None]:
@@ -516,6 +526,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--reference-epochs", type=positive_float, help="epochs the reference run needs (re-anchors E(B))")
     plan.add_argument("--reference-lr", type=positive_float, help="learning rate of the reference run")
     plan.add_argument("--max-lr", type=positive_float, help="largest learning rate the model trains stably with")
+    plan.add_argument("--other-run", dest="other_runs", action="append", type=run_result, metavar="BATCH:EPOCHS",
+                      help="epochs to the same target measured at another global batch (repeatable; replaces "
+                      "training.other_runs): E_min and B_noise are fitted to the runs, the noise scale read as their prior")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)
 

@@ -136,7 +136,8 @@ def _next_run_lines(efficiency: dict[str, Any]) -> list[str]:
         return []
     interval = f" (80%: {_range(run['predicted_epochs_interval'])})" if run.get("predicted_epochs_interval") else ""
     return [f"  to settle the epochs: measure a run at global batch {run['batch']} to the same target and give its epochs as "
-            f"training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs{interval})"]
+            f"training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs{interval}; "
+            f"tula plan JOB --other-run {run['batch']}:EPOCHS)"]
 
 
 def _range(ends: list[float], human: Any = human_number) -> str:
