@@ -11,8 +11,8 @@ two, and the regret of the min-time pick; next to it, the runs alone (the same f
 
 MULTIPLES are the second run's batch over the reference batch reported per task; ADVISED_MULTIPLE is the one the
 service names when it suggests a run (efficiency_evidence.NEXT_RUN_MULTIPLE must equal it), and the summary line
-is at it. Caveat: the prior's factors and the run scatter come from configs/epochs_calibration.json, measured on
-these same tasks (each task's weight in them is 1/14), so the joint fit is not fully held out here.
+is at it. The prior's factors and the run scatter come from configs/epochs_calibration.json, measured on these same
+tasks; so each task is scored with them computed without it (held_out_calibration), as a held-out task would be.
 
 The joint fit's 80% interval of the epochs (EpochModel.interval from the fit's covariance) is checked too: how many
 of the other batches' measured epochs fall inside it (inside_80pct_interval, summed over the tasks).
@@ -25,9 +25,12 @@ Line (printed by benchmarks/statistical_efficiency.py before its own):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from tula_service.fit import epochs_calibration
 
 MULTIPLES = (2, 4, 8, 16)  # the second run's batch / the reference batch, as reported per task
 ADVISED_MULTIPLE = 8  # the one the service suggests (efficiency_evidence.NEXT_RUN_MULTIPLE) and the summary line's
@@ -62,6 +65,35 @@ def one_more_run(epochs: dict[int, float], reference_batch: int, service_model: 
             "runs_alone": {"noise_scale": alone["noise_scale"], "median_abs_epochs_err_pct": alone_err, "regret": alone_regret},
         }  # fmt: skip
     return rows
+
+
+@contextmanager
+def held_out_calibration(task: str) -> Iterator[dict[str, Any] | None]:
+    """The service reads the shipped calibration with `task` left out of it: every kind of evidence's factors and
+    median ratio from the other tasks' ratios, the run scatter from the other tasks' (epochs_calibration), so a task is
+    not scored with a prior that it helped to set. Yields the calibration used (None without a shipped one)."""
+    shipped = epochs_calibration.load_calibration()
+    if not shipped:
+        yield None
+        return
+    evidence = {}
+    for key, entry in shipped.get("evidence", {}).items():
+        ratios = {name: [math.inf if k == "inf" else float(k) for k in ks] for name, ks in entry["ratios"].items() if name != task}
+        factors = epochs_calibration.calibration_factors(ratios)
+        if factors is not None:
+            evidence[key] = {**entry, **{name: factors[name] for name in ("factors", "quantiles", "tasks", "pairs", "median_ratio")}}
+    held_out = {**shipped, "evidence": evidence}
+    if shipped.get("run_scatter"):
+        scatter = epochs_calibration.run_scatter({name: v for name, v in shipped["run_scatter"]["per_task"].items() if name != task})
+        held_out.pop("run_scatter")
+        if scatter:
+            held_out["run_scatter"] = scatter
+    shipped_loader = epochs_calibration.load_calibration
+    epochs_calibration.load_calibration = lambda path=epochs_calibration.CALIBRATION_PATH: held_out
+    try:
+        yield held_out
+    finally:
+        epochs_calibration.load_calibration = shipped_loader
 
 
 def summary_line(results: list[dict[str, Any]], multiple: int = ADVISED_MULTIPLE) -> str:

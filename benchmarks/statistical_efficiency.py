@@ -418,12 +418,13 @@ def evaluate(task: Task) -> dict[str, Any]:
         "every_reference": {},
         "with_max_lr": None,
     }
-    result["one_more_run"] = one_more_run.one_more_run(
-        task.epochs, ref, lambda runs: service_model(task, ref, other_runs=runs),
-        lambda min_epochs, noise_scale: lambda b: min_epochs * (1 + b / noise_scale),
-        lambda predict, left_out: (median_abs({b: 100.0 * (predict(b) / e - 1.0) for b, e in task.epochs.items() if b not in left_out}),
-                                   regret(task, predict)["regret"]),
-    )  # fmt: skip
+    with one_more_run.held_out_calibration(task.name):  # the prior's calibration without this task
+        result["one_more_run"] = one_more_run.one_more_run(
+            task.epochs, ref, lambda runs: service_model(task, ref, other_runs=runs),
+            lambda min_epochs, noise_scale: lambda b: min_epochs * (1 + b / noise_scale),
+            lambda predict, left_out: (median_abs({b: 100.0 * (predict(b) / e - 1.0) for b, e in task.epochs.items() if b not in left_out}),
+                                       regret(task, predict)["regret"]),
+        )  # fmt: skip
     if task.max_lr and ref in task.lr:
         capped, capped_report = service_model(task, ref, with_max_lr=True)
         result["with_max_lr"] = {
@@ -804,8 +805,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   "would give them), through the service's code path: E_min and B_noise fitted to the two runs jointly with "
                   "the records' read as a prior (`efficiency_evidence.from_runs`), against the same fit without the prior "
                   "(runs alone). Median abs epochs err % over the batches other than the two, and the min-time pick's regret. "
-                  "The prior's spread and the run scatter come from `configs/epochs_calibration.json`, measured on these tasks "
-                  "(`benchmarks/one_more_run.py`).", "",
+                  "The prior's spread and the run scatter come from `configs/epochs_calibration.json`, measured on these tasks, "
+                  "each task scored with them computed without it (`benchmarks/one_more_run.py`, held_out_calibration).", "",
                   f"`{one_more_run.summary_line(results)}`", "", *one_more_run.table(results)]  # fmt: skip
     if calibrated and coverage:
         lines += ["", "### The calibrated interval", "",

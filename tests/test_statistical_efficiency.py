@@ -70,6 +70,24 @@ def test_one_more_run_at_a_batch_far_off_brings_a_wrong_read_back_and_the_servic
     assert line.startswith("one_more_run: at=8x tasks=1 ") and "tasks_over_15pct=0" in line
 
 
+def test_a_task_is_scored_with_the_prior_calibrated_without_it():
+    """One more run's prior (its factors, median ratio and run scatter) comes from the shipped calibration with the
+    scored task left out, and the shipped one is back afterwards."""
+    import one_more_run
+
+    from tula_service.fit import epochs_calibration
+
+    shipped = epochs_calibration.load_calibration()
+    task = sorted(shipped["run_scatter"]["per_task"])[0]
+    with one_more_run.held_out_calibration(task) as held:
+        assert epochs_calibration.load_calibration() is held
+        assert held["evidence"]["reference_run"]["tasks"] == shipped["evidence"]["reference_run"]["tasks"] - 1
+        assert held["run_scatter"]["tasks"] == shipped["run_scatter"]["tasks"] - 1 and task not in held["run_scatter"]["per_task"]
+        prior = epochs_calibration.noise_scale_prior("reference_run", 100.0)
+        assert prior["run_scatter_log"] == held["run_scatter"]["rms_log"]
+    assert epochs_calibration.load_calibration() is shipped
+
+
 def test_the_truth_floor_of_an_exact_truth_is_its_own_noise_scale_with_no_error():
     floor = se.evaluate(synthetic_task(noise_scale=400.0))["truth_floor"]
     assert floor["best_noise_scale"] == pytest.approx(400.0, rel=0.01)

@@ -97,8 +97,8 @@ NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
     "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 14 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 15.7% to 9.6% and the worst task's from 63.9% to 18.5%; one at 2x helped less "
-    "(18.5%, worst 42.3%): runs close together differ by little more than a run's scatter"
+    "took the median epochs error from 15.7% to 9.5% and the worst task's from 63.9% to 18.5%; one at 2x helped less "
+    "(18.9%, worst 42.7%): runs close together differ by little more than a run's scatter"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
