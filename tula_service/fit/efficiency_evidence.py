@@ -277,8 +277,9 @@ def from_runs(spec: JobSpec, statistics: NoiseEvidence | None = None) -> NoiseEv
     """E_min and B_noise fitted to the epochs of the reference run and training.other_runs. With a noise scale read
     from gradient statistics (`statistics`, the best such evidence) and a calibration to weigh it by, jointly with it as
     a prior (perfmodel.efficiency.fit_epochs_to_runs; epochs_calibration.noise_scale_prior): two runs close together in
-    batch pin B_noise down poorly, and measured on the benchmark's tasks (benchmarks/statistical_efficiency.py, "One
-    more run") the prior halved the worst error of such pairs and left the far-apart ones as they were."""
+    batch pin B_noise down poorly: measured on the benchmark's tasks (benchmarks/statistical_efficiency.py, "One more
+    run"), with a second run at 2x the reference batch the prior took the worst task's error from 57% to 43% and the
+    worst regret from 3.36 to 1.18, and left runs 8x apart about as they were."""
     training = spec.training
     if not training.other_runs:
         return None
