@@ -181,3 +181,21 @@ def test_a_reference_run_cut_short_of_its_target_is_as_uncertain_as_a_pilot_that
     assert noise["short"]["evidence"] == "reference_run" and noise["short"]["calibrated_interval"]["calibration"] == "prefix@0.25"
     width = {name: n["calibrated_interval"]["value"][1] / n["calibrated_interval"]["value"][0] for name, n in noise.items()}
     assert width["short"] > width["whole"]
+
+
+def test_a_prior_comes_from_the_calibration_and_a_degenerate_one_gives_none():
+    """ln B_noise ~ N(ln(read x median ratio), ln(q_hi / q_lo) / (2 z)); factors that meet or reach 0 give no prior (the
+    runs alone decide), and so does a calibration without a run scatter."""
+    from statistics import NormalDist
+
+    from tula_service.fit.epochs_calibration import noise_scale_prior
+
+    entry = {"factors": [0.5, 2.0], "quantiles": [0.1, 0.9], "median_ratio": 0.8}
+    calibration = {"evidence": {"reference_run": entry}, "run_scatter": {"rms_log": 0.1}}
+    prior = noise_scale_prior("reference_run", 100.0, calibration)
+    assert prior["center"] == pytest.approx(80.0) and prior["run_scatter_log"] == 0.1
+    assert prior["sigma_log"] == pytest.approx(np.log(4.0) / (2 * NormalDist().inv_cdf(0.9)))
+    for factors in ([1.0, 1.0], [0.0, 2.0]):
+        assert noise_scale_prior("reference_run", 100.0, {**calibration, "evidence": {"reference_run": {**entry, "factors": factors}}}) is None
+    assert noise_scale_prior("reference_run", 100.0, {"evidence": {"reference_run": entry}}) is None
+    assert noise_scale_prior("reference_run", None, calibration) is None

@@ -182,6 +182,8 @@ def noise_scale_prior(source: str, noise_scale: float | None, calibration: dict[
         return None
     key, entry = found
     low_factor, high_factor = entry["factors"]
+    if not (0 < low_factor < high_factor < math.inf and entry["median_ratio"] > 0 and scatter["rms_log"] > 0):
+        return None  # a degenerate calibration (factors that meet, 0 or infinite) weighs nothing: the runs alone decide
     z = float(NormalDist().inv_cdf(entry["quantiles"][1]))
     return {"center": noise_scale * entry["median_ratio"], "sigma_log": math.log(high_factor / low_factor) / (2 * z),
             "run_scatter_log": scatter["rms_log"], "source": source, "read": noise_scale, "calibration": key}  # fmt: skip
