@@ -67,7 +67,6 @@ import json
 import statistics
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -211,8 +210,12 @@ class TulaRun:
         """The telemetry record of a window; its step time, accumulation and device batch are those of the
         window's most common number of forward passes per step (module docstring)."""
         world = self.logger.world_size
-        counts = collections.Counter(passes for passes, _ in self._step_times if passes > 0)
-        passes = max(counts, key=lambda n: (counts[n], n)) if counts else self.accumulation
+        counted = [passes for passes, _ in self._step_times if passes > 0]
+        if counted and counted.count(counted[0]) == len(counted):  # every step alike: the usual window, kept cheap
+            counts, passes = {counted[0]: len(counted)}, counted[0]
+        else:
+            counts = collections.Counter(counted)
+            passes = max(counts, key=lambda n: (counts[n], n)) if counts else self.accumulation
         record = {"step": stats["step"], "wall_time_s": now - self._started, "accumulation": passes,
                   "device_batch": max(1, stats["batch"] // (world * passes))}  # fmt: skip
         times = [seconds for n, seconds in self._step_times if n == passes or not counts]

@@ -319,6 +319,7 @@ def test_a_pick_at_the_edge_of_the_search_is_said_under_the_chosen_configuration
     assert lines[at] == f"  at the edge of the search: {rec['search_space']['chosen_at_edge']['why']}"
     assert lines[at - 1].startswith("  ") and any(line.startswith("chosen: ") for line in lines[:at])
 
+
 def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats():
     from tests.handmade import measurement
     from tula_service.cli.human import human_duration, human_number

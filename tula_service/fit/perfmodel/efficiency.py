@@ -339,7 +339,6 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
     return _fit_with_prior(batch, measured, prior) | {"runs_alone": alone}
 
 
-
 def _fit_with_prior(batch: np.ndarray, measured: np.ndarray, prior: dict[str, float]) -> dict[str, Any]:
     """The maximum a posteriori fit of fit_epochs_to_runs (its docstring)."""
     from scipy.optimize import least_squares
