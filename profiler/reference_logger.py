@@ -220,6 +220,7 @@ class GradientStatsLogger:
         self._stability: tuple[float, float] | None = None  # (headroom, LR) of the most restrictive measurement
         self._prev_norm: float | None = None
         self._tally = _StepTally()
+        self._cpu_read_at_once = "cpu" in self.READ_AT_ONCE
         self._hooks = []  # the forward hook: every step
         self._grad_hooks: list[Any] = []  # per parameter: only on the steps that take statistics
         if device_batch is None:
@@ -232,7 +233,11 @@ class GradientStatsLogger:
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():
-            self._tally.forward_sizes.append(_leading_dim(args, kwargs))
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.dim() > 0:  # model(x): every step's pass, so kept short
+                self._tally.forward_sizes.append(first.shape[0])
+            else:
+                self._tally.forward_sizes.append(_leading_dim(args, kwargs))
 
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         """Autograd calls this with the parameter's gradient from this backward pass alone (before it is
@@ -312,9 +317,12 @@ class GradientStatsLogger:
         if isinstance(loss, torch.Tensor):
             if loss.numel() != 1:
                 raise ValueError(f"loss must be a float or a one-element tensor, got a tensor of shape {tuple(loss.shape)}")
-            if loss.device.type in self.READ_AT_ONCE:  # nothing to wait for: a float now is cheaper than a view kept
+            # nothing to wait for: a float now is cheaper than a view kept. (loss.device builds a torch.device, which cost
+            # more than the rest of a plain step's call in a training loop: is_cpu and is_cuda are plain attributes.)
+            if self._cpu_read_at_once if loss.is_cpu else (not loss.is_cuda and loss.device.type in self.READ_AT_ONCE):
                 loss = loss.item()
-        if not self.sampling:  # no gradient hooks ran, only the forward sizes were tallied: count the samples and the loss
+        sampling = self.sampling
+        if not sampling:  # no gradient hooks ran, only the forward sizes were tallied: count the samples and the loss
             forward_sizes, self._tally.forward_sizes = self._tally.forward_sizes, []  # a step that raises below is dropped
             sizes = self._unsampled_sizes(forward_sizes)
             squared_norms, precond_ok, micro_batches = None, False, self.accumulation
@@ -333,16 +341,23 @@ class GradientStatsLogger:
         self._rows_device.append(squared_norms)
         if isinstance(loss, torch.Tensor):
             self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
+        if len(sizes) == 1:  # one pass: the common plain step (this runs on every step, so it is kept short)
+            samples = sizes[0]
+            samples_sq = samples * samples
+        else:
+            samples, samples_sq = sum(sizes), sum([size * size for size in sizes])
         self._rows_host.append([
             0.0 if loss is None or isinstance(loss, torch.Tensor) else float(loss), float(loss is not None), float(micro_batches),
-            float(sum(sizes)), float(sum(s * s for s in sizes)), float(precond_ok),
+            float(samples), float(samples_sq), float(precond_ok),
         ])  # fmt: skip
         if metric is not None:
             self._metric = float(metric)
         self.steps += 1
         if self._pending_sample_every is not None:
             self.set_sample_every(self._pending_sample_every)
-        self._hook_gradients(self.sampling)
+        coming = self.sampling
+        if coming != bool(self._grad_hooks):  # the hooks on for a pair's steps, off after it
+            self._hook_gradients(coming)
         return self._write_window() if len(self._rows_device) >= self.every else None
 
     def _squared_norms(self, tally: _StepTally, micro_batches: int) -> tuple[torch.Tensor, bool]:
@@ -420,7 +435,7 @@ class GradientStatsLogger:
             for i, values in zip(sampled, device.cpu().tolist() if device is not None else []):
                 rows[i][:DEVICE_COLUMNS] = values
         self._rows_device, self._rows_host = [], []
-        record = self._record(rows)
+        record = self._record(rows) if sampled else self._counts_record(rows)
         self._metric = None
         if record is None:
             return None
@@ -432,6 +447,20 @@ class GradientStatsLogger:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         return record
+
+    def _counts_record(self, rows: list[list[float]]) -> dict[str, Any] | None:
+        """_record of a window in which no step took statistics (the common window under sparse sampling), without
+        its per-row pass: the samples, the loss and the batch, or None where counts-only records are not wanted."""
+        samples = [round(row[SAMPLES]) for row in rows]
+        self.samples += sum(samples)
+        if rows and self.sample_every > 1:
+            self._prev_norm = None  # the variability is step to step: no pair across a gap
+        if not self.counts_only_records or not rows:
+            return None
+        losses = [row[LOSS_SUM] / row[LOSS_COUNT] for row in rows if row[LOSS_COUNT] > 0]
+        batch = samples[0] if samples.count(samples[0]) == len(samples) else Counter(samples).most_common(1)[0][0]
+        return {**dict.fromkeys(RECORD_KEYS), "samples": self.samples, "step": self.steps, "window_steps": 0, "metric": self._metric,
+                "batch": batch, "loss": math.fsum(losses) / len(losses) if losses else None}  # fmt: skip
 
     def _record(self, rows: list[list[float]]) -> dict[str, Any] | None:
         """One record from a window's rows, summed over the ranks; None when no step gave statistics."""

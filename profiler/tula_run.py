@@ -40,7 +40,12 @@ step's way (issue 17).
   steps make each window's |G|^2 and tr(Sigma) noisier (window_steps says how many steps each averages);
   a window with none still sends its record (samples, step time, loss) without statistics, with or without a
   budget, as does a window whose every step was left out of them (clipped, overflowed). Not counted:
-  the sender thread's posts, which run beside the loop, and the forward pre-hooks (microseconds).
+  the sender thread's posts, which run beside the loop, and what the client costs the loop outside its calls: the
+  forward pre-hook (10-14 us a step in a training loop on this repository's CPU, against 0.5 us timed alone) and
+  the Python work's toll on the steps around it. benchmarks/client_overhead.py measures the whole against plain
+  steps: the fixed cost every step pays was 2.3-2.5 times what the calls take (28-36 us against 11-15 us,
+  docs/validation/client_overhead.md), so the estimate is low by that much and the budget samples more densely
+  than it would if it knew.
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
   timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
   interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The

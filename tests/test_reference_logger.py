@@ -292,6 +292,33 @@ def test_a_window_without_a_sampled_step_writes_its_counts_only_when_asked(tmp_p
         assert second["grad_sqr"] is None and second["trace_sigma"] is None and second["loss"] > 0
 
 
+def test_a_counts_only_window_of_unequal_plain_steps_counts_every_pass_and_takes_the_common_batch():
+    """The counts-only record (no step of the window sampled) has its own short path: its samples count every forward
+    pass of every step (one pass or several, of any size), its batch is the window's most common, its loss the mean of
+    the losses given (floats and tensors alike)."""
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(None, model, optimizer, every=4, accumulation=2, sample_every=8, counts_only_records=True)
+    batches = iter(_batches(steps=8))
+    for _ in range(4):  # the first window: steps 0 and 1 sampled
+        _train(model, optimizer, logger, [next(batches)], micro_batches=2 if logger.sampling else 1)
+    sizes, losses = [(32,), (16, 16), (20,), (32,)], [0.5, 1.0, 2.0, 4.5]
+    for step_sizes, loss in zip(sizes, losses):
+        assert not logger.sampling
+        inputs, targets = next(batches)
+        optimizer.zero_grad()
+        start = 0
+        for size in step_sizes:
+            F.cross_entropy(model(inputs[start : start + size]), targets[start : start + size]).backward()
+            start += size
+        record = logger.step(loss=torch.tensor([loss]) if loss > 1 else loss)
+        optimizer.step()
+    assert record["window_steps"] == 0 and record["grad_sqr"] is None and record["variability"] is None
+    assert (record["step"], record["batch"], record["samples"]) == (8, 32, 4 * 32 + 32 + 32 + 20 + 32)
+    assert record["loss"] == pytest.approx(sum(losses) / 4, rel=1e-12)
+    logger.close()
+
+
 def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path):
     model = _tiny_model()
     optimizer = _optimizer("adam", model)
