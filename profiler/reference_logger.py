@@ -455,9 +455,13 @@ class GradientStatsLogger:
         self.samples += sum(samples)
         if rows and self.sample_every > 1:
             self._prev_norm = None  # the variability is step to step: no pair across a gap
-        if not self.counts_only_records or not rows:
+        return self._counts_only(samples, [row[LOSS_SUM] / row[LOSS_COUNT] for row in rows if row[LOSS_COUNT] > 0])
+
+    def _counts_only(self, samples: list[int], losses: list[float]) -> dict[str, Any] | None:
+        """The record of a window whose steps gave no statistics (none sampled, or every sampled one left out):
+        its counts, the most common batch and the mean loss; None where counts-only records are not wanted."""
+        if not self.counts_only_records or not samples:
             return None
-        losses = [row[LOSS_SUM] / row[LOSS_COUNT] for row in rows if row[LOSS_COUNT] > 0]
         batch = samples[0] if samples.count(samples[0]) == len(samples) else Counter(samples).most_common(1)[0][0]
         return {**dict.fromkeys(RECORD_KEYS), "samples": self.samples, "step": self.steps, "window_steps": 0, "metric": self._metric,
                 "batch": batch, "loss": math.fsum(losses) / len(losses) if losses else None}  # fmt: skip
@@ -487,11 +491,7 @@ class GradientStatsLogger:
                 steps.append((round(samples), samples / count, row[MICRO_SQ] / count, full_sq,
                               row[PRE_MICRO_SQ] / count if precond else math.nan, row[PRE_FULL_SQ] / world))  # fmt: skip
         if not steps:
-            if not self.counts_only_records or not rows:
-                return None
-            return {**dict.fromkeys(RECORD_KEYS), "samples": self.samples, "step": self.steps, "window_steps": 0, "metric": self._metric,
-                    "batch": Counter(round(row[SAMPLES]) for row in rows).most_common(1)[0][0],
-                    "loss": statistics.fmean(losses) if losses else None}  # fmt: skip
+            return self._counts_only([round(row[SAMPLES]) for row in rows], losses)
         batch = Counter(s[0] for s in steps).most_common(1)[0][0]
         steps = [s for s in steps if s[0] == batch]
         micro_batch = round(steps[0][1])
