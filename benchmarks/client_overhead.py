@@ -28,8 +28,11 @@ batch online.py trains it at (its static pick, docs/validation/online.json):
 Last line: `client_overhead: tasks=N overhead_pct=X fixed_us=Y a_a_pct=Z` (medians over tasks of the client arm's %,
 client_plain_steps' microseconds, and |A/A| %).
 
-Run:  .venv/bin/python benchmarks/client_overhead.py [--quick] [--tasks NAME ...] [--rounds N]
-      --quick: fewer rounds, prints only (nothing is written). Full: docs/validation/client_overhead.md.
+On a GPU (--device cuda; benchmarks/gpu_check.py runs it): the data and models there, every block ending in a
+device synchronization; the batches are still the CPU's picks from online.json.
+
+Run:  .venv/bin/python benchmarks/client_overhead.py [--quick] [--tasks NAME ...] [--rounds N] [--device cpu|cuda] [--out DIR]
+      --quick: fewer rounds, its report in a temporary folder. Full: docs/validation/client_overhead.md.
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def task_batch(name: str) -> tuple[int, float]:
     return task.reference_batch, task.reference_lr
 
 
-def measure(name: str, rounds: int) -> dict[str, Any]:
+def measure(name: str, rounds: int, device: str = "cpu") -> dict[str, Any]:
     """Seconds per step of each arm per round, and the seconds inside the clients' step() calls (module docstring)."""
     task = TASKS[name]
     batch, lr = task_batch(name)
-    data = task_data(task)
+    data = {key: tensor.to(device) for key, tensor in task_data(task).items()}
     models = {arm: online.on_device(task, 0, data) for arm in ARMS}
     optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
     start = {key: tensor.clone() for key, tensor in models["plain"].state_dict().items()}
@@ -108,6 +111,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
                 optimizer.state.clear()
                 stream = BatchStream(task.train_samples, torch.Generator().manual_seed(1_000 + round_))
                 batches = [stream.next(batch) for _ in range(BLOCK_STEPS)]
+                online.synchronize(data)
                 started = time.perf_counter()
                 for rows in batches:
                     inputs, targets = data["train_x"][rows], data["train_y"][rows]
@@ -115,6 +119,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
                         online.plain_step(model, optimizer, inputs, targets)
                     else:
                         online.split_step(model, optimizer, inputs, targets, client)
+                online.synchronize(data)
                 seconds[arm].append((time.perf_counter() - started) / BLOCK_STEPS)
                 if client is not None:  # the client's own timing of its plain steps' calls (window ends included)
                     calls = list(client._plain_call_s)[-BLOCK_STEPS:]
@@ -194,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds; writes nothing")
     parser.add_argument("--tasks", nargs="+", default=list(online.DEFAULT_TASKS), choices=sorted(TASKS))
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (benchmarks/gpu_check.py: cuda)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "validation", help="folder of client_overhead.md (full runs)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     rows = []
     for name in args.tasks:
-        row = summarize(measure(name, rounds))
+        row = summarize(measure(name, rounds, args.device))
         rows.append(row)
         print(f"{row['task']:20s} batch {row['batch']:5d} plain {row['plain_step_us']:7.0f} us  A/A {_cost(row, 'plain_again')}  "
               f"client {_cost(row, 'client')} (step() {row['client_inside_step_us']:.1f} us, period {row['sample_every']})  "

@@ -6,9 +6,12 @@
    check goes on.
 2. Issue 17 on a GPU: benchmarks/online.py --device cuda (the server profiles on the GPU, the runs train there,
    the real client sends telemetry to the real server) with --seeds seeds, its report in OUT/online.
+3. The client's own cost per step on the GPU: benchmarks/client_overhead.py --device cuda over CLIENT_ROUNDS rounds,
+   its report in OUT/client_overhead (the fixed cost every step pays, and the budget's client, in microseconds).
 
 Without CUDA it says so and exits 0. Last line:
-`gpu_check: profiled_models=N/M max_cv_pct=X min_mem_r2=Y oom_probe=STATUS online_tasks=K time_ratio_vs_static=R overhead_pct=P`
+`gpu_check: profiled_models=N/M max_cv_pct=X min_mem_r2=Y oom_probe=STATUS online_tasks=K time_ratio_vs_static=R overhead_pct=P
+client_fixed_us=F client_overhead_pct=C`
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--seeds N] [--tasks NAME ...] [--oom-probe-only]
      --out: where online.md/json and gpu_check.json go (default: a temporary folder, never tracked files).
@@ -26,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import client_overhead  # noqa: E402
 import online  # noqa: E402
 import profile_fidelity  # noqa: E402
 
@@ -33,6 +37,7 @@ from tula_service.units import GIB  # noqa: E402
 
 PRECISIONS = ({"dtype": "fp32", "channels_last": False}, {"dtype": "bf16", "channels_last": True})
 POINT_TIME_CAP_S = 1.0
+CLIENT_ROUNDS = 16  # about 30 s on the three tasks' 1-2 ms GPU steps
 OOM_PROBE = {**profile_fidelity.WORKLOADS["resnet18"], "batch_size": 4096, "device": "cuda", "time_cap_s": 1.0, "memory_limit_bytes": 2 * GIB}
 
 
@@ -53,12 +58,15 @@ def profiler_check(fidelity_too: bool = True) -> dict:
     return {"fidelity": fidelity, "oom_probe": {"status": oom["status"], "error": str(oom.get("error", ""))[:500]}}
 
 
-def summary_line(profiled: dict, online_summary: str) -> str:
+def summary_line(profiled: dict, online_summary: str, client_summary: str = "") -> str:
     ok = [r for r in profiled["fidelity"] if "failed" not in r]
     cv = f"{100 * max(r['max_cv'] for r in ok):.1f}" if ok else "n/a"
     r2 = f"{min(r['min_r2'] for r in ok):.6f}" if ok else "n/a"
     tail = online_summary.removeprefix("online: ").replace("tasks=", "online_tasks=")
-    return f"gpu_check: profiled_models={len(ok)}/{len(profiled['fidelity'])} max_cv_pct={cv} min_mem_r2={r2} oom_probe={profiled['oom_probe']['status']} {tail}"
+    client = dict(pair.split("=") for pair in client_summary.removeprefix("client_overhead: ").split() if "=" in pair)
+    client_tail = f" client_fixed_us={client['fixed_us']} client_overhead_pct={client['overhead_pct']}" if client else ""
+    return (f"gpu_check: profiled_models={len(ok)}/{len(profiled['fidelity'])} max_cv_pct={cv} min_mem_r2={r2} "
+            f"oom_probe={profiled['oom_probe']['status']} {tail}{client_tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     online_args = ["--device", "cuda", "--seeds", str(args.seeds), "--out", str(out / "online"), "--tasks", *args.tasks]
     online.main(online_args)
     results = json.loads((out / "online" / "online.json").read_text())["results"]
-    print(summary_line(profiled, online.summary_line(results)))
+    print("\n== the client's own cost on cuda", flush=True)
+    client_rows = [client_overhead.summarize(client_overhead.measure(name, CLIENT_ROUNDS, "cuda")) for name in args.tasks]
+    (out / "client_overhead").mkdir(exist_ok=True)
+    (out / "client_overhead" / "client_overhead.md").write_text(client_overhead.markdown(client_rows, CLIENT_ROUNDS))
+    print(summary_line(profiled, online.summary_line(results), client_overhead.summary_line(client_rows)))
     return 0
 
 

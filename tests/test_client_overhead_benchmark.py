@@ -57,3 +57,14 @@ def test_a_quick_run_times_every_arm_with_real_clients_and_writes_only_to_a_temp
     report = Path(lines[-2].removeprefix("report: "))
     assert not report.is_relative_to(REPO) and "| mnist1d_mlp_sgd | 256 |" in report.read_text()
     assert {path: path.stat().st_mtime for path in (REPO / "docs" / "validation").glob("client_overhead*")} == before
+
+
+def test_the_gpu_check_carries_the_clients_fixed_cost_and_overhead_on_its_last_line():
+    import gpu_check
+
+    profiled = {"fidelity": [{"max_cv": 0.1, "min_r2": 0.99}], "oom_probe": {"status": "oom"}}
+    online_summary = "online: tasks=3 time_ratio_vs_static=1.05 overhead_pct=2.5"
+    client_summary = "client_overhead: tasks=3 overhead_pct=3.05 fixed_us=33.3 a_a_pct=0.05"
+    line = gpu_check.summary_line(profiled, online_summary, client_summary)
+    assert line.endswith("online_tasks=3 time_ratio_vs_static=1.05 overhead_pct=2.5 client_fixed_us=33.3 client_overhead_pct=3.05")
+    assert gpu_check.summary_line(profiled, online_summary).endswith("overhead_pct=2.5")
