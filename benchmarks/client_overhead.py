@@ -25,8 +25,12 @@ batch online.py trains it at (its static pick, docs/validation/online.json):
 - its step() calls: the mean seconds inside the client's calls on plain steps, window ends included, as the client
   times them for its budget (TulaRun._plain_call_s), median over rounds.
 
-Last line: `client_overhead: tasks=N overhead_pct=X fixed_us=Y a_a_pct=Z` (medians over tasks of the client arm's %,
-client_plain_steps' microseconds, and |A/A| %).
+- the cost per call second: client_plain_steps' cost over its calls' seconds, what the client costs the loop per
+  second it spends inside its calls (the rest is the forward pre-hook and the Python work's toll on the steps
+  around it); the overhead budget assumes profiler.tula_run.COST_PER_CALL_SECOND for it.
+
+Last line: `client_overhead: tasks=N overhead_pct=X fixed_us=Y a_a_pct=Z cost_per_call=C` (medians over tasks of the
+client arm's %, client_plain_steps' microseconds, |A/A| % and the cost per call second).
 
 On a GPU (--device cuda; benchmarks/gpu_check.py runs it): the data and models there, every block ending in a
 device synchronization; the batches are still the CPU's picks from online.json.
@@ -59,7 +63,7 @@ import online  # noqa: E402
 import torch  # noqa: E402
 from efficiency_tasks import TASKS, BatchStream, task_data, task_optimizer  # noqa: E402
 
-from profiler.tula_run import TulaRun  # noqa: E402
+from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun  # noqa: E402
 
 ONLINE_RESULTS = REPO / "docs" / "validation" / "online.json"
 BLOCK_STEPS = 50
@@ -154,6 +158,8 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
         row[f"{arm}_stderr_us"] = 1e6 * standard_error(paired, of_mean=arm == "client")
     for arm, values in measured["inside"].items():
         row[f"{arm}_inside_step_us"] = 1e6 * statistics.median(values)
+    # what the client costs the loop per second inside its calls (profiler.tula_run.COST_PER_CALL_SECOND measures this)
+    row["cost_per_call_second"] = row["client_plain_steps_us"] / row["client_plain_steps_inside_step_us"]
     estimate = measured["client_estimate"] or {}
     row["sample_every"] = estimate.get("sample_every")
     return row
@@ -162,7 +168,8 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
 def summary_line(rows: list[dict[str, Any]]) -> str:
     return (f"client_overhead: tasks={len(rows)} overhead_pct={statistics.median(r['client_pct'] for r in rows):.2f} "
             f"fixed_us={statistics.median(r['client_plain_steps_us'] for r in rows):.1f} "
-            f"a_a_pct={statistics.median(abs(r['plain_again_pct']) for r in rows):.2f}")  # fmt: skip
+            f"a_a_pct={statistics.median(abs(r['plain_again_pct']) for r in rows):.2f} "
+            f"cost_per_call={statistics.median(r['cost_per_call_second'] for r in rows):.2f}")  # fmt: skip
 
 
 def _cost(row: dict[str, Any], arm: str) -> str:
@@ -179,17 +186,19 @@ def markdown(rows: list[dict[str, Any]], rounds: int) -> str:
         "",
         "Each cost is paired with plain's block of the same round: a median over rounds (A/A, sampling off) or a mean "
         "(client: its rare sampled steps count in proportion), +- its standard error. The step() calls: the client's own "
-        "timing of its calls on plain steps, window ends included.",
+        "timing of its calls on plain steps, window ends included. Cost per call second: sampling off, its cost over its "
+        f"calls' seconds, which the overhead budget cannot time and assumes (profiler.tula_run.COST_PER_CALL_SECOND = "
+        f"{COST_PER_CALL_SECOND}).",
         "",
         "| task | batch | plain step (us) | A/A (us, %) | client: +us (%) | its step() calls (us) | sampling period | "
-        "client, sampling off: +us (%) | its step() calls (us) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "client, sampling off: +us (%) | its step() calls (us) | cost per call second |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['task']} | {r['batch']} | {r['plain_step_us']:.0f} | {_cost(r, 'plain_again')} | {_cost(r, 'client')} | "
             f"{r['client_inside_step_us']:.1f} | {r['sample_every']} | {_cost(r, 'client_plain_steps')} | "
-            f"{r['client_plain_steps_inside_step_us']:.1f} |"
+            f"{r['client_plain_steps_inside_step_us']:.1f} | {r['cost_per_call_second']:.2f} |"
         )  # fmt: skip
     return "\n".join(lines) + "\n"
 

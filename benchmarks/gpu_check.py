@@ -7,11 +7,12 @@
 2. Issue 17 on a GPU: benchmarks/online.py --device cuda (the server profiles on the GPU, the runs train there,
    the real client sends telemetry to the real server) with --seeds seeds, its report in OUT/online.
 3. The client's own cost per step on the GPU: benchmarks/client_overhead.py --device cuda over CLIENT_ROUNDS rounds,
-   its report in OUT/client_overhead (the fixed cost every step pays, and the budget's client, in microseconds).
+   its report in OUT/client_overhead (the fixed cost every step pays, the budget's client, in microseconds, and the
+   cost per call second that the overhead budget assumes from the CPU: profiler.tula_run.COST_PER_CALL_SECOND).
 
 Without CUDA it says so and exits 0. Last line:
 `gpu_check: profiled_models=N/M max_cv_pct=X min_mem_r2=Y oom_probe=STATUS online_tasks=K time_ratio_vs_static=R overhead_pct=P
-client_fixed_us=F client_overhead_pct=C`
+client_fixed_us=F client_overhead_pct=C client_cost_per_call=K`
 
 Run: .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--seeds N] [--tasks NAME ...] [--oom-probe-only]
      --out: where online.md/json and gpu_check.json go (default: a temporary folder, never tracked files).
@@ -64,7 +65,8 @@ def summary_line(profiled: dict, online_summary: str, client_summary: str = "") 
     r2 = f"{min(r['min_r2'] for r in ok):.6f}" if ok else "n/a"
     tail = online_summary.removeprefix("online: ").replace("tasks=", "online_tasks=")
     client = dict(pair.split("=") for pair in client_summary.removeprefix("client_overhead: ").split() if "=" in pair)
-    client_tail = f" client_fixed_us={client['fixed_us']} client_overhead_pct={client['overhead_pct']}" if client else ""
+    client_tail = (f" client_fixed_us={client['fixed_us']} client_overhead_pct={client['overhead_pct']} "
+                   f"client_cost_per_call={client['cost_per_call']}") if client else ""  # fmt: skip
     return (f"gpu_check: profiled_models={len(ok)}/{len(profiled['fidelity'])} max_cv_pct={cv} min_mem_r2={r2} "
             f"oom_probe={profiled['oom_probe']['status']} {tail}{client_tail}")
 

@@ -217,8 +217,10 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> float:
     """One optimizer step over MICRO_BATCHES micro-batches (the client's statistics need them; with a client, only
-    on the steps it samples, the others whole); the loss, read after optimizer.step() as plain_step reads it (the
-    client gets the loss tensor: a float before optimizer.step() would make the host wait for the GPU there)."""
+    on the steps it samples, the others whole); the loss, read once, as plain_step reads it. The client gets what
+    TulaRun.step advises: on a GPU the loss tensor (a float before optimizer.step() would make the host wait for
+    the GPU there), on a CPU the float the loop reads anyway (a second read, inside step(), cost 8-12 us a step
+    in this loop: benchmarks/client_overhead.py)."""
     optimizer.zero_grad(set_to_none=True)
     pieces = MICRO_BATCHES if client is None or client.sampling else 1
     if pieces == 1:  # a whole step as plain_step runs it: no chunk views, no division node in the graph
@@ -231,10 +233,12 @@ def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> flo
             loss.backward()
             losses.append(loss.detach())
         total = torch.stack(losses).sum()
+    total = total.detach()
+    value = None if total.is_cuda else float(total)  # on a CPU read once, now
     if client is not None:
-        client.step(loss=total.detach())
+        client.step(loss=total if value is None else value)
     optimizer.step()
-    return float(total.detach())
+    return float(total) if value is None else value
 
 
 def plain_step(model, optimizer, inputs, targets) -> float:

@@ -7,7 +7,7 @@ step's way (issue 17).
         for x, t in zip(inputs.chunk(2), targets.chunk(2)):
             loss = F.cross_entropy(model(x), t) / 2
             loss.backward()
-        run.step(loss=loss.detach())  # after the step's backward passes, before optimizer.step()
+        run.step(loss=loss.detach())  # after the step's backward passes, before optimizer.step() (a CPU loop: loss.item())
         optimizer.step()
         advice = run.advice          # the latest GET /v1/runs/{id}/plan answer, or None
     run.close()
@@ -28,24 +28,26 @@ step's way (issue 17).
   by taking statistics on fewer steps. At the end of a window that followed a sampled step (else every
   BUDGET_REFIT_WINDOWS windows) it estimates, from what it times (the loop's own seconds of a plain step, from
   one step() call's return to the next call, median t_plain over the last STEP_HISTORY; the mean seconds inside
-  its step() calls on those steps, t_client, window ends included; a sampled step's seconds in all, both parts,
+  its step() calls on those steps, t_call, window ends included; a sampled step's seconds in all, both parts,
   median t_sampled over the last SAMPLED_HISTORY),
-      overhead(n) = (2 (t_sampled - t_plain - t_client) / n + t_client) / t_plain,
-  where t_sampled - t_plain - t_client is what a sampled step adds (the per-parameter norms, in the backward pass
-  and in its step() call, and the split into
-  micro-batches where the loop splits only for the statistics; intervals over PAUSE_FACTOR x the median
-  plain step held a pause, an evaluation say, and are left out of both), and picks the smallest period
-  n = sample_every x 2^j (at most MAX_SAMPLE_EVERY) with overhead(n) <= f; `overhead` holds the latest
-  estimate and whether the budget is met (it cannot be when t_client alone exceeds it). Fewer sampled
-  steps make each window's |G|^2 and tr(Sigma) noisier (window_steps says how many steps each averages);
-  a window with none still sends its record (samples, step time, loss) without statistics, with or without a
-  budget, as does a window whose every step was left out of them (clipped, overflowed). Not counted:
-  the sender thread's posts, which run beside the loop, and what the client costs the loop outside its calls: the
-  forward pre-hook (10-14 us a step in a training loop on this repository's CPU, against 0.5 us timed alone) and
-  the Python work's toll on the steps around it. benchmarks/client_overhead.py measures the whole against plain
-  steps: the fixed cost every step pays was 2.3-2.5 times what the calls take (28-36 us against 11-15 us,
-  docs/validation/client_overhead.md), so the estimate is low by that much and the budget samples more densely
-  than it would if it knew.
+      overhead(n) = (2 (t_sampled - t_plain - t_call) / n + c t_call) / (t_plain - (c - 1) t_call),
+  where c t_call is what the client costs every step: its calls and what they cost the loop outside them (the
+  forward pre-hook, 3-8 us a step in a training loop here, and the Python work's toll on the torch calls around
+  it), which it cannot time itself, so c = COST_PER_CALL_SECOND is measured by benchmarks/client_overhead.py
+  (the whole fixed cost against plain steps over the calls' own timing) and assumed; the outside part lies
+  inside t_plain, hence the denominator. t_sampled - t_plain - t_call is what a sampled step adds (the
+  per-parameter norms, in the backward pass and in its step() call, and the split into micro-batches where the
+  loop splits only for the statistics); intervals over PAUSE_FACTOR x the median plain step held a pause, an
+  evaluation say, and are left out of both. It picks the smallest period n = sample_every x 2^j (at most
+  MAX_SAMPLE_EVERY) with overhead(n) <= f; `overhead` holds the latest estimate, its parts, the c it assumed, and
+  whether the budget is met (it cannot be when c t_call alone exceeds it). Fewer sampled steps make each window's
+  |G|^2 and tr(Sigma) noisier (window_steps says how many steps each averages); a window with none still sends
+  its record (samples, step time, loss) without statistics, with or without a budget, as does a window whose
+  every step was left out of them (clipped, overflowed). Not counted: the sender thread's posts, which run beside
+  the loop.
+- The loss: on a GPU pass the tensor (loss.detach()), read at the window's end, so that step() never waits for the
+  device; on a CPU pass the float the loop reads anyway (loss.item()): a tensor is read inside step(), and a second
+  read of the same loss cost the loop 8-12 us a step on this repository's CPU tasks, as much as the rest of a call.
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
   timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
   interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The
@@ -88,6 +90,12 @@ STEP_HISTORY = 256  # plain steps kept for the budget's median step time
 SAMPLED_HISTORY = 16  # sampled steps kept for the median cost of a sampled step
 BUDGET_REFIT_WINDOWS = 8  # without a new sampled step, the budget's period is fitted again every 8 windows
 PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
+# What the client costs a training loop per second spent inside its step() calls: the calls plus what it costs outside
+# them (the forward pre-hook, and the Python work's toll on the steps around it), which it cannot time itself. Measured
+# by benchmarks/client_overhead.py (sampling off, against plain steps, over the calls' own timing): 2.2-4.2 on this
+# repository's CPU tasks, 2.8 the median of two full runs' medians (docs/validation/client_overhead.md); an assumption
+# elsewhere (a GPU's is measured by benchmarks/gpu_check.py), and `overhead` says which value it assumed.
+COST_PER_CALL_SECOND = 2.8
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
 TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma",
@@ -146,6 +154,7 @@ class TulaRun:
         self._buffer: collections.deque[dict[str, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
+        self._backing_off = False  # the last post failed: the sender waits its backoff out before it tries again
         self._started = time.perf_counter()
         self._last_step_at: float | None = None  # when the last step() was entered
         self._last_exit: float | None = None  # when it returned
@@ -174,7 +183,8 @@ class TulaRun:
     def step(self, loss: float | torch.Tensor | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's backward passes, before optimizer.step(); the telemetry record when this step
         closes a window, else None. loss: a float or a one-element tensor; on a GPU pass the tensor (loss.detach()),
-        which is read at the window's end, not now (GradientStatsLogger.step)."""
+        which is read at the window's end, not now (GradientStatsLogger.step); on a CPU the float the loop reads
+        anyway (module docstring, The loss)."""
         entered = time.perf_counter()
         sampled = self.logger.sampling  # of the step now ending
         if self._last_step_at is not None:
@@ -207,8 +217,8 @@ class TulaRun:
                         self._buffer.popleft()
                         self.dropped += 1
                     full = len(self._buffer) >= MAX_RECORDS_PER_POST
-                if full:
-                    self._wake.set()
+                if full and not self._backing_off:  # after a failed post the sender waits out its backoff: woken at every
+                    self._wake.set()  # window's end instead, it retried a dead server that often, holding the interpreter
         return record
 
     def _record(self, stats: dict[str, Any], now: float) -> dict[str, Any]:
@@ -256,14 +266,16 @@ class TulaRun:
         """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget)."""
         if not self._plain_work_s or not self._sampled_s:
             return
-        client_s = statistics.fmean(self._plain_call_s)  # a mean: the rare window ends' records count in proportion
+        call_s = statistics.fmean(self._plain_call_s)  # a mean: the rare window ends' records count in proportion
+        client_s = COST_PER_CALL_SECOND * call_s  # the calls and what they cost the loop outside them
         longest_s = PAUSE_FACTOR * statistics.median(self._plain_work_s)
         plain = [seconds for seconds in self._plain_work_s if seconds <= longest_s]
         sampled = [seconds for seconds in self._sampled_s if seconds <= longest_s]
         if not sampled:
             return
-        bare_s = max(statistics.median(plain), 1e-9)
-        extra_s = max(statistics.median(sampled) - bare_s - client_s, 0.0)
+        work_s = statistics.median(plain)  # the loop's own seconds, which hold the client's cost outside its calls
+        extra_s = max(statistics.median(sampled) - work_s - call_s, 0.0)
+        bare_s = max(work_s - (client_s - call_s), 1e-9)  # the step without the client
         room_s = self.overhead_budget * bare_s - client_s
         needed = MAX_SAMPLE_EVERY if room_s <= 0 else 2.0 * extra_s / room_s
         period = self.min_sample_every
@@ -273,7 +285,8 @@ class TulaRun:
         if period != self.logger.sample_every:
             self.logger.set_sample_every(period)
         self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
-                         "step_s": bare_s, "client_s_per_step": client_s, "sampled_step_extra_s": extra_s,
+                         "step_s": bare_s, "client_s_per_step": client_s, "client_call_s_per_step": call_s,
+                         "cost_per_call_second": COST_PER_CALL_SECOND, "sampled_step_extra_s": extra_s,
                          "budget": self.overhead_budget, "within_budget": room_s > 0 and period >= needed}  # fmt: skip
 
     def measure_stability(self, loss_fn: Any) -> dict[str, float] | None:
@@ -303,8 +316,9 @@ class TulaRun:
             if time.monotonic() >= next_plan:
                 self._fetch_advice()
                 next_plan = time.monotonic() + self.plan_every_s
-            backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
+            self._backing_off = not sent_all
             wait = self.post_every_s if sent_all else backoff
+            backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
             self._wake.wait(timeout=max(0.0, min(wait, next_plan - time.monotonic())))
             self._wake.clear()
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import client_overhead  # noqa: E402
 
-SUMMARY = re.compile(r"^client_overhead: tasks=(\d+) overhead_pct=(-?[\d.]+) fixed_us=(-?[\d.]+) a_a_pct=([\d.]+)$")
+SUMMARY = re.compile(r"^client_overhead: tasks=(\d+) overhead_pct=(-?[\d.]+) fixed_us=(-?[\d.]+) a_a_pct=([\d.]+) cost_per_call=(-?[\d.]+)$")
 
 
 def test_an_arms_cost_is_paired_with_plains_round_and_the_clients_is_a_mean_so_its_rare_sampled_steps_count():
@@ -37,7 +37,8 @@ def test_an_arms_cost_is_paired_with_plains_round_and_the_clients_is_a_mean_so_i
     assert row["client_stderr_us"] == pytest.approx(statistics.stdev([30, 30, 30, 150]) / 2)
     assert row["plain_again_stderr_us"] == pytest.approx(0.0, abs=1e-6) and row["client_plain_steps_stderr_us"] > 0
     line = client_overhead.summary_line([row, {**row, "client_pct": 5.0, "client_plain_steps_us": 40.0, "plain_again_pct": -0.5}])
-    assert SUMMARY.match(line).groups() == ("2", "5.50", "30.0", "0.30")
+    assert row["cost_per_call_second"] == pytest.approx(20.0 / 10.0)  # sampling off: its cost over its calls' seconds
+    assert SUMMARY.match(line).groups() == ("2", "5.50", "30.0", "0.30", "2.00")
 
 
 def test_the_standard_error_of_a_mean_is_the_stdevs_and_of_a_median_the_interquartile_ranges():
@@ -64,7 +65,7 @@ def test_the_gpu_check_carries_the_clients_fixed_cost_and_overhead_on_its_last_l
 
     profiled = {"fidelity": [{"max_cv": 0.1, "min_r2": 0.99}], "oom_probe": {"status": "oom"}}
     online_summary = "online: tasks=3 time_ratio_vs_static=1.05 overhead_pct=2.5"
-    client_summary = "client_overhead: tasks=3 overhead_pct=3.05 fixed_us=33.3 a_a_pct=0.05"
+    client_summary = "client_overhead: tasks=3 overhead_pct=3.05 fixed_us=33.3 a_a_pct=0.05 cost_per_call=2.4"
     line = gpu_check.summary_line(profiled, online_summary, client_summary)
-    assert line.endswith("online_tasks=3 time_ratio_vs_static=1.05 overhead_pct=2.5 client_fixed_us=33.3 client_overhead_pct=3.05")
+    assert line.endswith("online_tasks=3 time_ratio_vs_static=1.05 overhead_pct=2.5 client_fixed_us=33.3 client_overhead_pct=3.05 client_cost_per_call=2.4")
     assert gpu_check.summary_line(profiled, online_summary).endswith("overhead_pct=2.5")

@@ -3,6 +3,7 @@ fetched in the background, a dead and restarted server survived by buffering, an
 uploaded later, once."""
 
 import json
+import socket
 import time
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from profiler.tula_run import TulaRun, upload  # noqa: E402
+from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun, upload  # noqa: E402
 from tests.api_fixtures import run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
@@ -82,6 +83,22 @@ def test_a_dead_server_costs_the_loop_nothing_and_gets_everything_when_it_is_bac
     assert run.buffered == 0 and run.sent == 6
     view = _run_view(server, run_id)
     assert view["records"] == 6 and view["last_step"] == 60
+
+
+def test_a_full_buffer_does_not_make_the_sender_retry_a_dead_server_at_every_window(monkeypatch):
+    """A full post's worth of records wakes the sender, but not while it waits out the backoff of a failed post:
+    woken at every window's end, it tried a server that refused the connection once per window (1 074 times in
+    100 000 steps of a tiny model), holding the interpreter the loop needed (34 us a step against 3 offline)."""
+    monkeypatch.setattr("profiler.tula_run.MAX_RECORDS_PER_POST", 2)
+    with socket.socket() as sock:  # a port nothing listens on once it is closed: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    run = _tula_run(dead, "run-1", timeout_s=0.5, plan_every_s=3600)
+    for _ in range(4):
+        _train(run, 50)  # 5 windows, each a post's worth and more
+        time.sleep(0.02)  # the sender's turn to run, had it been woken
+    assert run.buffered == 20 and 1 <= run.failed_posts <= 3  # the first full buffer's try, then its backoff (1 s)
+    run.close(flush_timeout_s=0.1)
 
 
 def test_offline_records_upload_later_and_once(run_on_server, tmp_path):
@@ -261,23 +278,29 @@ def test_the_cost_of_a_sampled_call_is_the_sampled_steps_not_every_steps(tmp_pat
     monkeypatch.setattr(run.logger, "step", timed_step)
     _steps_with_sampled_cost(run, clock, 40, plain_s=0.002, sampled_s=0.004)
     run.close()
-    assert run.overhead["client_s_per_step"] == pytest.approx(0.00001)
+    assert run.overhead["client_call_s_per_step"] == pytest.approx(0.00001)
+    assert run.overhead["client_s_per_step"] == pytest.approx(COST_PER_CALL_SECOND * 0.00001)  # outside the calls too
     assert run.overhead["sampled_step_extra_s"] == pytest.approx(0.006 - 0.002 - 0.00001)  # against a plain step, call included
     assert run.logger.sample_every == 64 and run.overhead["within_budget"]
 
 
 def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_when_none_does(tmp_path):
-    """overhead(n) = (2 x extra / n + client) / plain, with the step times set by hand."""
+    """overhead(n) = (2 x extra / n + c call) / (plain - (c - 1) call), with the step times set by hand: the client
+    costs c = COST_PER_CALL_SECOND times its calls' seconds, the part outside them inside the loop's own seconds."""
+    c = COST_PER_CALL_SECOND
     run = _tula_run(None, "run-1", offline_path=tmp_path / "t.jsonl", overhead_budget=0.02, sample_every=5)
-    run._plain_work_s.extend([0.010] * 9)  # 10 ms of training
-    run._plain_call_s.extend([0.0001] * 9)  # and 0.1 ms in the client's own call
-    run._sampled_s.extend([0.0201] * 3)  # a sampled step adds 10 ms
+    run._plain_work_s.extend([0.010] * 9)  # 10 ms of training (the client's cost outside its calls included)
+    run._plain_call_s.extend([0.00004] * 9)  # and 0.04 ms in the client's own call
+    run._sampled_s.extend([0.02004] * 3)  # a sampled step adds 10 ms
     run._fit_sampling_to_budget()
-    # room = 0.02 x 10 ms - 0.1 ms = 0.1 ms; n >= 2 x 10 / 0.1 = 200: 5 x 2^6 = 320
-    assert run.logger.sample_every == 320
-    assert run.overhead["fraction"] == pytest.approx((2 * 0.010 / 320 + 0.0001) / 0.010) and run.overhead["within_budget"]
+    bare_s = 0.010 - (c - 1) * 0.00004
+    room_s = 0.02 * bare_s - c * 0.00004  # 0.087 ms with c = 2.8
+    assert 5 * 2**5 < 2 * 0.010 / room_s <= 5 * 2**6  # so n = 320 (c = 1 would leave room for 0.16 ms: n = 160)
+    assert run.logger.sample_every == 320 and run.overhead["step_s"] == pytest.approx(bare_s)
+    assert run.overhead["fraction"] == pytest.approx((2 * 0.010 / 320 + c * 0.00004) / bare_s) and run.overhead["within_budget"]
+    assert run.overhead["cost_per_call_second"] == c
     run._plain_call_s.clear()
-    run._plain_call_s.extend([0.0003] * 9)  # the client alone costs 3% of the step: no period fits
+    run._plain_call_s.extend([0.0001] * 9)  # the client alone costs 2.8% of the step: no period fits
     run._fit_sampling_to_budget()
     assert run.logger.sample_every == 1024 and not run.overhead["within_budget"]
     run.close()
