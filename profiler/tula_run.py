@@ -63,7 +63,8 @@ step's way (issue 17).
   stability_headroom with the LR it was measured at (stability_lr), and re-planning caps the advised LR there.
 - Advice: the same thread GETs the run's plan every `plan_every_s` seconds; `advice` is the latest answer.
 - Under DDP only rank 0 sends and asks; every rank must call step() and close() (the statistics'
-  all-reduce).
+  all-reduce). Under an overhead budget the ranks agree on the sparsest period any of them needs (one
+  all-reduce where they all fit it): a step's statistics are summed over the ranks, so all must sample it.
 - Standard library HTTP (urllib), so a training environment needs nothing beyond torch.
 """
 
@@ -79,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from profiler.reference_logger import GradientStatsLogger
@@ -263,31 +265,54 @@ class TulaRun:
         return True
 
     def _fit_sampling_to_budget(self) -> None:
-        """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget)."""
+        """The sparsest-needed sampling period n for the overhead budget (module docstring, Overhead budget). Under
+        DDP every rank fits it from its own timings, but the ranks must sample the same steps (a step's statistics
+        are summed over the ranks, and a rank that skipped it voids it): they take the sparsest period any rank
+        needs, in one all-reduce at the window's end where every rank fits (_refit_due counts windows and sampled
+        steps, which the ranks share)."""
+        fit = self._budget_fit()
+        period = self.logger.sample_every if fit is None else self._period_for(fit["needed"])
+        if self.logger.world_size > 1:
+            period = self._sparsest_over_ranks(period)
+        if period != self.logger.sample_every:
+            self.logger.set_sample_every(period)
+        if fit is not None:
+            extra_s, client_s, bare_s = fit["sampled_step_extra_s"], fit["client_s_per_step"], fit["step_s"]
+            self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
+                             "step_s": bare_s, "client_s_per_step": client_s, "client_call_s_per_step": fit["client_call_s_per_step"],
+                             "cost_per_call_second": COST_PER_CALL_SECOND, "sampled_step_extra_s": extra_s,
+                             "budget": self.overhead_budget, "within_budget": fit["room_s"] > 0 and period >= fit["needed"]}  # fmt: skip
+
+    def _budget_fit(self) -> dict[str, float] | None:
+        """This rank's estimate: the client's cost per step, what a sampled step adds, the step without the client,
+        and the period needed (module docstring); None before a plain and a sampled step have been timed."""
         if not self._plain_work_s or not self._sampled_s:
-            return
+            return None
         call_s = statistics.fmean(self._plain_call_s)  # a mean: the rare window ends' records count in proportion
         client_s = COST_PER_CALL_SECOND * call_s  # the calls and what they cost the loop outside them
         longest_s = PAUSE_FACTOR * statistics.median(self._plain_work_s)
         plain = [seconds for seconds in self._plain_work_s if seconds <= longest_s]
         sampled = [seconds for seconds in self._sampled_s if seconds <= longest_s]
         if not sampled:
-            return
+            return None
         work_s = statistics.median(plain)  # the loop's own seconds, which hold the client's cost outside its calls
         extra_s = max(statistics.median(sampled) - work_s - call_s, 0.0)
         bare_s = max(work_s - (client_s - call_s), 1e-9)  # the step without the client
         room_s = self.overhead_budget * bare_s - client_s
-        needed = MAX_SAMPLE_EVERY if room_s <= 0 else 2.0 * extra_s / room_s
+        return {"client_call_s_per_step": call_s, "client_s_per_step": client_s, "sampled_step_extra_s": extra_s,
+                "step_s": bare_s, "room_s": room_s, "needed": MAX_SAMPLE_EVERY if room_s <= 0 else 2.0 * extra_s / room_s}  # fmt: skip
+
+    def _period_for(self, needed: float) -> int:
+        """The densest sample_every x 2^j >= needed, at most MAX_SAMPLE_EVERY (never denser than asked)."""
         period = self.min_sample_every
         while period < needed and period < MAX_SAMPLE_EVERY:
             period *= 2
-        period = min(period, max(MAX_SAMPLE_EVERY, self.min_sample_every))  # never denser than asked
-        if period != self.logger.sample_every:
-            self.logger.set_sample_every(period)
-        self.overhead = {"fraction": (2.0 * extra_s / period + client_s) / bare_s, "sample_every": period,
-                         "step_s": bare_s, "client_s_per_step": client_s, "client_call_s_per_step": call_s,
-                         "cost_per_call_second": COST_PER_CALL_SECOND, "sampled_step_extra_s": extra_s,
-                         "budget": self.overhead_budget, "within_budget": room_s > 0 and period >= needed}  # fmt: skip
+        return min(period, max(MAX_SAMPLE_EVERY, self.min_sample_every))
+
+    def _sparsest_over_ranks(self, period: int) -> int:
+        value = torch.tensor([period], dtype=torch.int64, device=self.logger._device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.logger.process_group)
+        return int(value.item())
 
     def measure_stability(self, loss_fn: Any) -> dict[str, float] | None:
         """The LR stability headroom now (GradientStatsLogger.measure_stability): the next record carries it, and

@@ -5,13 +5,18 @@ uploaded later, once."""
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
 from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun, upload  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 from tests.api_fixtures import run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
@@ -304,3 +309,47 @@ def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_
     run._fit_sampling_to_budget()
     assert run.logger.sample_every == 1024 and not run.overhead["within_budget"]
     run.close()
+
+
+def _ddp_budget_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """A DDP rank under an overhead budget whose sampled steps cost what its rank says: rank 0's 3x a plain step
+    (its budget needs 2 steps in 32), rank 1's no more than a plain one (4 would do)."""
+    import profiler.tula_run as tula_run
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        clock = _Clock()
+        tula_run.time = clock  # this process's own module: the loop moves the clock, as in the tests above
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        run = TulaRun(None, "run-1", model, optimizer, offline_path=f"{out_dir}/telemetry.jsonl", every=EVERY, overhead_budget=0.2)
+        generator, records = torch.Generator().manual_seed(rank), []
+        for _ in range(200):
+            optimizer.zero_grad()
+            clock.now += (0.006 if rank == 0 else 0.002) if run.sampling else 0.002
+            x = torch.randn(MICRO_BATCH, 8, generator=generator)
+            torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+            record = run.step(loss=0.5)
+            optimizer.step()
+            if record:
+                records.append({key: record.get(key) for key in ("step", "samples", "grad_sqr", "trace_sigma")})
+        run.close()
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"sample_every": run.logger.sample_every, "overhead": run.overhead, "records": records}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_under_a_budget_take_the_sparsest_period_any_of_them_needs(tmp_path):
+    """Each rank fits the budget from its own step times, but a step's statistics are summed over the ranks: a rank
+    that skips a step another samples voids it, so the ranks must sample the same steps. They agree, in one
+    all-reduce where they all fit, on the sparsest period any of them needs (each within its budget): 32 here,
+    where rank 1 alone would keep 4 (before, each kept its own)."""
+    mp.spawn(_ddp_budget_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["sample_every"] for r in ranks] == [32, 32]
+    assert ranks[0]["overhead"]["within_budget"] and ranks[1]["overhead"]["sample_every"] == 32
+    assert ranks[0]["records"] == ranks[1]["records"]  # the same statistics on every rank
+    with_statistics = [r["step"] for r in ranks[0]["records"] if r["grad_sqr"] is not None]
+    assert with_statistics == [10, 40, 70, 100, 130, 170, 200]  # as in one process: pairs at 32-33, 64-65, ...
