@@ -188,6 +188,16 @@ class TulaRun:
         which is read at the window's end, not now (GradientStatsLogger.step); on a CPU the float the loop reads
         anyway (module docstring, The loss)."""
         entered = time.perf_counter()
+        last_step_at, last_exit = self._last_step_at, self._last_exit
+        if metric is None and last_exit is not None and self._pass_hook is None:  # the common step, kept short
+            passes = self.logger.plain_step(loss)  # None: not such a step, nothing done
+            if passes is not None:
+                self._step_times.append((passes, entered - last_step_at))
+                self._last_step_at = entered
+                self._last_exit = exited = time.perf_counter()
+                self._plain_work_s.append(entered - last_exit)
+                self._plain_call_s.append(exited - entered)
+                return None
         sampled = self.logger.sampling  # of the step now ending
         if self._last_step_at is not None:
             self._step_times.append((self._passes if self._pass_hook is not None else self.logger.forward_passes, entered - self._last_step_at))

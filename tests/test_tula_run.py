@@ -106,6 +106,54 @@ def test_a_full_buffer_does_not_make_the_sender_retry_a_dead_server_at_every_win
     run.close(flush_timeout_s=0.1)
 
 
+def test_the_short_path_of_a_plain_step_writes_what_the_general_path_writes(tmp_path):
+    """GradientStatsLogger.plain_step takes most steps under sparse sampling; the records must not tell which path
+    a step took. A loop that splits only the sampled steps, with steps of one, two and three passes, a smaller
+    batch, no loss, a tensor loss and a metric among them, trained twice from the same seed: once as it runs, once
+    with the short path refused (every step through step())."""
+    short_steps: list[int] = []
+
+    def train(short_path: bool) -> list[dict]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        path = tmp_path / f"short-{short_path}.jsonl"
+        run = TulaRun(None, "run-1", model, optimizer, offline_path=path, every=5, accumulation=ACCUMULATION, sample_every=8)
+        plain_step = run.logger.plain_step
+
+        def counted_plain_step(loss):
+            passes = plain_step(loss) if short_path else None
+            if passes is not None:
+                short_steps.append(passes)
+            return passes
+
+        run.logger.plain_step = counted_plain_step
+        taken = 0
+        for step in range(60):
+            optimizer.zero_grad()
+            batch = 24 if step % 11 == 7 else 2 * MICRO_BATCH
+            x = torch.randn(batch, 8)
+            pieces = ACCUMULATION if run.sampling else (3 if step % 13 == 5 else 1 + step % 2)
+            losses = []
+            for xs in x.chunk(pieces):
+                loss = torch.nn.functional.cross_entropy(model(xs), (xs[:, 0] > 0).long()) / pieces
+                loss.backward()
+                losses.append(loss.item())
+            before = run.logger.steps
+            value = None if step % 9 == 4 else (torch.tensor(sum(losses)) if step % 7 == 3 else sum(losses))
+            run.step(loss=value, metric=0.5 if step % 10 == 6 else None)
+            taken += run.logger.steps - before
+            optimizer.step()
+        run.close()
+        assert taken == 60
+        return [{k: v for k, v in json.loads(line).items() if k not in ("wall_time_s", "step_time_s")} for line in path.read_text().splitlines()]
+
+    short, general = train(True), train(False)
+    assert short == general and len(short) == 12
+    assert any("grad_sqr" in r for r in short) and any("grad_sqr" not in r for r in short)
+    assert len(short_steps) == 20 and set(short_steps) == {1, 2, 3}  # the others: sampled or next to it, a window's last, ...
+
+
 def test_offline_records_upload_later_and_once(run_on_server, tmp_path):
     server, run_id = run_on_server
     path = tmp_path / "telemetry.jsonl"
@@ -281,6 +329,14 @@ def test_the_cost_of_a_sampled_call_is_the_sampled_steps_not_every_steps(tmp_pat
         return logger_step(**kwargs)
 
     monkeypatch.setattr(run.logger, "step", timed_step)
+    plain_step = run.logger.plain_step
+
+    def timed_plain_step(loss):  # the short path of a plain step (GradientStatsLogger.plain_step), when it takes it
+        passes = plain_step(loss)
+        clock.now += 0.00001 if passes is not None else 0.0
+        return passes
+
+    monkeypatch.setattr(run.logger, "plain_step", timed_plain_step)
     _steps_with_sampled_cost(run, clock, 40, plain_s=0.002, sampled_s=0.004)
     run.close()
     assert run.overhead["client_call_s_per_step"] == pytest.approx(0.00001)
