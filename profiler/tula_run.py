@@ -94,10 +94,11 @@ BUDGET_REFIT_WINDOWS = 8  # without a new sampled step, the budget's period is f
 PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
 # What the client costs a training loop per second spent inside its step() calls: the calls plus what it costs outside
 # them (the forward pre-hook, and the Python work's toll on the steps around it), which it cannot time itself. Measured
-# by benchmarks/client_overhead.py (sampling off, against plain steps, over the calls' own timing): 2.2-4.2 on this
-# repository's CPU tasks, 2.8 the median of two full runs' medians (docs/validation/client_overhead.md); an assumption
-# elsewhere (a GPU's is measured by benchmarks/gpu_check.py), and `overhead` says which value it assumed.
-COST_PER_CALL_SECOND = 2.8
+# by benchmarks/client_overhead.py (sampling off, against plain steps, over the calls' own timing): 2.4-7.7 per task on
+# this repository's CPU, 3.16 the median of three full runs since the plain step's short path (plain_step) made the calls
+# shorter and the ratio larger (docs/validation/client_overhead.md); an assumption elsewhere (a GPU's is measured by
+# benchmarks/gpu_check.py), and `overhead` says which value it assumed.
+COST_PER_CALL_SECOND = 3.2
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
 TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma",

@@ -355,13 +355,13 @@ def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_
     run._sampled_s.extend([0.02004] * 3)  # a sampled step adds 10 ms
     run._fit_sampling_to_budget()
     bare_s = 0.010 - (c - 1) * 0.00004
-    room_s = 0.02 * bare_s - c * 0.00004  # 0.087 ms with c = 2.8
+    room_s = 0.02 * bare_s - c * 0.00004  # 0.070 ms with c = 3.2
     assert 5 * 2**5 < 2 * 0.010 / room_s <= 5 * 2**6  # so n = 320 (c = 1 would leave room for 0.16 ms: n = 160)
     assert run.logger.sample_every == 320 and run.overhead["step_s"] == pytest.approx(bare_s)
     assert run.overhead["fraction"] == pytest.approx((2 * 0.010 / 320 + c * 0.00004) / bare_s) and run.overhead["within_budget"]
     assert run.overhead["cost_per_call_second"] == c
     run._plain_call_s.clear()
-    run._plain_call_s.extend([0.0001] * 9)  # the client alone costs 2.8% of the step: no period fits
+    run._plain_call_s.extend([0.0001] * 9)  # the client alone costs 3.2% of the step: no period fits
     run._fit_sampling_to_budget()
     assert run.logger.sample_every == 1024 and not run.overhead["within_budget"]
     run.close()
@@ -393,6 +393,8 @@ def _ddp_budget_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 records.append({key: record.get(key) for key in ("step", "samples", "grad_sqr", "trace_sigma")})
         run.close()
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"sample_every": run.logger.sample_every, "overhead": run.overhead, "records": records}))
+        del run, model, optimizer  # DDP's reducer holds the process group: gone before it is destroyed
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -402,7 +404,12 @@ def test_ddp_ranks_under_a_budget_take_the_sparsest_period_any_of_them_needs(tmp
     that skips a step another samples voids it, so the ranks must sample the same steps. They agree, in one
     all-reduce where they all fit, on the sparsest period any of them needs (each within its budget): 32 here,
     where rank 1 alone would keep 4 (before, each kept its own)."""
-    mp.spawn(_ddp_budget_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    try:
+        mp.spawn(_ddp_budget_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessExitedException as error:  # gloo's threads can abort a rank's exit after its work is done
+        outputs = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+        if error.signal_name != "SIGABRT" or not all(path.exists() for path in outputs):  # tests/test_integrations.py
+            raise
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["sample_every"] for r in ranks] == [32, 32]
     assert ranks[0]["overhead"]["within_budget"] and ranks[1]["overhead"]["sample_every"] == 32
