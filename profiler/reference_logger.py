@@ -364,12 +364,16 @@ class GradientStatsLogger:
         """step(loss) for the step that runs on nearly every call under sparse sampling, in one short function (in a
         training loop each function call and attribute read costs 5-10x what it costs timed alone, and this runs on
         every step): no statistics on this step or on the next (the hooks stay off), not the window's last step, a
-        float loss or none, the batch read by the forward hook. Returns the forward passes counted; None, having done
-        nothing, for any other step, which step() takes."""
+        float loss, none, or a one-element tensor kept for the window's end (a GPU's: step() reads a CPU tensor now),
+        the batch read by the forward hook. Returns the forward passes counted; None, having done nothing, for any
+        other step, which step() takes."""
         steps, period, sizes = self.steps, self.sample_every, self._tally.forward_sizes
         if (period == 1 or steps % period < 2 or (steps + 1) % period < 2 or len(self._rows_host) + 2 > self.every
                 or self._pending_sample_every is not None or self._closed or not self._hooks or not sizes
-                or None in sizes or (loss is not None and type(loss) is not float)):  # fmt: skip
+                or None in sizes):  # fmt: skip
+            return None
+        kept = loss is not None and type(loss) is not float
+        if kept and (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or (self._cpu_read_at_once if loss.is_cpu else not loss.is_cuda)):
             return None
         self._tally.forward_sizes = []
         if len(sizes) == 1:
@@ -378,7 +382,9 @@ class GradientStatsLogger:
         else:
             samples, samples_sq = sum(sizes), sum([size * size for size in sizes])
         self._rows_device.append(None)
-        self._rows_host.append([0.0 if loss is None else loss, 0.0 if loss is None else 1.0, float(self.accumulation),
+        if kept:
+            self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
+        self._rows_host.append([0.0 if loss is None or kept else loss, 0.0 if loss is None else 1.0, float(self.accumulation),
                                 float(samples), float(samples_sq), 0.0])  # fmt: skip
         self.steps = steps + 1
         return len(sizes)

@@ -113,12 +113,13 @@ def test_the_short_path_of_a_plain_step_writes_what_the_general_path_writes(tmp_
     with the short path refused (every step through step())."""
     short_steps: list[int] = []
 
-    def train(short_path: bool) -> list[dict]:
+    def train(short_path: bool, read_at_once: bool = True) -> list[dict]:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        path = tmp_path / f"short-{short_path}.jsonl"
+        path = tmp_path / f"short-{short_path}-{read_at_once}.jsonl"
         run = TulaRun(None, "run-1", model, optimizer, offline_path=path, every=5, accumulation=ACCUMULATION, sample_every=8)
+        run.logger._cpu_read_at_once = read_at_once
         plain_step = run.logger.plain_step
 
         def counted_plain_step(loss):
@@ -152,6 +153,10 @@ def test_the_short_path_of_a_plain_step_writes_what_the_general_path_writes(tmp_
     assert short == general and len(short) == 12
     assert any("grad_sqr" in r for r in short) and any("grad_sqr" not in r for r in short)
     assert len(short_steps) == 20 and set(short_steps) == {1, 2, 3}  # the others: sampled or next to it, a window's last, ...
+    # a loss tensor kept for the window's end, as on a GPU (here: a CPU tensor with the read at once turned off)
+    short_steps.clear()
+    kept_short, kept_general = train(True, read_at_once=False), train(False, read_at_once=False)
+    assert kept_short == kept_general == short and len(short_steps) == 25  # 20 as above and 5 with a tensor loss
 
 
 def test_offline_records_upload_later_and_once(run_on_server, tmp_path):
