@@ -49,7 +49,8 @@ step's way (issue 17).
   device; on a CPU pass the float the loop reads anyway (loss.item()): a tensor is read inside step(), and a second
   read of the same loss cost the loop 8-12 us a step on this repository's CPU tasks, as much as the rest of a call.
 - Sending: a daemon thread posts the buffered records (at most MAX_RECORDS_PER_POST a request) with a
-  timeout, every `post_every_s` seconds (sooner when a post's worth is buffered): a post holds the
+  timeout, every `post_every_s` seconds (sooner when a post's worth is buffered, unless the last post failed and
+  its backoff is running: woken at every window's end, it retried a dead server that often): a post holds the
   interpreter for milliseconds, which a loop of millisecond steps would feel if it came every record. The
   training loop only appends to a deque. A failed post keeps the records and is retried with a
   backoff (RETRY_S doubling to MAX_RETRY_S); the server stores a step once, so a record re-sent after a
