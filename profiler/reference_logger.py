@@ -338,18 +338,7 @@ class GradientStatsLogger:
                 )
             sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
             squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
-        self._rows_device.append(squared_norms)
-        if isinstance(loss, torch.Tensor):
-            self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
-        if len(sizes) == 1:  # one pass: the common plain step (this runs on every step, so it is kept short)
-            samples = sizes[0]
-            samples_sq = samples * samples
-        else:
-            samples, samples_sq = sum(sizes), sum([size * size for size in sizes])
-        self._rows_host.append([
-            0.0 if loss is None or isinstance(loss, torch.Tensor) else float(loss), float(loss is not None), float(micro_batches),
-            float(samples), float(samples_sq), float(precond_ok),
-        ])  # fmt: skip
+        self._add_row(squared_norms, loss, micro_batches, sizes, precond_ok)
         if metric is not None:
             self._metric = float(metric)
         self.steps += 1
@@ -360,7 +349,25 @@ class GradientStatsLogger:
             self._hook_gradients(coming)
         return self._write_window() if len(self._rows_device) >= self.every else None
 
-    def plain_step(self, loss: float | None) -> int | None:
+    def _add_row(self, squared_norms: torch.Tensor | None, loss: float | torch.Tensor | None, micro_batches: int, sizes: list[int],
+                 precond_ok: bool) -> None:  # fmt: skip
+        """The step's row: its device values (None when not sampled), and on the host the loss (a tensor's is kept, as a
+        view, for the window's end), the micro-batches, the samples and their squares, whether the precond pair is in."""
+        self._rows_device.append(squared_norms)
+        tensor = isinstance(loss, torch.Tensor)
+        if tensor:
+            self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
+        if len(sizes) == 1:  # one pass: the common plain step (this runs on every step, so it is kept short)
+            samples = sizes[0]
+            samples_sq = samples * samples
+        else:
+            samples, samples_sq = sum(sizes), sum([size * size for size in sizes])
+        self._rows_host.append([
+            0.0 if loss is None or tensor else float(loss), float(loss is not None), float(micro_batches),
+            float(samples), float(samples_sq), float(precond_ok),
+        ])  # fmt: skip
+
+    def plain_step(self, loss: float | torch.Tensor | None) -> int | None:
         """step(loss) for the step that runs on nearly every call under sparse sampling, in one short function (in a
         training loop each function call and attribute read costs 5-10x what it costs timed alone, and this runs on
         every step): no statistics on this step or on the next (the hooks stay off), not the window's last step, a
@@ -376,16 +383,7 @@ class GradientStatsLogger:
         if kept and (not isinstance(loss, torch.Tensor) or loss.numel() != 1 or (self._cpu_read_at_once if loss.is_cpu else not loss.is_cuda)):
             return None
         self._tally.forward_sizes = []
-        if len(sizes) == 1:
-            samples = sizes[0]
-            samples_sq = samples * samples
-        else:
-            samples, samples_sq = sum(sizes), sum([size * size for size in sizes])
-        self._rows_device.append(None)
-        if kept:
-            self._losses_device.append((len(self._rows_host), loss.detach().reshape(())))  # views: no kernel, no wait
-        self._rows_host.append([0.0 if loss is None or kept else loss, 0.0 if loss is None else 1.0, float(self.accumulation),
-                                float(samples), float(samples_sq), 0.0])  # fmt: skip
+        self._add_row(None, loss, self.accumulation, sizes, False)
         self.steps = steps + 1
         return len(sizes)
 
