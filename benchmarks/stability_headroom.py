@@ -22,9 +22,10 @@ above h x the reference may well train. A cap that binds makes the predictions c
 
 Measuring (the full run): per task of efficiency_tasks.TASKS, seed 0 trains at the reference batch with the
 ground truth's tuned LR there, as efficiency_tasks.train_to_target trains (BatchStream seeded 10_000 + seed,
-scheduled_lr, plain_step, one torch thread), for the ground truth's reference steps, round(epochs D / B_ref)
-(the median over seeds). At 1/8, 2/8, ..., 8/8 of those steps, profiler.sharpness.stability_headroom on a fixed
-loss, the mean loss over the first min(2048, D) training samples (in a forked RNG, so training is unchanged);
+scheduled_lr, plain_step or, for a micro_batched task, accumulation_step; one torch thread), for the ground
+truth's reference steps, round(epochs D / B_ref) (the median over seeds). At 1/8, 2/8, ..., 8/8 of those steps, profiler.sharpness.stability_headroom on a fixed
+loss, the mean loss over the first min(2048, D) training samples (in a forked RNG, and batch norm's running
+statistics restored after it, so training is unchanged);
 recorded per point: step, samples (step B_ref), headroom, sharpness (lambda_max), LR and the task's metric.
 Tasks run in 2 spawned worker processes. Cache: docs/validation/statistical_efficiency/stability_headroom.json.
 
@@ -102,7 +103,9 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
     efficiency_tasks.train_to_target does, and measure the stability headroom at measurement_steps (module
     docstring). Runs in a worker process (one torch thread)."""
     import torch
-    from efficiency_tasks import BatchStream, Task, evaluate, mean_loss, plain_step, scheduled_lr, task_data, task_model, task_optimizer
+    from efficiency_tasks import (
+        BatchStream, Task, accumulation_step, evaluate, mean_loss, plain_step, scheduled_lr, task_data, task_model, task_optimizer,
+    )  # fmt: skip
 
     from profiler.sharpness import stability_headroom
 
@@ -125,14 +128,18 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
         rows = stream.next(batch)
         for group in optimizer.param_groups:
             group["lr"] = scheduled_lr(task, batch, lr, step - 1)
-        if plain_step(model, optimizer, inputs[rows], targets[rows]) is None:
+        if (accumulation_step if task.micro_batched else plain_step)(model, optimizer, inputs[rows], targets[rows]) is None:
             outcome = "diverged"
             break
         if step not in marks:
             continue
         tick = time.perf_counter()
+        buffers = [b.clone() for b in model.buffers()]  # batch norm's running statistics: the measurement's passes leave them
         with torch.random.fork_rng(devices=[]):
             measured = stability_headroom(lambda: mean_loss(model(inputs[:n]), targets[:n]), params, optimizer)
+        with torch.no_grad():
+            for buffer, kept in zip(model.buffers(), buffers):
+                buffer.copy_(kept)
         metric = evaluate(task, model, data)
         measure_s += time.perf_counter() - tick
         points.append({

@@ -448,9 +448,10 @@ def evaluate(task: Task) -> dict[str, Any]:
         records, target_samples = _records_to_target(task, other)
         geometric = read_records(task, records, target_samples, window_average="geometric")
         geometric_model = EpochModel(other, task.epochs[other], geometric) if geometric else None
+        read = other_report["noise_scale"]["value"] if other_report["noise_scale"] else None  # None: not resolved, assumed
         result["every_reference"][str(other)] = {
-            "noise_scale": other_report["noise_scale"]["value"],
-            "calibration_reads": calibration_reads(task, other, other_report["noise_scale"]["value"]),
+            "noise_scale": read,
+            "calibration_reads": calibration_reads(task, other, read),
             "median_abs_epochs_err_pct": median_abs(epochs_errors_pct(task, lambda b: float(other_model.predict(b)), other)),
             "regret": regret(task, lambda b: float(other_model.predict(b)))["regret"],
             "below_fitted_cbs": other <= truth_fit["noise_scale"],

@@ -126,6 +126,14 @@ _OWN_MODELS = (
         min_image_size=4,
     ),
     ModelInfo(
+        "resnet_cifar",
+        "The CIFAR ResNet of He et al. 2016 (sec. 4.2) with batch norm: 16-32-64 channels, `blocks` basic blocks per"
+        " stage (1: ResNet-8, 78k parameters; 3: ResNet-20, 0.27M); any side >= 4 (global average pool).",
+        "image",
+        options={"blocks": 1},
+        min_image_size=4,
+    ),
+    ModelInfo(
         "vgg11_cifar",
         "VGG-11 with batch norm for 32x32 images: conv stack, global average pool, one linear layer; 9M parameters.",
         "image",

@@ -44,6 +44,55 @@ def resnet18_cifar(in_channels: int, image_size: int, num_classes: int) -> nn.Mo
     return model
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 convs with batch norm and an identity shortcut, or a 1x1 conv + BN projection where the block
+    changes the width or the stride (He et al. 2016, "Deep Residual Learning", Fig. 2 and option B)."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, kernel_size=1, stride=stride, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+RESNET_CIFAR_WIDTHS = (16, 32, 64)  # channels of the three stages; stages 2 and 3 halve the side
+
+
+class ResNetCifar(nn.Module):
+    """The CIFAR ResNet of He et al. 2016 (sec. 4.2): a 3x3 conv of 16 channels, three stages of `blocks`
+    basic blocks at 16, 32 and 64 channels (stride 2 into stages 2 and 3), global average pool, linear head:
+    6 blocks + 2 layers deep (blocks=1: ResNet-8, 78k parameters; 3: ResNet-20, 0.27M). Batch norm after every
+    conv, so a step's statistics depend on the batch (or the micro-batch) a forward pass sees."""
+
+    def __init__(self, in_channels: int, image_size: int, num_classes: int, blocks: int = 1):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, RESNET_CIFAR_WIDTHS[0], kernel_size=3, padding=1, bias=False),
+                                  nn.BatchNorm2d(RESNET_CIFAR_WIDTHS[0]), nn.ReLU())  # fmt: skip
+        layers: list[nn.Module] = []
+        channels = RESNET_CIFAR_WIDTHS[0]
+        for stage, width in enumerate(RESNET_CIFAR_WIDTHS):
+            for block in range(blocks):
+                layers.append(BasicBlock(channels, width, stride=2 if stage and not block else 1))
+                channels = width
+        self.stages = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(channels, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.stages(self.stem(images))), 1))
+
+
 VGG11_CHANNELS = (64, "pool", 128, "pool", 256, 256, "pool", 512, 512, "pool", 512, 512, "pool")  # config "A"
 
 

@@ -26,13 +26,14 @@ from models.registry import (
     user_model_allowed,
 )
 from models.signal1d import CNN1d, MLP1d
-from models.vision import SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
+from models.vision import ResNetCifar, SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
 
 ModelFactory = Callable[..., nn.Module]
 
 _FACTORIES: dict[str, ModelFactory] = {
     "small_cnn": SmallCNN,
     "resnet18_cifar": resnet18_cifar,
+    "resnet_cifar": ResNetCifar,
     "vgg11_cifar": VGG11Cifar,
     "mlp1d": MLP1d,
     "cnn1d": CNN1d,

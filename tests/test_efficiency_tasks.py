@@ -76,6 +76,19 @@ def test_splitting_does_not_change_the_epochs_of_a_batch_norm_free_model():
     assert tiny_run(split=True)["steps"] == tiny_run(split=False)["steps"]
 
 
+def test_a_micro_batched_task_trains_every_seed_split_so_batch_norm_sees_the_same_micro_batches():
+    task = et.Task("digits_x16", "resnet_cifar", "sgd", 256, 360, 0.5, "test_acc", (16, 32), max_epochs=4,
+                   reference_batch=16, reference_lr=0.05, seeds=2, micro_batched=True)  # fmt: skip
+    split, unsplit = tiny_run(task, batch=32, split=True), tiny_run(task, batch=32, split=False)
+    assert split["steps"] == unsplit["steps"] and split["final_metric"] == unsplit["final_metric"]
+    assert "trajectory" in split and "trajectory" not in unsplit  # statistics are kept for seed 0 only
+    data, model = et.task_data(task), et.task_model(task, seed=0)  # why: batch norm's split gradient is not the whole batch's
+    inputs, targets = data["train_x"][:32], data["train_y"][:32]
+    whole = et.flat(torch.autograd.grad(et.mean_loss(model(inputs), targets), list(model.parameters())))
+    et.accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.0), inputs, targets)
+    assert not torch.allclose(et.flat([p.grad for p in model.parameters()]), whole, rtol=1e-3, atol=1e-6)
+
+
 def test_the_batch_stream_visits_every_sample_once_per_epoch():
     stream = et.BatchStream(100, torch.Generator().manual_seed(0))
     seen = torch.cat([stream.next(32) for _ in range(25)])  # 800 samples = 8 epochs, batches straddle epochs

@@ -80,6 +80,18 @@ def test_measuring_a_few_steps_gives_the_headroom_of_the_formula():
     assert sh.measurement_steps(171) == [21, 43, 64, 86, 107, 128, 150, 171] and sh.measurement_steps(3) == [1, 2, 3]
 
 
+def test_measuring_leaves_batch_norms_running_statistics_so_the_run_trains_and_evaluates_as_without_it():
+    from efficiency_tasks import TASKS
+
+    task = TASKS["digits_resnet_sgd"]
+    job = {"name": "digits_resnet_sgd", "task": asdict(task), "lr": 0.05, "steps": 6}
+    measured_twice = sh.measure_task({**job, "measurements": 2})["points"]  # at steps 3 and 6
+    measured_once = sh.measure_task({**job, "measurements": 1})["points"]  # at step 6 only
+    assert [p["step"] for p in measured_twice] == [3, 6] and [p["step"] for p in measured_once] == [6]
+    assert measured_twice[-1]["test_acc"] == measured_once[-1]["test_acc"]
+    assert measured_twice[-1]["sharpness"] == pytest.approx(measured_once[-1]["sharpness"], rel=1e-3)
+
+
 def test_quick_evaluates_the_cache_into_a_temporary_folder_and_prints_the_last_line(tmp_path):
     assert sh.DEFAULT_CACHE.exists(), "no cache: run .venv/bin/python benchmarks/stability_headroom.py"
     tracked = {p: p.read_bytes() for p in (sh.DEFAULT_CACHE, sh.DEFAULT_CACHE.with_suffix(".md")) if p.exists()}

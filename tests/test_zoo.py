@@ -107,7 +107,7 @@ def test_vit_is_built_for_the_requested_image_size():
     assert model.image_size == 64 and model.encoder.pos_embedding.shape[1] == (64 // 32) ** 2 + 1
 
 
-@pytest.mark.parametrize("name", ["small_cnn", "resnet18_cifar", "vgg11_cifar"])
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18_cifar", "vgg11_cifar", "resnet_cifar"])
 def test_cifar_models_train_on_32px_images(name):
     model = build_model(name, in_channels=3, image_size=32, num_classes=10)
     logits = model(torch.randn(2, 3, 32, 32))
@@ -119,6 +119,17 @@ def test_resnet18_cifar_keeps_32px_resolution_in_its_stem():
     model = build_model("resnet18_cifar", in_channels=3, image_size=32, num_classes=10)
     stem = model.maxpool(model.relu(model.bn1(model.conv1(torch.randn(1, 3, 32, 32)))))
     assert stem.shape[-2:] == (32, 32)
+
+
+@pytest.mark.parametrize(("blocks", "parameters"), [(1, 77_754), (3, 272_186)])
+def test_resnet_cifar_is_resnet_6n_plus_2_with_batch_norm_and_takes_small_images(blocks, parameters):
+    model = build_model("resnet_cifar", options={"blocks": blocks}, in_channels=1, image_size=8, num_classes=10)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(convs) + 1 == 6 * blocks + 2  # 3x3 convs plus the head: He et al.'s depth (projections not counted)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 6 * blocks + 1 + 2  # every conv, projections too
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+    assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)  # the smallest side the catalog allows
 
 
 @pytest.mark.parametrize(("name", "options"), [("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8})])

@@ -53,7 +53,8 @@ SGD: no gradient statistic carries momentum's gain past the noise scale (where t
 heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured (benchmarks/statistical_efficiency.py,
 docs/validation.md): momentum 0.9 put the critical batch fitted to the epochs 2-4x above the noise scale read on
 three CPU tasks, and on the digits MLP trained with and without momentum the critical batch moved from 31 to 90
-while the reference runs read 78 and 29. So for SGD a noise scale from gradient statistics carries
+while the reference runs read 78 and 29. The other way too: on a ResNet with batch norm, which nearly fit its 1 437
+training images before it reached its test-accuracy target, the critical batch was 0.10x the read. So for SGD a noise scale from gradient statistics carries
 MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); epochs measured at other
 batches (other_runs) hold the optimizer's behaviour and carry none.
 """
@@ -79,11 +80,12 @@ STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "pre
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
 RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
 MOMENTUM_CAVEAT = (
-    "sgd: above B_noise the epochs are uncertain by about 2x either way. On CPU tasks with momentum 0.9 the critical "
-    "batch of epochs trained at the advised LR was 0.9-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.9-3.1x; without momentum the noise scale read was 1.1-2.5x the critical batch (three tasks) (docs/validation.md, "
-    "benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
-    "training.max_lr or a measured headroom caps the advised LR"
+    "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
+    "epochs trained at the advised LR was 0.12-1.9x the noise scale read, and with the LR tuned at every batch "
+    "0.10-3.1x (0.66-3.1x but for a ResNet with batch norm on 1 437 images, which nearly fit its training set before it "
+    "reached its test-accuracy target: 0.10-0.12x); without momentum the noise scale read was 1.1-2.5x the critical "
+    "batch (three tasks) (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at 8x the reference batch "
+    "(next_run; training.other_runs) settle it; training.max_lr or a measured headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
     "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.1-2.5x "
@@ -95,10 +97,10 @@ PLAIN_SGD_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 14 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 17 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 15.7% to 9.5% and the worst task's from 63.9% to 18.5%; one at 2x helped less "
-    "(18.9%, worst 42.7%): runs close together differ by little more than a run's scatter"
+    "took the median epochs error from 18.1% to 10.4% and the worst task's from 63.9% to 20.6%; one at 2x helped less "
+    "(22.0%, worst 42.7%): runs close together differ by little more than a run's scatter"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",

@@ -44,7 +44,8 @@ x_opt(B) > x_c the step runs at x_c, and the quadratic model's cost of the cap i
 The cost rests on x_ref, which nothing measures. Trained at the capped LR (benchmarks/stability_headroom.py,
 three plain-SGD tasks), the epochs lay between no cost and q at 12 of 14 capped batches, and q over-predicted
 them by 7%, 15% and 45% (median per task): the reference LR sat further below the best step than assumed on
-some tasks. So the epochs are given as the geometric middle of the two ends, with the ends as their interval
+some tasks. (On a GPT under SGD with momentum, whose cap of 1.15x hardly moved the LR, the interval was a few
+percent wide and held none of its 4 capped batches: it is the cap's cost, not the runs' scatter.) So the epochs are given as the geometric middle of the two ends, with the ends as their interval
 (cap_interval):
 
     E(B) = E_min (1 + B / B_noise) * sqrt(q(B)),  in [E_min (1 + B / B_noise), E_min (1 + B / B_noise) q(B)].
