@@ -111,6 +111,7 @@ class Task:
     notes: list[str] = field(default_factory=list)
     lr: dict[int, float] = field(default_factory=dict)  # the LR each batch trained with (tuned)
     max_lr: float | None = None  # the largest LR that reached the target anywhere in the LR sweeps
+    loss_curves: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # (epochs, window training loss), each batch's own run
 
 
 # -- tasks --------------------------------------------------------------------------------------------------
@@ -158,6 +159,8 @@ def cpu_tasks(path: Path) -> list[Task]:
                           for b, row in batches.items()},  # fmt: skip
             notes=[f"batch {b}: did not reach the target in every seed" for b in batches if b not in reached],
             lr={b: float(row["lr"]) for b, row in batches.items()}, max_lr=_sweep_max_lr(batches.values()),
+            loss_curves={b: [(r["samples"] / int(task["dataset_size"]), float(r["loss"])) for r in row.get("trajectory") or []
+                             if r.get("loss") is not None] for b, row in batches.items()},
         ))  # fmt: skip
     return tasks
 
@@ -388,6 +391,34 @@ def truth_floor(task: Task, truth_fit: dict[str, Any]) -> dict[str, float]:
     }  # fmt: skip
 
 
+TRAINING_LOSS_RECORDS = 3  # the reference run's training loss at its target: the mean of its last this many records
+TRAINING_LOSS_MIN_BATCHES = 4
+
+
+def training_loss_critical_batch(task: Task, read: float, test_critical_batch: float) -> dict[str, Any] | None:
+    """A diagnostic of what a miss is made of: the critical batch of the TRAINING loss, from each batch's own run.
+
+    L* = the mean window training loss of the reference run's last TRAINING_LOSS_RECORDS records (the loss it had at the
+    test target); per batch, the epochs at which its run (seed 0 on the CPU tasks, its own clock) first had a window
+    loss <= L*; E_min (1 + B / B_c) fitted to those (fit_epochs_to_runs) where TRAINING_LOSS_MIN_BATCHES or more batches
+    got there. read / B_c says how far the noise scale read is from the training loss's own critical batch, and test
+    B_c / training B_c how much a generalization gap (the larger batches reaching the test target only at a lower
+    training loss) adds. Rough: one run per batch, window means, and a run stops at the test target, so a batch that
+    reached it at a higher training loss is left out. None without loss curves (Pollux records carry no loss)."""
+    reference = task.loss_curves.get(task.reference_batch) or []
+    if len(reference) < TRAINING_LOSS_RECORDS:
+        return None
+    loss = float(np.mean([value for _, value in reference[-TRAINING_LOSS_RECORDS:]]))
+    reached = {b: next(epochs for epochs, value in curve if value <= loss)
+               for b, curve in sorted(task.loss_curves.items()) if any(value <= loss for _, value in curve)}  # fmt: skip
+    if len(reached) < TRAINING_LOSS_MIN_BATCHES:
+        return {"loss": loss, "epochs": {str(b): e for b, e in reached.items()}, "batches": len(task.loss_curves), "critical_batch": None}
+    fit = fit_epochs_to_runs(list(reached), list(reached.values()))
+    return {"loss": loss, "epochs": {str(b): e for b, e in reached.items()}, "batches": len(task.loss_curves),
+            "critical_batch": fit["noise_scale"], "lower_bound": fit["lower_bound"], "rms_log_error": fit["rms_log_error"],
+            "read_over": read / fit["noise_scale"], "test_over": test_critical_batch / fit["noise_scale"]}  # fmt: skip
+
+
 def evaluate(task: Task) -> dict[str, Any]:
     ref = task.reference_batch
     model, report = service_model(task, ref)
@@ -411,6 +442,7 @@ def evaluate(task: Task) -> dict[str, Any]:
         "cbs_fit_lower_bound": truth_fit["lower_bound"],
         "cbs_ratio": cbs_ratio(noise, truth_fit["noise_scale"]),
         "truth_floor": truth_floor(task, truth_fit),
+        "training_loss": training_loss_critical_batch(task, noise, truth_fit["noise_scale"]),
         "regret": regret(task, lambda b: float(model.predict(b))),
         "flat_step_regret": flat_step_regret(task, lambda b: float(model.predict(b))),
         "perfect_scaling": perfect_scaling(task, ref),
@@ -789,6 +821,20 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
               "Adam/AdamW, unless the name says raw); the service takes the progress-weighted mean over the second half of "
               "the run, and extrapolates a trend when the records stop early.", ""]  # fmt: skip
     lines += alternatives_table(results)
+    lines += ["", "### The training loss's critical batch", "",
+              "A diagnostic (`training_loss_critical_batch`): the critical batch of the training loss the reference run had at "
+              "its target (the mean of its last records), fitted to the epochs at which each batch's own run (seed 0) first got "
+              "there, against the noise scale read and against the critical batch of the test target. Rough: one run per "
+              "batch, and a run stops at the test target, so a batch that reached it at a higher training loss is left out.", "",
+              "| task | training loss at the target | batches that got there | CBS of the training loss (rms log) | read / it | "
+              "CBS of the test target / it |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        train = r.get("training_loss")
+        if not train:
+            continue
+        cells = (f"{train['critical_batch']:.4g}{' (lower bound)' if train['lower_bound'] else ''} ({train['rms_log_error']:.2f}) | "
+                 f"{train['read_over']:.2f} | {train['test_over']:.2f}") if train["critical_batch"] else "- | - | -"  # fmt: skip
+        lines.append(f"| {r['task']} | {train['loss']:.3g} | {len(train['epochs'])}/{train['batches']} | {cells} |")
     lines += ["", "### What the ground truth allows", "",
               "The best single B_noise for this code path (E_min from the reference run's epochs; searched, so an upper "
               "bound on what any estimator can reach), the reference run's epochs against the curve E_min (1 + B / B_noise) "

@@ -233,3 +233,22 @@ def test_every_run_of_a_task_serves_as_the_reference_run_of_the_calibration():
     # left out, its run at 512 reads 4x high against factors [1, 1] from the exact tasks: its 5 other batches fall outside
     assert (rows["reads-high-at-512"]["every_reference_inside"], rows["reads-high-at-512"]["every_reference_epochs"]) == (5, 10)
     assert (rows["reads-high-at-512"]["epochs_inside"], rows["exact-0"]["every_reference_inside"]) == (5, 5)
+
+
+def test_the_training_losss_critical_batch_is_fitted_where_each_batchs_run_reached_the_reference_runs_final_loss():
+    task = synthetic_task()
+    critical = 100.0
+    steps = 20
+    for batch in task.epochs:  # each run's training loss falls linearly to 0.1 over E_min (1 + B / 100) epochs
+        total = 2.0 * (1 + batch / critical)
+        task.loss_curves[batch] = [(total * i / steps, 1.0 - 0.9 * i / steps) for i in range(1, steps + 1)]
+    result = se.training_loss_critical_batch(task, read=400.0, test_critical_batch=400.0)
+    assert result["loss"] == pytest.approx(0.145)  # the mean of the reference run's last 3 records
+    assert set(result["epochs"]) == {str(b) for b in task.epochs}
+    assert result["critical_batch"] == pytest.approx(critical, rel=1e-3)
+    assert result["read_over"] == pytest.approx(4.0, rel=1e-3) and result["test_over"] == pytest.approx(4.0, rel=1e-3)
+    for batch in (256, 512, 1024):  # runs that stopped before that loss (at their test target) are left out
+        task.loss_curves[batch] = task.loss_curves[batch][:10]
+    short = se.training_loss_critical_batch(task, read=400.0, test_critical_batch=400.0)
+    assert short["critical_batch"] is None and set(short["epochs"]) == {"32", "64", "128"}
+    assert se.training_loss_critical_batch(synthetic_task(), read=400.0, test_critical_batch=400.0) is None  # no loss curves
