@@ -1,0 +1,119 @@
+"""Does the noise scale read depend on how a batch is cut into micro-batches (per-device batches)? (issue 13)
+
+The records' two-batch estimates (McCandlish et al. 2018, App. A.1) take the micro-batch gradients g_b (b samples each,
+k = B / b of them) and their mean g_B:
+
+    |G|^2 ~ (B |g_B|^2 - b mean|g_b|^2) / (B - b),   tr(Sigma) ~ (mean|g_b|^2 - |g_B|^2) / (1/b - 1/B).
+
+Without batch norm E|g_b|^2 = |G|^2 + tr(Sigma) / b, and the estimates are unbiased at any b. With batch norm each
+micro-batch is normalized by its own statistics (as each device is under DDP without SyncBatchNorm), so g_b's mean and
+spread depend on b, and so might the read: a user's read would then depend on the per-device batch of their run. The
+digits ResNet (batch norm) reads 4-10x its critical batch (docs/validation.md), which made the question concrete.
+
+Per task: seed 0 trains at the reference batch with the ground truth's LR as efficiency_tasks.train_to_target trains
+it (a micro_batched task split, the others whole) for PROBE_FRACTION of the reference run's steps; then, at those
+weights, DRAWS random batches of PROBE_BATCH samples are each cut into micro-batches of every size in MICRO_BATCHES,
+the gradients taken at the same weights (batch norm's running statistics put back after each pass), and the
+estimates averaged over the draws (numerator and denominator separately, as the service pools them). Reported:
+|G|^2, tr(Sigma) and B_simple = tr(Sigma) / |G|^2 per micro-batch size, and the spread of B_simple over the sizes
+(largest / smallest).
+
+Run:   .venv/bin/python benchmarks/micro_batch_probe.py            # digits_resnet_sgd, digits_resnet_adamw, digits_cnn_sgd
+       .venv/bin/python benchmarks/micro_batch_probe.py --quick    # digits_resnet_sgd and digits_cnn_sgd, fewer draws
+Prints a markdown table (nothing is written); last line:
+       micro_batch_probe: tasks=N batch_norm_spread_max=X plain_spread_max=Y
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import efficiency_tasks as et  # noqa: E402
+
+from profiler.gradstats import two_batch_estimates  # noqa: E402
+
+PROBE_FRACTION = 0.75  # of the reference run's steps: the second half, where the service reads
+PROBE_BATCH = 64
+MICRO_BATCHES = (32, 16, 8, 4)
+DRAWS = 200
+QUICK_DRAWS = 40
+TASKS = ("digits_resnet_sgd", "digits_resnet_adamw", "digits_cnn_sgd")
+QUICK_TASKS = ("digits_resnet_sgd", "digits_cnn_sgd")
+
+
+def has_batch_norm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
+    """Train task `name` to PROBE_FRACTION of its reference run, then read |G|^2, tr(Sigma) and B_simple at every
+    micro-batch size of MICRO_BATCHES from the same draws (module docstring)."""
+    torch.set_num_threads(1)
+    task = et.TASKS[name]
+    ref = task.reference_batch
+    row = truth["batches"][str(ref)]
+    steps = int(round(row["epochs"] * task.train_samples / ref * PROBE_FRACTION))
+    data, model = et.task_data(task), et.task_model(task, 0)
+    optimizer = et.task_optimizer(task, model, float(row["lr"]))
+    stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
+    step = et.accumulation_step if task.micro_batched else et.plain_step
+    for index in range(steps):
+        rows = stream.next(ref)
+        for group in optimizer.param_groups:
+            group["lr"] = et.scheduled_lr(task, ref, float(row["lr"]), index)
+        step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b.clone() for b in model.buffers()]
+    generator = torch.Generator().manual_seed(1)
+    sums = {b: np.zeros(2) for b in MICRO_BATCHES}
+    for _ in range(draws):
+        rows = torch.randperm(task.train_samples, generator=generator)[:PROBE_BATCH]
+        inputs, targets = data["train_x"][rows], data["train_y"][rows]
+        for micro in MICRO_BATCHES:
+            grads = []
+            for x, y in zip(inputs.split(micro), targets.split(micro)):
+                grads.append(et.flat(torch.autograd.grad(et.mean_loss(model(x), y), params)))
+            with torch.no_grad():
+                for buffer, kept in zip(model.buffers(), buffers):
+                    buffer.copy_(kept)
+            stacked = torch.stack(grads)
+            full = stacked.mean(0)
+            sums[micro] += two_batch_estimates((stacked * stacked).sum(1).tolist(), float(full @ full), micro, PROBE_BATCH)
+    reads = {b: {"grad_sqr": s[0] / draws, "trace_sigma": s[1] / draws, "b_simple": s[1] / s[0]} for b, s in sums.items()}
+    simple = [r["b_simple"] for r in reads.values()]
+    return {"task": name, "batch_norm": has_batch_norm(model), "steps": steps, "reads": reads,
+            "spread": max(simple) / min(simple) if min(simple) > 0 else float("inf")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_TASKS)} with {QUICK_DRAWS} draws")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(et.TASKS))
+    args = parser.parse_args(argv)
+    names = args.tasks or (QUICK_TASKS if args.quick else TASKS)
+    truth = et.load_ground_truth()["tasks"]
+    rows = [probe(name, truth[name], QUICK_DRAWS if args.quick else DRAWS) for name in names]
+    print("| task | batch norm | steps trained | " + " | ".join(f"micro-batch {b}: grad_sqr, trace_sigma, B_simple" for b in MICRO_BATCHES)
+          + " | B_simple spread |")  # fmt: skip
+    print("|---|---|---:|" + "---:|" * len(MICRO_BATCHES) + "---:|")
+    for r in rows:
+        cells = " | ".join(f"{v['grad_sqr']:.3g}, {v['trace_sigma']:.3g}, {v['b_simple']:.4g}" for v in r["reads"].values())
+        print(f"| {r['task']} | {'yes' if r['batch_norm'] else 'no'} | {r['steps']} | {cells} | {r['spread']:.2f} |")
+    spread = lambda norm: max((r["spread"] for r in rows if r["batch_norm"] == norm), default=float("nan"))  # noqa: E731
+    print(json.dumps({r["task"]: r for r in rows}, default=float), file=sys.stderr)
+    print(f"micro_batch_probe: tasks={len(rows)} batch_norm_spread_max={spread(True):.2f} plain_spread_max={spread(False):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
