@@ -53,8 +53,8 @@ SGD: no gradient statistic carries momentum's gain past the noise scale (where t
 heavy ball keeps gaining along flat directions; Zhang et al. 2019). Measured (benchmarks/statistical_efficiency.py,
 docs/validation.md): momentum 0.9 put the critical batch fitted to the epochs 2-4x above the noise scale read on
 three CPU tasks, and on the digits MLP trained with and without momentum the critical batch moved from 31 to 90
-while the reference runs read 78 and 29. The other way too: on a ResNet with batch norm, which nearly fit its 1 437
-training images before it reached its test-accuracy target, the critical batch was 0.10x the read. So for SGD a noise scale from gradient statistics carries
+while the reference runs read 78 and 29. The other way too: on a ResNet with batch norm the critical batch was 0.10x
+the read with momentum 0.9, and 102 against 69 without it (predicted within 9% without momentum, 48% with). So for SGD a noise scale from gradient statistics carries
 MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); epochs measured at other
 batches (other_runs) hold the optimizer's behaviour and carry none.
 """
@@ -82,10 +82,11 @@ RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) ove
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
     "epochs trained at the advised LR was 0.12-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.10-3.1x (0.66-3.1x but for a ResNet with batch norm on 1 437 images, which nearly fit its training set before it "
-    "reached its test-accuracy target: 0.10-0.12x); without momentum the noise scale read was 1.1-2.5x the critical "
-    "batch (three tasks) (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at 8x the reference batch "
-    "(next_run; training.other_runs) settle it; training.max_lr or a measured headroom caps the advised LR"
+    "0.10-3.1x: momentum moves the critical batch either way (it raised it 1.7-2.9x on MLPs and a small CNN, and lowered "
+    "it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without momentum the noise "
+    "scale read was 1.1-5.3x the critical batch (four tasks) (docs/validation.md, benchmarks/advised_lr.py). Epochs "
+    "measured at 8x the reference batch (next_run; training.other_runs) settle it; training.max_lr or a measured "
+    "headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
     "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.1-2.5x "
