@@ -23,10 +23,11 @@ above h x the reference may well train. A cap that binds makes the predictions c
 Measuring (the full run): per task of efficiency_tasks.TASKS, seed 0 trains at the reference batch with the
 ground truth's tuned LR there, as efficiency_tasks.train_to_target trains (BatchStream seeded 10_000 + seed,
 scheduled_lr, plain_step or, for a micro_batched task, accumulation_step; one torch thread), for the ground
-truth's reference steps, round(epochs D / B_ref) (the median over seeds). At 1/8, 2/8, ..., 8/8 of those steps, profiler.sharpness.stability_headroom on a fixed
-loss, the mean loss over the first min(2048, D) training samples (in a forked RNG, and batch norm's running
-statistics restored after it, so training is unchanged);
-recorded per point: step, samples (step B_ref), headroom, sharpness (lambda_max), LR and the task's metric.
+truth's reference steps, round(epochs D / B_ref) (the median over seeds). At 1/8, 2/8, ..., 8/8 of those steps,
+profiler.sharpness.stability_headroom on a fixed loss, the mean loss over the first min(2048, D) training samples
+(in a forked RNG, and batch norm's running statistics restored after it, so training is unchanged; with batch norm
+that loss normalizes by those samples' statistics, not by a micro-batch's as training does); recorded per point:
+step, samples (step B_ref), headroom, sharpness (lambda_max), LR and the task's metric.
 Tasks run in 2 spawned worker processes. Cache: docs/validation/statistical_efficiency/stability_headroom.json.
 
 Evaluating (both modes): each measured headroom is attached to the reference trajectory record (on the median
@@ -134,7 +135,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
         if step not in marks:
             continue
         tick = time.perf_counter()
-        buffers = [b.clone() for b in model.buffers()]  # batch norm's running statistics: the measurement's passes leave them
+        buffers = [b.clone() for b in model.buffers()]  # batch norm's running statistics, which the measurement's passes move
         with torch.random.fork_rng(devices=[]):
             measured = stability_headroom(lambda: mean_loss(model(inputs[:n]), targets[:n]), params, optimizer)
         with torch.no_grad():
