@@ -689,14 +689,15 @@ def ablation_lr_scale(truth_momentum: float, momentum: float) -> float:
     return (1.0 - momentum) / (1.0 - truth_momentum)
 
 
-def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path | None = None) -> list[dict[str, Any]]:
+def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path | None = None, workers: int = 1) -> list[dict[str, Any]]:
     """Does momentum set the critical batch? Each named SGD task of benchmarks/efficiency_tasks.py trained again at
     every batch of its grid as its ground truth was (efficiency_tasks.measure_batch: LR tuned on the median of the
     tuning seeds, the grid extended past a winning edge, the same seeds, target and warm-up), with momentum `momentum` instead of
     the task's own and the LR grid moved by ablation_lr_scale. Reported per task: steps to the target
     per batch against the ground truth's, the critical batch fitted to each, and the service's B_noise read from the
-    new reference run with its median |epochs error| on the new epochs. Runs in this process, one torch thread
-    (Task.momentum of a copy of each task); minutes per task."""
+    new reference run with its median |epochs error| on the new epochs. Runs in this process, or with workers > 1 in
+    that many spawned processes (the largest batches first), one torch thread each (Task.momentum of a copy of each
+    task); minutes per task, the GPT's tens of minutes."""
     import dataclasses
 
     import efficiency_tasks
@@ -706,12 +707,25 @@ def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path 
     if not_sgd:
         raise ValueError(f"the momentum ablation takes SGD tasks; got optimizer(s) {not_sgd}")
     truth = {t.name: t for t in cpu_tasks(truth_path or DEFAULT_OUT / "ground_truth.json")}
-    results = []
+    if any(spec.dataset == "stdlib_bytes" for spec in specs):
+        efficiency_tasks.write_stdlib_token_file()
+    jobs = []
     for name, spec in zip(names, specs):
         scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * ablation_lr_scale(spec.momentum, momentum), momentum=momentum)
-        rows = {b: efficiency_tasks.measure_batch({"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches}
-        results.append(_ablation_result(truth[name], rows, momentum, spec.momentum))
-    return results
+        jobs += [(name, b, {"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches]
+    rows: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = [(name, b, pool.submit(efficiency_tasks.measure_batch, job)) for name, b, job in sorted(jobs, key=lambda j: -j[1])]
+            for name, b, future in futures:
+                rows[name][b] = future.result()
+    else:
+        for name, b, job in jobs:
+            rows[name][b] = efficiency_tasks.measure_batch(job)
+    return [_ablation_result(truth[name], dict(sorted(rows[name].items())), momentum, spec.momentum) for name, spec in zip(names, specs)]
 
 
 def _ablation_result(base: Task, rows: dict[int, dict[str, Any]], momentum: float, truth_momentum: float) -> dict[str, Any]:
@@ -923,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         from efficiency_tasks import TASKS
 
         names = args.momentum_ablation or [name for name, task in TASKS.items() if task.optimizer == "sgd" and task.momentum > 0]
-        ablation = momentum_ablation(names, args.momentum, truth_path)
+        ablation = momentum_ablation(names, args.momentum, truth_path, args.workers)
         (out / "momentum_ablation.json").write_text(json.dumps(ablation, indent=1, default=float))
         for r in ablation:
             print(f"  {r['task']:18s} steps ratio (momentum {r['momentum']:g} / {r['truth_momentum']:g}) per batch: "

@@ -247,3 +247,16 @@ def test_adding_a_task_keeps_the_others_and_says_what_was_added(tmp_path, monkey
     assert not list(tmp_path.glob("*.adding.json"))  # the scratch file is gone
     optimizer = et.task_optimizer(plain, et.task_model(plain, 0), 0.1)
     assert optimizer.param_groups[0]["momentum"] == 0.0
+
+
+def test_the_momentum_ablation_in_worker_processes_gives_what_it_gives_in_one(tmp_path, monkeypatch):
+    import statistical_efficiency as se
+
+    monkeypatch.setattr(et, "TASKS", {"tiny": TINY})
+    monkeypatch.setattr(et, "EPOCH_TIMING_ROUNDS", 1)
+    path = tmp_path / "ground_truth.json"
+    et.generate_ground_truth(["tiny"], workers=1, path=path)
+    serial = se.momentum_ablation(["tiny"], 0.0, path, workers=1)[0]
+    parallel = se.momentum_ablation(["tiny"], 0.0, path, workers=2)[0]  # spawned processes train the same seeds
+    assert serial["steps"] == parallel["steps"] and serial["lr"] == parallel["lr"] and list(serial["steps"]) == ["16", "64"]
+    assert serial["momentum"] == 0.0 and serial["truth_momentum"] == et.MOMENTUM
