@@ -82,11 +82,11 @@ RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) ove
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
     "epochs trained at the advised LR was 0.12-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.10-3.1x: momentum moves the critical batch either way (it raised it 1.7-2.9x on MLPs and a small CNN, and lowered "
-    "it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without momentum the noise "
-    "scale read was 1.1-5.3x the critical batch (four tasks) (docs/validation.md, benchmarks/advised_lr.py). Epochs "
-    "measured at 8x the reference batch (next_run; training.other_runs) settle it; training.max_lr or a measured "
-    "headroom caps the advised LR"
+    "0.10-3.1x: momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
+    "and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
+    "momentum the noise scale read was 1.1-5.3x the critical batch (five tasks) (docs/validation.md, "
+    "benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
+    "training.max_lr or a measured headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
     "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.1-2.5x "
