@@ -64,7 +64,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -304,6 +304,12 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs:
     return {"loss": float(loss.detach())}
 
 
+def step_function(task: Task, split: bool = False) -> Callable[..., dict[str, float] | None]:
+    """The step a task's run trains with: the accumulation split for seed 0's trajectory (`split`) and for every seed
+    of a micro_batched task (batch norm: see the module docstring), else one whole-batch step."""
+    return accumulation_step if split or task.micro_batched else plain_step
+
+
 def scheduled_lr(task: Task, batch: int, lr: float, step: int) -> float:
     """Linear warm-up from lr / (B / B_ref) to lr over WARMUP_EPOCHS when B > B_ref."""
     scale = batch / task.reference_batch
@@ -334,7 +340,7 @@ def train_to_target(run: dict[str, Any]) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = scheduled_lr(task, batch, lr, step)
         started = time.perf_counter()
-        stats = (accumulation_step if split or task.micro_batched else plain_step)(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+        stats = step_function(task, split)(model, optimizer, data["train_x"][rows], data["train_y"][rows])
         train_s += time.perf_counter() - started
         if stats is None:
             outcome = "diverged"

@@ -12,9 +12,10 @@ digits ResNet (batch norm) reads 4-10x its critical batch (docs/validation.md), 
 
 Per task: seed 0 trains at the reference batch with the ground truth's LR as efficiency_tasks.train_to_target trains
 it (a micro_batched task split, the others whole) for PROBE_FRACTION of the reference run's steps; then, at those
-weights, DRAWS random batches of PROBE_BATCH samples are each cut into micro-batches of every size in MICRO_BATCHES,
-the gradients taken at the same weights (batch norm's running statistics put back after each pass), and the
-estimates averaged over the draws (numerator and denominator separately, as the service pools them). Reported:
+weights, DRAWS random batches of PROBE_BATCH samples are each cut into micro-batches of every size in MICRO_BATCHES
+(the same batches for every size), the gradients taken at the same weights (time_to_accuracy.noise_probe: batch norm's
+running statistics put back after it), and the estimates averaged over the draws (numerator and denominator
+separately, as the service pools them). Reported:
 |G|^2, tr(Sigma) and B_simple = tr(Sigma) / |G|^2 per micro-batch size, and the spread of B_simple over the sizes
 (largest / smallest).
 
@@ -32,15 +33,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import efficiency_tasks as et  # noqa: E402
-
-from profiler.gradstats import two_batch_estimates  # noqa: E402
+from time_to_accuracy import noise_probe  # noqa: E402
 
 PROBE_FRACTION = 0.75  # of the reference run's steps: the second half, where the service reads
 PROBE_BATCH = 64
@@ -66,30 +65,18 @@ def probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
     data, model = et.task_data(task), et.task_model(task, 0)
     optimizer = et.task_optimizer(task, model, float(row["lr"]))
     stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
-    step = et.accumulation_step if task.micro_batched else et.plain_step
+    step = et.step_function(task)
     for index in range(steps):
         rows = stream.next(ref)
         for group in optimizer.param_groups:
             group["lr"] = et.scheduled_lr(task, ref, float(row["lr"]), index)
         step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
-    params = [p for p in model.parameters() if p.requires_grad]
-    buffers = [b.clone() for b in model.buffers()]
-    generator = torch.Generator().manual_seed(1)
-    sums = {b: np.zeros(2) for b in MICRO_BATCHES}
-    for _ in range(draws):
-        rows = torch.randperm(task.train_samples, generator=generator)[:PROBE_BATCH]
-        inputs, targets = data["train_x"][rows], data["train_y"][rows]
-        for micro in MICRO_BATCHES:
-            grads = []
-            for x, y in zip(inputs.split(micro), targets.split(micro)):
-                grads.append(et.flat(torch.autograd.grad(et.mean_loss(model(x), y), params)))
-            with torch.no_grad():
-                for buffer, kept in zip(model.buffers(), buffers):
-                    buffer.copy_(kept)
-            stacked = torch.stack(grads)
-            full = stacked.mean(0)
-            sums[micro] += two_batch_estimates((stacked * stacked).sum(1).tolist(), float(full @ full), micro, PROBE_BATCH)
-    reads = {b: {"grad_sqr": s[0] / draws, "trace_sigma": s[1] / draws, "b_simple": s[1] / s[0]} for b, s in sums.items()}
+    reads = {}
+    for micro in MICRO_BATCHES:  # the same seed draws the same batches for every size
+        read = noise_probe(model, data, torch.Generator().manual_seed(1), micro_batch=micro, micro_batches=PROBE_BATCH // micro,
+                           draws=draws, loss_fn=et.mean_loss)  # fmt: skip
+        reads[micro] = {"grad_sqr": read["true_grad_sq_norm"], "trace_sigma": read["trace_sigma"],
+                        "b_simple": read["trace_sigma"] / read["true_grad_sq_norm"]}  # fmt: skip
     simple = [r["b_simple"] for r in reads.values()]
     return {"task": name, "batch_norm": has_batch_norm(model), "steps": steps, "reads": reads,
             "spread": max(simple) / min(simple) if min(simple) > 0 else float("inf")}  # fmt: skip

@@ -104,9 +104,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
     efficiency_tasks.train_to_target does, and measure the stability headroom at measurement_steps (module
     docstring). Runs in a worker process (one torch thread)."""
     import torch
-    from efficiency_tasks import (
-        BatchStream, Task, accumulation_step, evaluate, mean_loss, plain_step, scheduled_lr, task_data, task_model, task_optimizer,
-    )  # fmt: skip
+    from efficiency_tasks import BatchStream, Task, evaluate, mean_loss, scheduled_lr, step_function, task_data, task_model, task_optimizer
 
     from profiler.sharpness import stability_headroom
 
@@ -129,7 +127,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
         rows = stream.next(batch)
         for group in optimizer.param_groups:
             group["lr"] = scheduled_lr(task, batch, lr, step - 1)
-        if (accumulation_step if task.micro_batched else plain_step)(model, optimizer, inputs[rows], targets[rows]) is None:
+        if step_function(task)(model, optimizer, inputs[rows], targets[rows]) is None:
             outcome = "diverged"
             break
         if step not in marks:

@@ -131,23 +131,25 @@ def evaluate(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
     return float((logits.argmax(1) == data["test_y"]).float().mean()) if torch.isfinite(logits).all() else 0.0
 
 
-def noise_probe(model: torch.nn.Module, data: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, float]:
+def noise_probe(model: torch.nn.Module, data: dict[str, torch.Tensor], generator: torch.Generator, micro_batch: int = NOISE_MICRO_BATCH,
+                micro_batches: int = NOISE_MICRO_BATCHES, draws: int = NOISE_DRAWS, loss_fn: Any = F.cross_entropy) -> dict[str, float]:  # fmt: skip
     """|G|^2, tr(Sigma) and B_simple at the model's current weights (McCandlish et al. 2018, App. A.1):
-    NOISE_DRAWS draws of NOISE_MICRO_BATCHES x NOISE_MICRO_BATCH fresh training samples, each split into
-    its micro-batches for `two_batch_estimates`; the two estimates are averaged over draws, then divided."""
+    `draws` draws of micro_batches x micro_batch fresh training samples, each split into its micro-batches for
+    `two_batch_estimates`; the two estimates are averaged over draws, then divided. The weights, batch norm's running
+    statistics and the global RNG are left as they were (a generator seeded alike draws the same samples again)."""
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    big = NOISE_MICRO_BATCH * NOISE_MICRO_BATCHES
+    big = micro_batch * micro_batches
     true_sq, trace = [], []
     with torch.random.fork_rng(devices=[]):
-        for _ in range(NOISE_DRAWS):
+        for _ in range(draws):
             rows = torch.randperm(len(data["train_y"]), generator=generator)[:big]
             micro = []
-            for part in rows.split(NOISE_MICRO_BATCH):
-                loss = F.cross_entropy(model(data["train_x"][part]), data["train_y"][part])
+            for part in rows.split(micro_batch):
+                loss = loss_fn(model(data["train_x"][part]), data["train_y"][part])
                 micro.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
             full = torch.stack(micro).mean(0)
-            g2, s = two_batch_estimates([float(m @ m) for m in micro], float(full @ full), NOISE_MICRO_BATCH, big)
+            g2, s = two_batch_estimates([float(m @ m) for m in micro], float(full @ full), micro_batch, big)
             true_sq.append(g2)
             trace.append(s)
     with torch.no_grad():
