@@ -100,8 +100,8 @@ NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
     "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 17 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 18.1% to 10.4% and the worst task's from 63.9% to 20.6%; one at 2x helped less "
-    "(22.0%, worst 42.7%): runs close together differ by little more than a run's scatter"
+    "took the median epochs error from 18.1% to 10.8% and the worst task's from 63.9% to 20.4%; one at 2x helped less "
+    "(19.7%, worst 45.0%): runs close together differ by little more than a run's scatter"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
