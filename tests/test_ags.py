@@ -4,18 +4,18 @@ import contextlib
 import copy
 import json
 import math
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from profiler.ags import AdaptiveGradientScaler, AGSOptimizer, config_values  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.gloo_ranks import gloo_group, spawn_ranks  # noqa: E402
 from tests.handmade import measurement, spec_dict  # noqa: E402
 
 torch.set_num_threads(1)
@@ -250,48 +250,44 @@ def test_grad_scaler_overflow_skips_the_decision_and_the_step():
 # -- DDP: two gloo processes against one process on the full batch ----------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        results = {}
-        # DDP, one backward per step; then DDP with 2 accumulated micro-batches (no_sync on the first)
-        for name, micro_batches in (("ddp", 1), ("ddp_accumulated", 2)):
-            model = nn.parallel.DistributedDataParallel(_tiny_model())
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-            ags = AdaptiveGradientScaler(optimizer, delta=DELTA, s=SCALE, process_group=dist.group.WORLD)
-            record = []
-            for inputs, targets in _batches():
-                inputs, targets = inputs[half], targets[half]
-                optimizer.zero_grad()
-                pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)))
-                for index, (piece_in, piece_t) in enumerate(pieces):
-                    syncing = index == len(pieces) - 1
-                    with contextlib.nullcontext() if syncing else model.no_sync():
-                        (F.cross_entropy(model(piece_in), piece_t) / micro_batches).backward()
-                decision = ags.step_scale()
-                record.append((decision, _flat_grads(model)))
-                optimizer.step()
-            results[name] = record
-        # no DDP: local gradients, averaged by the scaler's explicit all-reduce
-        model = _tiny_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        ags = AdaptiveGradientScaler(optimizer, delta=DELTA, s=SCALE, process_group=dist.group.WORLD, all_reduce_gradients=True)
-        results["all_reduce"] = _run(model, optimizer, ags, _batches(), part=half)
+    with gloo_group(rank, world, port):
+        results = _ddp_results(rank, world)  # its DDP models gone on return, before the group is
         torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+
+
+def _ddp_results(rank: int, world: int) -> dict:
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    results = {}
+    # DDP, one backward per step; then DDP with 2 accumulated micro-batches (no_sync on the first)
+    for name, micro_batches in (("ddp", 1), ("ddp_accumulated", 2)):
+        model = nn.parallel.DistributedDataParallel(_tiny_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        ags = AdaptiveGradientScaler(optimizer, delta=DELTA, s=SCALE, process_group=dist.group.WORLD)
+        record = []
+        for inputs, targets in _batches():
+            inputs, targets = inputs[half], targets[half]
+            optimizer.zero_grad()
+            pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)))
+            for index, (piece_in, piece_t) in enumerate(pieces):
+                syncing = index == len(pieces) - 1
+                with contextlib.nullcontext() if syncing else model.no_sync():
+                    (F.cross_entropy(model(piece_in), piece_t) / micro_batches).backward()
+            decision = ags.step_scale()
+            record.append((decision, _flat_grads(model)))
+            optimizer.step()
+        results[name] = record
+    # no DDP: local gradients, averaged by the scaler's explicit all-reduce
+    model = _tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ags = AdaptiveGradientScaler(optimizer, delta=DELTA, s=SCALE, process_group=dist.group.WORLD, all_reduce_gradients=True)
+    results["all_reduce"] = _run(model, optimizer, ags, _batches(), part=half)
+    return results
 
 
 def test_two_gloo_processes_decide_and_scale_like_one_process_on_the_full_batch(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), 2, [tmp_path / f"rank{rank}.pt" for rank in (0, 1)])
     full, _ = _reference_run()
     assert 0 < sum(d.scaled for d, _ in full) < STEPS
     margin = min(abs(d.variability - DELTA) for d, _ in full if d.variability is not None)

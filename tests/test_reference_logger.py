@@ -9,14 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from profiler.gradstats import two_batch_estimates  # noqa: E402
 from profiler.reference_logger import RECORD_KEYS, GradientStatsLogger  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
+from tests.gloo_ranks import gloo_group, spawn_ranks  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -453,27 +452,29 @@ DDP_CASES = (("adam", 1), ("sgd", 2))  # (optimizer, micro-batches per rank): on
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-        results = {}
-        try:
-            GradientStatsLogger(f"{out_dir}/refused.jsonl", _tiny_model(), accumulation=2)
-        except ValueError as error:  # 2 processes, a model DDP does not wrap: its .grad would be local
-            results["refused"] = str(error)
-        for optimizer_name, micro_batches in DDP_CASES:
-            model = nn.parallel.DistributedDataParallel(_tiny_model())
-            optimizer = _optimizer(optimizer_name, model)
-            path = f"{out_dir}/{optimizer_name}.jsonl"
-            with GradientStatsLogger(path, model, optimizer, every=2, accumulation=micro_batches) as logger:
-                results[optimizer_name] = _train(model, optimizer, logger, _batches(), micro_batches, part=half)
+    with gloo_group(rank, world, port):
+        results = _ddp_results(rank, world, out_dir)  # its DDP models gone on return, before the group is
         torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+
+
+def _ddp_results(rank: int, world: int, out_dir: str) -> dict:
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    results = {}
+    try:
+        GradientStatsLogger(f"{out_dir}/refused.jsonl", _tiny_model(), accumulation=2)
+    except ValueError as error:  # 2 processes, a model DDP does not wrap: its .grad would be local
+        results["refused"] = str(error)
+    for optimizer_name, micro_batches in DDP_CASES:
+        model = nn.parallel.DistributedDataParallel(_tiny_model())
+        optimizer = _optimizer(optimizer_name, model)
+        path = f"{out_dir}/{optimizer_name}.jsonl"
+        with GradientStatsLogger(path, model, optimizer, every=2, accumulation=micro_batches) as logger:
+            results[optimizer_name] = _train(model, optimizer, logger, _batches(), micro_batches, part=half)
+    return results
 
 
 def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro_batches(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), 2, [tmp_path / f"rank{rank}.pt" for rank in (0, 1)])
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     assert all("not a DistributedDataParallel" in results.get("refused", "") for results in ranks)
     for optimizer_name, micro_batches in DDP_CASES:

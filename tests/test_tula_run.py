@@ -12,11 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun, upload  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
+from tests.gloo_ranks import gloo_group, spawn_ranks  # noqa: E402
 from tests.api_fixtures import run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
@@ -378,8 +377,7 @@ def _ddp_budget_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import profiler.tula_run as tula_run
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         clock = _Clock()
         tula_run.time = clock  # this process's own module: the loop moves the clock, as in the tests above
         torch.manual_seed(0)
@@ -399,9 +397,6 @@ def _ddp_budget_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         run.close()
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"sample_every": run.logger.sample_every, "overhead": run.overhead, "records": records}))
         del run, model, optimizer  # DDP's reducer holds the process group: gone before it is destroyed
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_ranks_under_a_budget_take_the_sparsest_period_any_of_them_needs(tmp_path):
@@ -409,12 +404,7 @@ def test_ddp_ranks_under_a_budget_take_the_sparsest_period_any_of_them_needs(tmp
     that skips a step another samples voids it, so the ranks must sample the same steps. They agree, in one
     all-reduce where they all fit, on the sparsest period any of them needs (each within its budget): 32 here,
     where rank 1 alone would keep 4 (before, each kept its own)."""
-    try:
-        mp.spawn(_ddp_budget_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    except mp.ProcessExitedException as error:  # gloo's threads can abort a rank's exit after its work is done
-        outputs = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
-        if error.signal_name != "SIGABRT" or not all(path.exists() for path in outputs):  # tests/test_integrations.py
-            raise
+    spawn_ranks(_ddp_budget_worker, (2, free_port(), str(tmp_path)), 2, [tmp_path / f"rank{rank}.json" for rank in (0, 1)])
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["sample_every"] for r in ranks] == [32, 32]
     assert ranks[0]["overhead"]["within_budget"] and ranks[1]["overhead"]["sample_every"] == 32
