@@ -48,6 +48,8 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
 
 Run:  .venv/bin/python benchmarks/efficiency_tasks.py [--tasks NAME ...] [--workers 2] [--out PATH]
 Out:  docs/validation/statistical_efficiency/ground_truth.json (floats to 6 significant digits).
+Check a tuned LR:  .venv/bin/python benchmarks/efficiency_tasks.py --tasks NAME --check-lr BATCH LR [LR ...] [--seeds N]
+      (every seed at each LR, against the ground truth's tuned LR at BATCH; writes nothing).
 """
 
 from __future__ import annotations
@@ -162,6 +164,11 @@ TASKS: dict[str, Task] = {
     "stdlib_gpt_sgd": Task("stdlib_bytes", "gpt", "sgd", 2048, 256, 2.5, "val_loss", powers_of_two(16, 512),
                            max_epochs=100, reference_batch=32, reference_lr=0.25,
                            model_options={"layers": 2, "width": 32, "heads": 4}, seq_len=32),
+    # added 2026-12-05, later (--add): a recurrent model, the MNIST-1D GRU baseline (gru1d, 32 units), under Adam; the
+    # target from a one-off check of two seeds at 32, 256 and 1024 (0.9: 20, 34 and 63 epochs), the LR_ref Adam's usual
+    # 3e-3 untuned; nothing in the service was changed after it was measured
+    "mnist1d_gru_adam": Task("mnist1d", "gru1d", "adam", 4000, 1000, 0.9, "test_acc", powers_of_two(16, 2048),
+                             max_epochs=400, reference_batch=32, reference_lr=3e-3),
 }  # fmt: skip
 
 
@@ -655,13 +662,55 @@ def summary_table(truth: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_lr(task: Task, batch: int, lrs: list[float], seeds: int, workers: int = 1) -> dict[float, dict[str, Any]]:
+    """Every seed 0..seeds-1 trained at `batch` with each LR of `lrs` (whole-batch steps, as the ground truth's seeds
+    other than 0): per LR the median epochs over the seeds (a seed that missed counts as infinitely slow, as in the
+    tuning) and how many reached the target. A check of the tuned LR: does another LR beat it on more seeds than
+    the tuning's?"""
+    jobs = [{"task": asdict(task), "batch": batch, "lr": lr, "seed": seed} for lr in lrs for seed in range(seeds)]
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            runs = list(pool.map(train_to_target, jobs))
+    else:
+        runs = [train_to_target(job) for job in jobs]
+    out = {}
+    for lr in lrs:
+        epochs = [r["epochs"] if r["reached"] else math.inf for r in runs if r["lr"] == lr]
+        out[lr] = {"median_epochs": float(np.median(epochs)), "epochs": epochs, "reached": sum(math.isfinite(e) for e in epochs)}
+    return out
+
+
+def check_lr_report(name: str, batch: int, checked: dict[float, dict[str, Any]], truth_row: dict[str, Any] | None) -> list[str]:
+    """Lines per LR, then `lr_check: task=... batch=... tuned_lr=... tuned_epochs=... best_lr=... best_epochs=...
+    tuned_over_best=...` (the ground truth's tuned LR and median epochs, where the truth has the batch)."""
+    lines = [f"  lr={lr:.4g} median_epochs={row['median_epochs']:.3g} reached={row['reached']}/{len(row['epochs'])} "
+             f"seeds: {' '.join(f'{e:.3g}' for e in row['epochs'])}" for lr, row in checked.items()]  # fmt: skip
+    best_lr = min(checked, key=lambda lr: checked[lr]["median_epochs"])
+    best = checked[best_lr]["median_epochs"]
+    tuned = f"tuned_lr={truth_row['lr']:.4g} tuned_epochs={truth_row['epochs']:.3g} tuned_over_best={truth_row['epochs'] / best:.2f}" if truth_row else "tuned_lr=- tuned_epochs=-"
+    return lines + [f"lr_check: task={name} batch={batch} {tuned} best_lr={best_lr:.4g} best_epochs={best:.3g}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=list(TASKS))
     parser.add_argument("--workers", type=int, default=2, help="training processes (one torch thread each)")
     parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
     parser.add_argument("--add", action="store_true", help="train only --tasks and merge them into OUT, keeping its other tasks")
+    parser.add_argument("--check-lr", nargs="+", type=float, metavar=("BATCH", "LR"), default=None,
+                        help="train the first of --tasks at BATCH with each LR (--seeds seeds each) against the ground truth's "
+                             "tuned LR there; writes nothing")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=None, help="--check-lr: seeds per LR (default: the task's)")
     args = parser.parse_args(argv)
+    if args.check_lr is not None:
+        if len(args.check_lr) < 2 or args.check_lr[0] != int(args.check_lr[0]):
+            parser.error("--check-lr takes a batch, then one or more LRs")
+        name, batch = args.tasks[0], int(args.check_lr[0])
+        checked = check_lr(TASKS[name], batch, args.check_lr[1:], args.seeds or TASKS[name].seeds, args.workers)
+        truth = load_ground_truth(args.out) if args.out.exists() else {"tasks": {}}
+        row = truth["tasks"].get(name, {}).get("batches", {}).get(str(batch))
+        print("\n".join(check_lr_report(name, batch, checked, row)))
+        return 0
     truth = add_to_ground_truth(args.tasks, args.workers, args.out) if args.add else generate_ground_truth(args.tasks, args.workers, args.out)
     print(summary_table(truth))
     print(f"efficiency_tasks: tasks={len(truth['tasks'])} wall_s={truth['meta']['wall_s']:.0f} out={args.out}")

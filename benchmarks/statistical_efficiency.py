@@ -308,6 +308,28 @@ def first_record_read(task: Task, records: list[dict]) -> float | None:
     return _pooled(records[:1], STATISTIC_FOR_OPTIMIZER[task.optimizer]) or _pooled(records[:1])
 
 
+def progress_fraction_start(records: list[dict], target_samples: float, reference_batch: int, statistic: str, fraction: float) -> float | None:
+    """Where, as a fraction of the samples to the target, the run had made `fraction` of its progress S_min: the
+    window of the noise-scale read measured in progress rather than in samples. A record's progress per sample is
+    r / b, r = |G|^2 / (|G|^2 + tr(Sigma) / b) clipped to [0, 1] (the signal share, noise_trajectory's docstring;
+    0 where |G|^2 + tr(Sigma) / b is not positive), integrated by the trapezoidal rule from 0 (the first record's
+    rate held back to it) to the target (the last record's held on). None when no progress is resolved."""
+    arrays = record_arrays(records, statistic)
+    if not arrays["samples"].size:
+        arrays = record_arrays(records, "raw")
+    samples, grad_sqr, trace_sigma = arrays["samples"], arrays["grad_sqr"], arrays["trace_sigma"]
+    if samples.size < 2:
+        return None
+    squared_norm = grad_sqr + trace_sigma / reference_batch  # E|g_b|^2; a record where it is not positive made none
+    signal = np.divide(grad_sqr, squared_norm, out=np.zeros_like(grad_sqr), where=squared_norm > 0)
+    rate = np.clip(signal, 0.0, 1.0) / reference_batch
+    xs, ys = np.concatenate([[0.0], samples, [target_samples]]), np.concatenate([[rate[0]], rate, [rate[-1]]])
+    progress = np.concatenate([[0.0], np.cumsum(np.diff(xs) * (ys[1:] + ys[:-1]) / 2)])
+    if progress[-1] <= 0:
+        return None
+    return float(np.interp(fraction * progress[-1], progress, xs) / target_samples)
+
+
 def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
     """The same records read by each alternative, with the statistic the service reads for the task's optimizer
     (preconditioned for Adam/AdamW; the raw one where that is not resolved, as the service falls back) unless
@@ -326,6 +348,9 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
         for window in ((0.5, 1.0), (0.25, 1.0), (0.4, 1.0), (0.6, 1.0), (0.75, 1.0)) + (((0.0, 1.0),) if average == "progress" else ()):
             name = "progress-weighted mean" if average == "progress" else f"{average} of bins"
             estimates[f"{name}, {window[0]:.0%}-{window[1]:.0%} of the run"] = read(window=window, window_average=average)
+    start = progress_fraction_start(records, target_samples, reference_batch, wanted, 0.5)
+    estimates["progress-weighted mean, the second half of the progress S_min (not of the samples)"] = (
+        read(window=(start, 1.0)) if start is not None else None)
     for average in ("geometric", "progress"):
         value = read(window_average=average)
         estimates[f"{average}, 50-100%, x D / (D - 1 - B) (finite-data correction applied again)"] = (

@@ -152,6 +152,12 @@ _OWN_MODELS = (
         options={"channels": 25},
     ),
     ModelInfo(
+        "gru1d",
+        "GRU for 1D signals (MNIST-1D baseline): one value per time step, the last hidden state -> classes.",
+        "signal1d",
+        options={"hidden": 32, "layers": 1},
+    ),
+    ModelInfo(
         "gpt",
         "GPT-style decoder-only transformer LM (pre-LayerNorm, causal self-attention, tied head);"
         " seq_len and vocab_size come from the dataset; batch counted in sequences.",

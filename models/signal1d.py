@@ -1,4 +1,5 @@
-"""Classifiers for 1D signals of shape (batch, length), the MNIST-1D baselines (Greydanus 2020, sec. 3).
+"""Classifiers for 1D signals of shape (batch, length), the MNIST-1D baselines (Greydanus 2020, sec. 3: an MLP, a
+CNN and a GRU).
 
 Every factory takes `length` and `num_classes` (the shape a dataset gives) plus its own options.
 """
@@ -52,3 +53,20 @@ class CNN1d(nn.Module):
 
     def forward(self, signals: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(self.features(signals.unsqueeze(1)), 1))
+
+
+class GRU1d(nn.Module):
+    """A recurrent classifier: the signal read one value per time step by a GRU (Cho et al. 2014) of `hidden` units
+    and `layers` layers, its last hidden state mapped to the classes (the paper's GRU baseline reads MNIST-1D this
+    way). The recurrence runs `length` sequential steps, so its step time grows with the signal, not only with the batch."""
+
+    def __init__(self, length: int, num_classes: int, hidden: int = 32, layers: int = 1):
+        super().__init__()
+        if length < 1:
+            raise ValueError(f"gru1d needs signals of length >= 1 (got {length})")
+        self.gru = nn.GRU(input_size=1, hidden_size=hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        _, last = self.gru(signals.unsqueeze(-1))  # last: (layers, batch, hidden)
+        return self.head(last[-1])

@@ -25,7 +25,7 @@ from models.registry import (
     unknown_name_message,
     user_model_allowed,
 )
-from models.signal1d import CNN1d, MLP1d
+from models.signal1d import CNN1d, GRU1d, MLP1d
 from models.vision import ResNetCifar, SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
 
 ModelFactory = Callable[..., nn.Module]
@@ -37,6 +37,7 @@ _FACTORIES: dict[str, ModelFactory] = {
     "vgg11_cifar": VGG11Cifar,
     "mlp1d": MLP1d,
     "cnn1d": CNN1d,
+    "gru1d": GRU1d,
     "gpt": GPT,
     **{name: functools.partial(torchvision_classifier, name) for name in TORCHVISION_CLASSIFIERS},
 }

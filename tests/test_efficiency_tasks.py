@@ -260,3 +260,16 @@ def test_the_momentum_ablation_in_worker_processes_gives_what_it_gives_in_one(tm
     parallel = se.momentum_ablation(["tiny"], 0.0, path, workers=2)[0]  # spawned processes train the same seeds
     assert serial["steps"] == parallel["steps"] and serial["lr"] == parallel["lr"] and list(serial["steps"]) == ["16", "64"]
     assert serial["momentum"] == 0.0 and serial["truth_momentum"] == et.MOMENTUM
+
+
+def test_check_lr_trains_every_seed_at_each_lr_and_names_the_best_against_the_tuned_one():
+    """An LR too small to train misses on every seed (infinitely slow, as in the tuning); the report's last line
+    compares the best checked LR with the ground truth's tuned one."""
+    checked = et.check_lr(TINY, 32, [TINY.reference_lr, 1e-7], seeds=2)
+    assert checked[1e-7]["reached"] == 0 and checked[1e-7]["median_epochs"] == float("inf")
+    assert checked[TINY.reference_lr]["reached"] == 2 and 0 < checked[TINY.reference_lr]["median_epochs"] <= TINY.max_epochs
+    good = checked[TINY.reference_lr]["median_epochs"]
+    lines = et.check_lr_report("tiny", 32, checked, {"lr": 1e-7, "epochs": 2 * good})
+    assert lines[-1] == (f"lr_check: task=tiny batch=32 tuned_lr=1e-07 tuned_epochs={2 * good:.3g} tuned_over_best=2.00 "
+                         f"best_lr={TINY.reference_lr:.4g} best_epochs={good:.3g}")  # fmt: skip
+    assert len(lines) == 3 and "reached=0/2" in lines[1]

@@ -88,6 +88,22 @@ def test_a_task_is_scored_with_the_prior_calibrated_without_it():
     assert epochs_calibration.load_calibration() is shipped
 
 
+def test_the_window_in_progress_starts_where_half_the_progress_was_made():
+    """r / b per sample: constant -> half the samples; twice as fast in the first half of the run -> 3/8 of them
+    (the first half holds 2/3 of the progress); a noise scale 3x the batch throughout gives the same as constant."""
+    target = 1_000_000.0
+    samples = np.linspace(1_000, target, 1_000)
+    records = lambda grad_sqr: [{"samples": float(s), "batch": 32, "grad_sqr": float(g), "trace_sigma": 32.0}  # noqa: E731
+                                for s, g in zip(samples, grad_sqr)]  # fmt: skip
+    constant = se.progress_fraction_start(records(np.ones_like(samples)), target, 32, "raw", 0.5)
+    assert constant == pytest.approx(0.5, abs=1e-3)
+    # r = g / (g + 1): 1/2 with g = 1, 3/4 with g = 3 -> steps of r 3/4 then 3/8 need g = 3 then 3/5
+    stepped = np.where(samples <= target / 2, 3.0, 0.6)
+    assert se.progress_fraction_start(records(stepped), target, 32, "raw", 0.5) == pytest.approx(3 / 8, abs=2e-3)
+    assert se.progress_fraction_start(records(np.full_like(samples, -1.0)), target, 32, "raw", 0.5) is None  # none resolved
+    assert se.progress_fraction_start(records(np.ones(1)), target, 32, "raw", 0.5) is None  # one record
+
+
 def test_the_truth_floor_of_an_exact_truth_is_its_own_noise_scale_with_no_error():
     floor = se.evaluate(synthetic_task(noise_scale=400.0))["truth_floor"]
     assert floor["best_noise_scale"] == pytest.approx(400.0, rel=0.01)

@@ -132,7 +132,8 @@ def test_resnet_cifar_is_resnet_6n_plus_2_with_batch_norm_and_takes_small_images
     assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)  # the smallest side the catalog allows
 
 
-@pytest.mark.parametrize(("name", "options"), [("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8})])
+@pytest.mark.parametrize(("name", "options"), [("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8}), ("gru1d", {}),
+                                              ("gru1d", {"hidden": 8, "layers": 2})])
 def test_1d_models_take_batch_by_length_signals(name, options):
     model = build_model(name, options=options, length=40, num_classes=10)
     assert model(torch.randn(3, 40)).shape == (3, 10)
@@ -140,6 +141,15 @@ def test_1d_models_take_batch_by_length_signals(name, options):
 
 def test_cnn1d_default_is_the_mnist1d_baseline_size():
     assert build_model("cnn1d", length=40, num_classes=10).head.in_features == 25 * 5
+
+
+def test_gru1d_reads_the_signal_in_order_and_classifies_from_its_last_state():
+    model = build_model("gru1d", options={"hidden": 8}, length=40, num_classes=10)
+    assert model.gru.hidden_size == 8 and model.head.in_features == 8
+    signals = torch.randn(2, 40)
+    reversed_order = signals.flip(1)
+    assert not torch.allclose(model(signals), model(reversed_order))  # a recurrence, not a bag of values
+    assert model(torch.randn(2, 1)).shape == (2, 10)  # any length
 
 
 def test_gpt_gives_next_token_logits_with_a_tied_head():
