@@ -681,13 +681,21 @@ def check_lr(task: Task, batch: int, lrs: list[float], seeds: int, workers: int 
 
 
 def check_lr_report(name: str, batch: int, checked: dict[float, dict[str, Any]], truth_row: dict[str, Any] | None) -> list[str]:
-    """Lines per LR, then `lr_check: task=... batch=... tuned_lr=... tuned_epochs=... best_lr=... best_epochs=...
-    tuned_over_best=...` (the ground truth's tuned LR and median epochs, where the truth has the batch)."""
+    """Lines per LR, then `lr_check: task=... batch=... tuned_lr=... tuned_epochs=... tuned_over_best=... [tuned_here=...
+    tuned_here_over_best=...] best_lr=... best_epochs=...`: the ground truth's tuned LR and median epochs (where the
+    truth has the batch) over the best checked LR's; where the tuned LR is among those checked, also its epochs in
+    this check and their ratio to the best, which leaves out what differs between the check and the truth (the
+    truth's seed 0 trains split, so one of its 8 runs differs, and the median of 8 can move by a tenth with it)."""
     lines = [f"  lr={lr:.4g} median_epochs={row['median_epochs']:.3g} reached={row['reached']}/{len(row['epochs'])} "
              f"seeds: {' '.join(f'{e:.3g}' for e in row['epochs'])}" for lr, row in checked.items()]  # fmt: skip
     best_lr = min(checked, key=lambda lr: checked[lr]["median_epochs"])
     best = checked[best_lr]["median_epochs"]
-    tuned = f"tuned_lr={truth_row['lr']:.4g} tuned_epochs={truth_row['epochs']:.3g} tuned_over_best={truth_row['epochs'] / best:.2f}" if truth_row else "tuned_lr=- tuned_epochs=-"
+    tuned = "tuned_lr=- tuned_epochs=-"
+    if truth_row:
+        tuned = f"tuned_lr={truth_row['lr']:.4g} tuned_epochs={truth_row['epochs']:.3g} tuned_over_best={truth_row['epochs'] / best:.2f}"
+        here = [row["median_epochs"] for lr, row in checked.items() if math.isclose(lr, truth_row["lr"], rel_tol=1e-3)]
+        if here:
+            tuned += f" tuned_here={here[0]:.3g} tuned_here_over_best={here[0] / best:.2f}"
     return lines + [f"lr_check: task={name} batch={batch} {tuned} best_lr={best_lr:.4g} best_epochs={best:.3g}"]
 
 

@@ -269,7 +269,9 @@ def test_check_lr_trains_every_seed_at_each_lr_and_names_the_best_against_the_tu
     assert checked[1e-7]["reached"] == 0 and checked[1e-7]["median_epochs"] == float("inf")
     assert checked[TINY.reference_lr]["reached"] == 2 and 0 < checked[TINY.reference_lr]["median_epochs"] <= TINY.max_epochs
     good = checked[TINY.reference_lr]["median_epochs"]
-    lines = et.check_lr_report("tiny", 32, checked, {"lr": 1e-7, "epochs": 2 * good})
+    lines = et.check_lr_report("tiny", 32, checked, {"lr": 1.00001e-7, "epochs": 2 * good})
     assert lines[-1] == (f"lr_check: task=tiny batch=32 tuned_lr=1e-07 tuned_epochs={2 * good:.3g} tuned_over_best=2.00 "
-                         f"best_lr={TINY.reference_lr:.4g} best_epochs={good:.3g}")  # fmt: skip
+                         f"tuned_here=inf tuned_here_over_best=inf best_lr={TINY.reference_lr:.4g} best_epochs={good:.3g}")  # fmt: skip
     assert len(lines) == 3 and "reached=0/2" in lines[1]
+    unchecked = et.check_lr_report("tiny", 32, checked, {"lr": 0.3, "epochs": good})[-1]  # the tuned LR not among them
+    assert "tuned_over_best=1.00 best_lr" in unchecked and "tuned_here" not in unchecked
