@@ -12,7 +12,8 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
   the same at any LR, so steps decide without timing noise; a tie keeps the earlier multiplier). When the
   winner is an edge of the grid, the grid goes on by LR_STEP past it (to at most MAX_LR_MULTIPLIER or its
-  inverse) until the winner is inside. When no candidate reaches the target, the grid goes on downwards (a
+  inverse) until the winner is inside (with --lr-lookahead N, until it is more than N steps inside: the committed
+  truth has N = 0, which stops at the first LR that does not improve; meta.lr_lookahead says which). When no candidate reaches the target, the grid goes on downwards (a
   large batch's sqrt-scaled LR can sit past what trains: plain SGD at 16x its reference batch trained only
   below the grid's first three LRs) until one does or the bound is reached. A seed's run stops once it has taken as many steps as the best median
   so far (it cannot change the winner: a better median comes from seeds below that), and a candidate stops
@@ -84,6 +85,7 @@ MOMENTUM = 0.9
 LR_STEP = math.sqrt(2.0)  # spacing of the LR grid
 LR_MULTIPLIERS = (1.0, 1.0 / LR_STEP, LR_STEP)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
 MAX_LR_MULTIPLIER = 16.0  # the grid is extended by factors of LR_STEP past an edge that wins, up to this (and 1/16)
+LR_LOOKAHEAD = 0  # LRs tried past the best before the grid stops (0: stop at the first that does not improve; --lr-lookahead)
 TUNING_SEEDS = 3  # the LR is chosen by the median over this many seeds
 WARMUP_EPOCHS = 1.0
 EVALS_PER_EPOCH = 8
@@ -413,13 +415,17 @@ def sqrt_scaled_lr(task: Task, batch: int) -> float:
     return task.reference_lr * math.sqrt(batch / task.reference_batch)
 
 
-def next_multiplier(best: float, tried: list[float]) -> float | None:
-    """The grid goes on past an edge: when the best multiplier is the largest (smallest) tried, the next
-    factor of LR_STEP beyond it, within [1 / MAX_LR_MULTIPLIER, MAX_LR_MULTIPLIER]; None once the best is inside."""
-    if best == max(tried) and best * LR_STEP <= MAX_LR_MULTIPLIER * (1 + 1e-9):
-        return best * LR_STEP
-    if best == min(tried) and best / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
-        return best / LR_STEP
+def next_multiplier(best: float, tried: list[float], lookahead: int = LR_LOOKAHEAD) -> float | None:
+    """The grid goes on past an edge: while the best multiplier is within `lookahead` steps of the largest (smallest)
+    tried, the next factor of LR_STEP beyond that edge, within [1 / MAX_LR_MULTIPLIER, MAX_LR_MULTIPLIER]; None once
+    the best is more than `lookahead` steps inside. lookahead 0: only an edge that wins extends the grid, so it stops
+    at the first LR that does not improve; 1: it goes on to two LRs past the best. On a flat, noisy optimum (a median
+    of 3 seeds) the first LR past the best can lose by chance where the next wins clearly (the GRU's, docs/validation.md)."""
+    top, bottom, reach = max(tried), min(tried), LR_STEP**lookahead * (1 + 1e-9)
+    if best * reach >= top and top * LR_STEP <= MAX_LR_MULTIPLIER * (1 + 1e-9):
+        return top * LR_STEP
+    if best <= bottom * reach and bottom / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
+        return bottom / LR_STEP
     return None
 
 
@@ -430,7 +436,8 @@ def median_steps(runs: list[dict[str, Any]], seeds: int) -> float:
     return float(np.median(steps))
 
 
-def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
+            lookahead: int = LR_LOOKAHEAD) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:  # fmt: skip
     """The LR with the fewest median steps over seeds 0..tuning_seeds-1 (see the module docstring).
 
     A seed's run stops once it has taken as many steps as the best median so far: the median of a candidate
@@ -457,7 +464,7 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int)
         if math.isfinite(score) and (best is None or score < best["median_steps"]):
             best = {"multiplier": multiplier, "lr": lr, "median_steps": score, "runs": runs}
         if not multipliers and best is not None:
-            multipliers = [m for m in [next_multiplier(best["multiplier"], tried)] if m]
+            multipliers = [m for m in [next_multiplier(best["multiplier"], tried, lookahead)] if m]
         elif not multipliers and min(tried) / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
             multipliers = [min(tried) / LR_STEP]  # nothing reached the target yet: smaller LRs (module docstring)
     return best, tuning
@@ -469,7 +476,7 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     task, batch = Task(**job["task"]), job["batch"]
     tuning_seeds = min(task.seeds, job.get("tuning_seeds", TUNING_SEEDS))
-    best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds)
+    best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds, job.get("lr_lookahead", LR_LOOKAHEAD))
     if best is None:  # no LR reached the target on most seeds: the batch is reported as missed, with its closest run
         better = (lambda r: -(r["final_metric"] or 0.0)) if task.higher_is_better else (lambda r: r["final_metric"] or math.inf)
         chosen = min((r for r in tuning if r["split"]), key=better)
@@ -555,7 +562,7 @@ def task_entry(name: str, task: Task, batches: dict[int, dict[str, Any]], timing
     }  # fmt: skip
 
 
-def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH) -> dict[str, Any]:
+def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH, lookahead: int = LR_LOOKAHEAD) -> dict[str, Any]:
     """Train every (task, batch) of the named tasks, time their epochs, and write the ground truth to `path`.
 
     Jobs go to `workers` spawned processes, the GPT's and the largest batches first; each task's epoch
@@ -569,6 +576,7 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
         "machine": f"{os.cpu_count()}-core {platform.machine()} CPU", "torch": torch.__version__,
         "python": sys.version.split()[0], "torch_threads_per_process": 1, "workers": workers,
         "lr_multipliers": list(LR_MULTIPLIERS), "lr_step": LR_STEP, "tuning_seeds": TUNING_SEEDS, "max_lr_multiplier": MAX_LR_MULTIPLIER, "warmup_epochs": WARMUP_EPOCHS, "evals_per_epoch": EVALS_PER_EPOCH,
+        "lr_lookahead": lookahead,
         "micro_batches": MICRO_BATCHES, "records_per_run": RECORDS_PER_RUN, "epoch_timing_rounds": EPOCH_TIMING_ROUNDS,
         "momentum": MOMENTUM,
     }  # fmt: skip
@@ -579,7 +587,7 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
     for name in tasks:
         task = TASKS[name]
         checked = {min(task.batches), task.reference_batch, max(task.batches)}
-        jobs += [(name, b, {"task": asdict(task), "batch": b, "split_check": b in checked}) for b in task.batches]
+        jobs += [(name, b, {"task": asdict(task), "batch": b, "split_check": b in checked, "lr_lookahead": lookahead}) for b in task.batches]
     jobs.sort(key=lambda j: (TASKS[j[0]].model != "gpt", -j[1]))
     jobs += [(name, "timing", {"task": asdict(TASKS[name]), "name": name}) for name in tasks]
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in tasks}
@@ -612,13 +620,13 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
     return significant(truth)
 
 
-def add_to_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH) -> dict[str, Any]:
+def add_to_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH, lookahead: int = LR_LOOKAHEAD) -> dict[str, Any]:
     """Train the named tasks and merge them into the ground truth at `path` (its other tasks and meta are kept;
     meta["added"] says what was added when, with its own meta)."""
     existing = load_ground_truth(path)
     scratch = path.with_name(path.stem + ".adding.json")
     try:
-        added = generate_ground_truth(tasks, workers, scratch)
+        added = generate_ground_truth(tasks, workers, scratch, lookahead)
     finally:
         scratch.unlink(missing_ok=True)
     existing["tasks"].update(added["tasks"])
@@ -709,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="train the first of --tasks at BATCH with each LR (--seeds seeds each) against the ground truth's "
                              "tuned LR there; writes nothing")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=None, help="--check-lr: seeds per LR (default: the task's)")
+    parser.add_argument("--lr-lookahead", type=int, default=LR_LOOKAHEAD,
+                        help=f"LRs the tuning tries past the best before it stops (default {LR_LOOKAHEAD}: the committed truth's rule)")
     args = parser.parse_args(argv)
     if args.check_lr is not None:
         if len(args.check_lr) < 2 or args.check_lr[0] != int(args.check_lr[0]):
@@ -719,7 +729,10 @@ def main(argv: list[str] | None = None) -> int:
         row = truth["tasks"].get(name, {}).get("batches", {}).get(str(batch))
         print("\n".join(check_lr_report(name, batch, checked, row)))
         return 0
-    truth = add_to_ground_truth(args.tasks, args.workers, args.out) if args.add else generate_ground_truth(args.tasks, args.workers, args.out)
+    if args.add:
+        truth = add_to_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
+    else:
+        truth = generate_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
     print(summary_table(truth))
     print(f"efficiency_tasks: tasks={len(truth['tasks'])} wall_s={truth['meta']['wall_s']:.0f} out={args.out}")
     return 0

@@ -275,3 +275,28 @@ def test_check_lr_trains_every_seed_at_each_lr_and_names_the_best_against_the_tu
     assert len(lines) == 3 and "reached=0/2" in lines[1]
     unchecked = et.check_lr_report("tiny", 32, checked, {"lr": 0.3, "epochs": good})[-1]  # the tuned LR not among them
     assert "tuned_over_best=1.00 best_lr" in unchecked and "tuned_here" not in unchecked
+
+
+def test_with_lookahead_the_grid_goes_on_past_an_lr_that_lost_by_chance(monkeypatch):
+    """Steps fall with the LR up to 4x, but 2 sqrt 2 loses on its seeds by chance: lookahead 0 stops at 2 (the
+    committed rule), lookahead 1 tries 4 as well and takes it; with 0 the rule is the one of next_multiplier's test."""
+    step = et.LR_STEP
+    table = {0.5: 200, 1 / step: 150, 1.0: 120, step: 100, 2.0: 80, 2 * step: 90, 4.0: 50, 4 * step: 70, 8.0: 90}
+
+    def fake_run(run):
+        steps = table[min(table, key=lambda m: abs(m - run["lr_multiplier"]))]
+        limit = run.get("prune_after_steps")
+        pruned = limit is not None and steps > limit
+        return {"reached": not pruned, "outcome": "pruned" if pruned else "reached", "steps": min(steps, limit) if pruned else steps,
+                "seed": run["seed"], "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
+
+    monkeypatch.setattr(et, "train_to_target", fake_run)
+    best, _ = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
+    assert best["multiplier"] == pytest.approx(2.0)
+    best, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3, lookahead=1)
+    tried = sorted({round(r["lr_multiplier"], 6) for r in tuning})
+    assert best["multiplier"] == pytest.approx(4.0)
+    assert tried[-1] == pytest.approx(8.0) and tried[0] == pytest.approx(1 / step)  # two past the best; nothing more down
+    assert et.next_multiplier(2.0, [1.0, 1 / step, step, 2.0, 2 * step], lookahead=1) == pytest.approx(4.0)
+    assert et.next_multiplier(1.0, [1 / step, 1.0, step, 2.0], lookahead=1) == pytest.approx(0.5)  # one inside the top, at the bottom
+    assert et.next_multiplier(1.0, [0.5, 1 / step, 1.0, step, 2.0], lookahead=1) is None
