@@ -171,19 +171,24 @@ def test_the_lr_grid_goes_on_past_an_edge_that_wins_and_stops_inside_or_at_its_b
     assert et.next_multiplier(1 / et.MAX_LR_MULTIPLIER, [1.0, 1 / et.MAX_LR_MULTIPLIER]) is None
 
 
+def _nearest(table: dict[float, object], run: dict) -> float:
+    return min(table, key=lambda m: abs(m - run["lr_multiplier"]))
+
+
+def _table_run(run: dict, steps: int) -> dict:
+    """A stand-in for train_to_target whose run takes `steps` to the target, pruned at run["prune_after_steps"]."""
+    limit = run.get("prune_after_steps")
+    pruned = limit is not None and steps > limit
+    return {"reached": not pruned, "outcome": "pruned" if pruned else "reached", "steps": min(steps, limit) if pruned else steps,
+            "seed": run["seed"], "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
+
+
 def test_the_lr_is_chosen_by_the_median_over_the_tuning_seeds_and_pruning_never_changes_the_winner(monkeypatch):
     # steps to the target per (multiplier, seed); seed 0 alone would pick sqrt(2) (lucky), the median picks 1
     step = et.LR_STEP
     table = {1.0: [100, 90, 95], 1 / step: [150, 140, 160], step: [60, 200, 210], 2.0: [300, 320, 330]}
 
-    def fake_run(run):
-        steps = table[min(table, key=lambda m: abs(m - run["lr_multiplier"]))][run["seed"]]
-        limit = run.get("prune_after_steps")
-        pruned = limit is not None and steps > limit
-        return {"reached": not pruned, "outcome": "pruned" if pruned else "reached", "steps": min(steps, limit) if pruned else steps,
-                "seed": run["seed"], "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
-
-    monkeypatch.setattr(et, "train_to_target", fake_run)
+    monkeypatch.setattr(et, "train_to_target", lambda run: _table_run(run, table[_nearest(table, run)][run["seed"]]))
     best, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
     assert best["multiplier"] == 1.0 and best["median_steps"] == 95
     assert [r["split"] for r in tuning if r["lr_multiplier"] == 1.0] == [True, False, False]  # seed 0 keeps the trajectory
@@ -283,14 +288,7 @@ def test_with_lookahead_the_grid_goes_on_past_an_lr_that_lost_by_chance(monkeypa
     step = et.LR_STEP
     table = {0.5: 200, 1 / step: 150, 1.0: 120, step: 100, 2.0: 80, 2 * step: 90, 4.0: 50, 4 * step: 70, 8.0: 90}
 
-    def fake_run(run):
-        steps = table[min(table, key=lambda m: abs(m - run["lr_multiplier"]))]
-        limit = run.get("prune_after_steps")
-        pruned = limit is not None and steps > limit
-        return {"reached": not pruned, "outcome": "pruned" if pruned else "reached", "steps": min(steps, limit) if pruned else steps,
-                "seed": run["seed"], "split": run.get("split", False), "lr": run["lr"], "lr_multiplier": run["lr_multiplier"]}  # fmt: skip
-
-    monkeypatch.setattr(et, "train_to_target", fake_run)
+    monkeypatch.setattr(et, "train_to_target", lambda run: _table_run(run, table[_nearest(table, run)]))
     best, _ = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3)
     assert best["multiplier"] == pytest.approx(2.0)
     best, tuning = et.tune_lr(TINY, 32, list(et.LR_MULTIPLIERS), 3, lookahead=1)
