@@ -48,6 +48,7 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   to D / B steps; median over rounds (the speed of a shared machine drifts; rounds make batches comparable).
 
 Run:  .venv/bin/python benchmarks/efficiency_tasks.py [--tasks NAME ...] [--workers 2] [--out PATH]
+Re-tune the stored truth with another lookahead (reusing its runs):  ... --retune --lr-lookahead N [--tasks NAME ...]
 Out:  docs/validation/statistical_efficiency/ground_truth.json (floats to 6 significant digits).
 Check a tuned LR:  .venv/bin/python benchmarks/efficiency_tasks.py --tasks NAME --check-lr BATCH LR [LR ...] [--seeds N]
       (every seed at each LR, against the ground truth's tuned LR at BATCH; writes nothing).
@@ -436,14 +437,33 @@ def median_steps(runs: list[dict[str, Any]], seeds: int) -> float:
     return float(np.median(steps))
 
 
-def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
-            lookahead: int = LR_LOOKAHEAD) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:  # fmt: skip
+def grid_index(multiplier: float) -> int:
+    """A multiplier's place on the LR grid (multiplier = LR_STEP ** index), robust to the 6 digits the truth keeps."""
+    return round(math.log(multiplier) / math.log(LR_STEP))
+
+
+def known_runs(tuning: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """A stored tuning list (a ground-truth row's "tuning") as runs tune_lr can reuse, by (grid_index, seed);
+    marked "reused": they carry no trajectory or train_s."""
+    return {(grid_index(r["lr_multiplier"]), r["seed"]): {**r, "reached": r["outcome"] == "reached", "split": r["seed"] == 0, "reused": True}
+            for r in tuning}  # fmt: skip
+
+
+def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int, lookahead: int = LR_LOOKAHEAD,
+            known: dict[tuple[int, int], dict[str, Any]] | None = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:  # fmt: skip
     """The LR with the fewest median steps over seeds 0..tuning_seeds-1 (see the module docstring).
 
     A seed's run stops once it has taken as many steps as the best median so far: the median of a candidate
     that beats the best comes from seeds below that, so pruning never changes the winner. A candidate stops
     once a majority of its seeds has missed. Returns the winner ({"multiplier", "lr", "median_steps", "runs"};
-    None when no candidate reached the target on a majority of seeds) and every tuning run."""
+    None when no candidate reached the target on a majority of seeds) and every tuning run.
+
+    `known` (known_runs of an earlier tuning of the same task and batch) is taken instead of training where it
+    holds a (multiplier, seed): re-tuning with a larger `lookahead` tries the same candidates in the same order
+    with the same pruning limits until the smaller lookahead stopped, and a run is deterministic on one machine
+    (the GRU's truth regenerated whole with lookahead 1 repeated the stored runs step for step), so only the
+    candidates past that point train."""
+    known = known or {}
     tuning: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     tried: list[float] = []
@@ -453,7 +473,7 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
         lr = multiplier * sqrt_scaled_lr(task, batch)
         runs: list[dict[str, Any]] = []
         for seed in range(tuning_seeds):
-            runs.append(train_to_target({
+            runs.append(known.get((grid_index(multiplier), seed)) or train_to_target({
                 "task": asdict(task), "batch": batch, "lr": lr, "lr_multiplier": multiplier, "seed": seed, "split": seed == 0,
                 "prune_after_steps": best["median_steps"] if best else None,
             }))  # fmt: skip
@@ -472,11 +492,20 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
 
 def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     """Tune the LR on the median of the tuning seeds (seed 0 split, for the trajectory), train the remaining
-    seeds at it (no split), and, where asked, seed 0 again without the split."""
+    seeds at it (no split), and, where asked, seed 0 again without the split.
+
+    Re-tuning a stored row (job["known_tuning"], its "tuning", and job["kept_multiplier"], its lr_multiplier):
+    the stored runs are reused (tune_lr); where the winner is still the stored one (or nothing reached the
+    target, which the lookahead does not touch) only {"batch", "kept": True, "tuning"} comes back, the row's
+    other fields standing as they are."""
     started = time.perf_counter()
     task, batch = Task(**job["task"]), job["batch"]
     tuning_seeds = min(task.seeds, job.get("tuning_seeds", TUNING_SEEDS))
-    best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds, job.get("lr_lookahead", LR_LOOKAHEAD))
+    best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds, job.get("lr_lookahead", LR_LOOKAHEAD),
+                           known_runs(job.get("known_tuning") or []))  # fmt: skip
+    tuning_records = [{k: r[k] for k in ("lr", "lr_multiplier", "seed", "outcome", "steps", "epochs", "final_metric")} for r in tuning]
+    if "kept_multiplier" in job and (best is None or grid_index(best["multiplier"]) == grid_index(job["kept_multiplier"])):
+        return {"batch": batch, "kept": True, "tuning": tuning_records, "job_wall_s": time.perf_counter() - started}
     if best is None:  # no LR reached the target on most seeds: the batch is reported as missed, with its closest run
         better = (lambda r: -(r["final_metric"] or 0.0)) if task.higher_is_better else (lambda r: r["final_metric"] or math.inf)
         chosen = min((r for r in tuning if r["split"]), key=better)
@@ -485,7 +514,7 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     else:
         same_lr = {"task": asdict(task), "batch": batch, "lr": best["lr"], "lr_multiplier": best["multiplier"]}
         # the winner's seeds that were pruned or never trained run to the end; then the seeds that did not tune
-        tuned = {r["seed"]: r for r in best["runs"] if r["reached"]}
+        tuned = {r["seed"]: r for r in best["runs"] if r["reached"] and not r.get("reused")}
         runs = [tuned.get(seed) or train_to_target({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
         runs += [train_to_target({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
         chosen = runs[0]
@@ -497,8 +526,7 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "batch": batch, **summarize_runs(runs), "tuning_seeds": tuning_seeds, "trajectory": chosen["trajectory"], "split_check": split_check,
         "runs": [{k: r[k] for k in ("seed", "outcome", "steps", "epochs", "final_metric", "train_s", "split")} for r in runs],
-        "tuning": [{k: r[k] for k in ("lr", "lr_multiplier", "seed", "outcome", "steps", "epochs", "final_metric")} for r in tuning],
-        "job_wall_s": time.perf_counter() - started,
+        "tuning": tuning_records, "job_wall_s": time.perf_counter() - started,
     }  # fmt: skip
 
 
@@ -562,6 +590,27 @@ def task_entry(name: str, task: Task, batches: dict[int, dict[str, Any]], timing
     }  # fmt: skip
 
 
+def run_jobs(jobs: list[tuple[str, Any, dict[str, Any]]], workers: int, collect: Callable[[str, Any, dict[str, Any]], None]) -> None:
+    """Each (name, what, job) through epoch_seconds_in_rounds (what == "timing") or measure_batch, in `workers`
+    spawned processes (in this one for 1); collect(name, what, result) as each finishes."""
+    function = {True: epoch_seconds_in_rounds, False: measure_batch}
+    if workers <= 1:
+        for name, what, job in jobs:
+            collect(name, what, function[what == "timing"](job))
+        return
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        pending = {pool.submit(function[what == "timing"], job): (name, what) for name, what, job in jobs}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                collect(*pending.pop(future), future.result())
+
+
+def batch_line(batch: int, result: dict[str, Any]) -> str:
+    return (f"B={batch} lr={result['lr']:.4g} epochs={result['epochs']:.3g} [{result['epochs_min']:.3g}, "
+            f"{result['epochs_max']:.3g}] reached={result['reached_seeds']}/{result['seeds']}")  # fmt: skip
+
+
 def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH, lookahead: int = LR_LOOKAHEAD) -> dict[str, Any]:
     """Train every (task, batch) of the named tasks, time their epochs, and write the ground truth to `path`.
 
@@ -599,20 +648,10 @@ def generate_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_P
             line = " ".join(f"{b}:{t['epoch_s']:.3f}s" for b, t in result["epoch_s"].items())
         else:
             results[name][what] = result
-            line = (f"B={what} lr={result['lr']:.4g} epochs={result['epochs']:.3g} [{result['epochs_min']:.3g}, "
-                    f"{result['epochs_max']:.3g}] reached={result['reached_seeds']}/{result['seeds']} ({result['job_wall_s']:.0f} s)")  # fmt: skip
+            line = f"{batch_line(what, result)} ({result['job_wall_s']:.0f} s)"
         print(f"  [{time.perf_counter() - started:6.0f} s] {name} {line}", file=sys.stderr, flush=True)
 
-    if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            pending = {pool.submit(epoch_seconds_in_rounds if what == "timing" else measure_batch, job): (name, what) for name, what, job in jobs}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    collect(*pending.pop(future), future.result())
-    else:
-        for name, what, job in jobs:
-            collect(name, what, (epoch_seconds_in_rounds if what == "timing" else measure_batch)(job))
+    run_jobs(jobs, workers, collect)
     truth = {"tasks": {name: task_entry(name, TASKS[name], results[name], timings[name]) for name in tasks}, "meta": meta}
     meta["wall_s"] = time.perf_counter() - started
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -634,6 +673,50 @@ def add_to_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PAT
     existing["meta"]["wall_s"] = existing["meta"].get("wall_s", 0.0) + added["meta"]["wall_s"]
     path.write_text(json.dumps(significant(existing), separators=(",", ":")))
     return existing
+
+
+def retune_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH, lookahead: int = LR_LOOKAHEAD) -> dict[str, Any]:
+    """Re-tune every batch of the named tasks of the ground truth at `path` with `lookahead`, reusing the tuning
+    runs it holds (tune_lr's `known`; exact where they were trained on this kind of machine): a batch whose winner
+    stays keeps its row and gains the new tuning runs; one whose winner moves is measured again at the new LR
+    (every seed, and the split check where the row had one), its epoch timing kept. meta.lr_lookahead becomes
+    `lookahead`; meta["retuned"] says when, with what, and which batches moved."""
+    truth = load_ground_truth(path)
+    tasks = [name for name in tasks if name in truth["tasks"]]
+    stored = lambda task: json.loads(json.dumps(significant(asdict(task))))  # noqa: E731 (fields added since take their defaults)
+    for name in tasks:
+        if stored(TASKS[name]) != stored(Task(**truth["tasks"][name]["task"])):
+            raise ValueError(f"task {name} is not defined as when its truth was made; regenerate it (--add) rather than re-tune it")
+    started = time.perf_counter()
+    jobs = [(name, int(b), {"task": asdict(TASKS[name]), "batch": int(b), "split_check": row.get("split_check") is not None,
+                            "lr_lookahead": lookahead, "known_tuning": row["tuning"], "kept_multiplier": row["lr_multiplier"]})
+            for name in tasks for b, row in truth["tasks"][name]["batches"].items()]  # fmt: skip
+    jobs.sort(key=lambda j: (TASKS[j[0]].model != "gpt", -j[1]))
+    moved: dict[str, list[int]] = {}
+
+    def collect(name: str, batch: int, result: dict[str, Any]) -> None:
+        rows = truth["tasks"][name]["batches"]
+        old = rows[str(batch)]
+        if result.get("kept"):
+            line = f"B={batch} kept lr={old['lr']:.4g} epochs={old['epochs']:.3g} (+{len(result['tuning']) - len(old['tuning'])} tuning runs)"
+            old["tuning"] = result["tuning"]
+        else:
+            rows[str(batch)] = {**result, "epoch_s": old["epoch_s"], "epoch_rounds_s": old["epoch_rounds_s"]}
+            moved.setdefault(name, []).append(batch)
+            line = f"{batch_line(batch, result)} moved from lr={old['lr']:.4g} epochs={old['epochs']:.3g}"
+        print(f"  [{time.perf_counter() - started:6.0f} s] {name} {line} ({result['job_wall_s']:.0f} s)", file=sys.stderr, flush=True)
+
+    run_jobs(jobs, workers, collect)
+    wall_s = time.perf_counter() - started
+    meta = truth["meta"]
+    meta["lr_lookahead"] = lookahead
+    meta.setdefault("retuned", []).append({
+        "tasks": tasks, "lr_lookahead": lookahead, "date": dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
+        "torch": torch.__version__, "workers": workers, "wall_s": wall_s, "moved": {name: sorted(b) for name, b in moved.items()},
+    })  # fmt: skip
+    meta["wall_s"] = meta.get("wall_s", 0.0) + wall_s
+    path.write_text(json.dumps(significant(truth), separators=(",", ":")))
+    return significant(truth)
 
 
 def load_ground_truth(path: Path = DEFAULT_PATH) -> dict[str, Any]:
@@ -717,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="train the first of --tasks at BATCH with each LR (--seeds seeds each) against the ground truth's "
                              "tuned LR there; writes nothing")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=None, help="--check-lr: seeds per LR (default: the task's)")
+    parser.add_argument("--retune", action="store_true",
+                        help="re-tune --tasks of OUT with --lr-lookahead, reusing the tuning runs OUT holds (only batches whose LR moves train in full)")
     parser.add_argument("--lr-lookahead", type=int, default=LR_LOOKAHEAD,
                         help=f"LRs the tuning tries past the best before it stops (default {LR_LOOKAHEAD}: the committed truth's rule)")
     args = parser.parse_args(argv)
@@ -729,7 +814,9 @@ def main(argv: list[str] | None = None) -> int:
         row = truth["tasks"].get(name, {}).get("batches", {}).get(str(batch))
         print("\n".join(check_lr_report(name, batch, checked, row)))
         return 0
-    if args.add:
+    if args.retune:
+        truth = retune_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
+    elif args.add:
         truth = add_to_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
     else:
         truth = generate_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)

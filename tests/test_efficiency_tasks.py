@@ -298,3 +298,53 @@ def test_with_lookahead_the_grid_goes_on_past_an_lr_that_lost_by_chance(monkeypa
     assert et.next_multiplier(2.0, [1.0, 1 / step, step, 2.0, 2 * step], lookahead=1) == pytest.approx(4.0)
     assert et.next_multiplier(1.0, [1 / step, 1.0, step, 2.0], lookahead=1) == pytest.approx(0.5)  # one inside the top, at the bottom
     assert et.next_multiplier(1.0, [0.5, 1 / step, 1.0, step, 2.0], lookahead=1) is None
+
+
+def test_retuning_with_a_lookahead_reuses_the_stored_runs_and_gives_what_tuning_afresh_gives(tmp_path, monkeypatch):
+    """Batch 64's steps fall with the LR up to 4x but 2 sqrt 2 loses by chance (lookahead 0 stops at 2); batch 16's
+    best is 1, inside. Re-tuning the stored truth with lookahead 1 trains only multipliers the stored tuning had not
+    tried, moves batch 64 to 4 (every seed measured again there, its epoch timing kept), keeps batch 16's row but
+    for its longer tuning, and leaves the same truth as generating it with lookahead 1 from the start."""
+    step = et.LR_STEP
+    tables = {64: {0.5: 200, 1 / step: 150, 1.0: 120, step: 100, 2.0: 80, 2 * step: 90, 4.0: 50, 4 * step: 70, 8.0: 90},
+              16: {0.25: 300, 0.5: 200, 1 / step: 150, 1.0: 100, step: 130, 2.0: 160}}  # fmt: skip
+    trained: list[tuple[int, int, int]] = []
+
+    def fake_run(run):
+        trained.append((run["batch"], et.grid_index(run["lr_multiplier"]), run["seed"]))
+        steps = tables[run["batch"]][_nearest(tables[run["batch"]], run)]
+        result = {**_table_run(run, steps), "batch": run["batch"], "epochs": steps * run["batch"] / TINY.train_samples,
+                  "final_metric": 0.8, "train_s": 0.01}  # fmt: skip
+        return {**result, "trajectory": [{"samples": steps * run["batch"]}]} if run.get("split") else result
+
+    monkeypatch.setattr(et, "TASKS", {"tiny": TINY})
+    monkeypatch.setattr(et, "train_to_target", fake_run)
+    monkeypatch.setattr(et, "epoch_seconds_in_rounds", lambda job: {"epoch_s": {b: {"epoch_s": 0.5, "rounds_s": [0.5]} for b in TINY.batches}})
+    path, fresh = tmp_path / "ground_truth.json", tmp_path / "fresh.json"
+    before = et.generate_ground_truth(["tiny"], workers=1, path=path, lookahead=0)
+    assert before["tasks"]["tiny"]["batches"]["64"]["lr_multiplier"] == pytest.approx(2.0)
+    stored = {(int(b), et.grid_index(r["lr_multiplier"])) for b, row in before["tasks"]["tiny"]["batches"].items() for r in row["tuning"]}
+    trained.clear()
+    et.main(["--retune", "--lr-lookahead", "1", "--workers", "1", "--out", str(path)])
+    after = et.load_ground_truth(path)
+    assert trained and not {(b, index) for b, index, _ in trained} & stored  # nothing stored trained again
+    rows, old = after["tasks"]["tiny"]["batches"], before["tasks"]["tiny"]["batches"]
+    assert rows["64"]["lr_multiplier"] == pytest.approx(4.0) and rows["64"]["epochs"] == 50 * 64 / 512 and rows["64"]["epoch_s"] == 0.5
+    assert {k: v for k, v in rows["16"].items() if k != "tuning"} == {k: v for k, v in old["16"].items() if k != "tuning"}
+    assert len(rows["16"]["tuning"]) > len(old["16"]["tuning"]) and rows["16"]["tuning"][: len(old["16"]["tuning"])] == old["16"]["tuning"]
+    assert after["meta"]["lr_lookahead"] == 1 and after["meta"]["retuned"][-1]["moved"] == {"tiny": [64]}
+    et.generate_ground_truth(["tiny"], workers=1, path=fresh, lookahead=1)
+    afresh = et.load_ground_truth(fresh)["tasks"]["tiny"]["batches"]
+    drop = ("job_wall_s", "runs")  # wall time; the seeds' train_s
+    for batch in ("16", "64"):
+        assert {k: v for k, v in rows[batch].items() if k not in drop} == {k: v for k, v in afresh[batch].items() if k not in drop}
+
+
+def test_retuning_refuses_a_task_defined_otherwise_than_its_truth(tmp_path, monkeypatch):
+    monkeypatch.setattr(et, "TASKS", {"tiny": TINY})
+    monkeypatch.setattr(et, "EPOCH_TIMING_ROUNDS", 1)
+    path = tmp_path / "ground_truth.json"
+    et.generate_ground_truth(["tiny"], workers=1, path=path)
+    monkeypatch.setattr(et, "TASKS", {"tiny": replace(TINY, target=0.7)})
+    with pytest.raises(ValueError, match="tiny is not defined as when its truth was made"):
+        et.retune_ground_truth(["tiny"], 1, path, lookahead=1)
