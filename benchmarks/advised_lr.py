@@ -138,7 +138,11 @@ def evaluate(task: se.Task, advised: dict[str, Any]) -> dict[str, Any]:
     ref = task.reference_batch
     model, report = se.service_model(task, ref)
     trained = {int(b): m for b, m in advised["advice"]["multipliers"].items()}
-    stale = sorted(b for b, m in trained.items() if abs(float(model.lr_multiplier(b)) / m - 1.0) > STALE_TOLERANCE)
+    trained_lr = {int(b): row["lr"] for b, row in advised["batches"].items() if row.get("lr")}
+    off = lambda now, then: abs(now / then - 1.0) > STALE_TOLERANCE  # noqa: E731
+    now = {b: float(model.lr_multiplier(b)) for b in trained}
+    # another multiplier (the estimator changed), or another LR (the truth's tuned reference LR changed)
+    stale = sorted(b for b, m in trained.items() if off(now[b], m) or (b in trained_lr and off(task.lr[ref] * now[b], trained_lr[b])))
     measured = {int(b): e for b, row in advised["batches"].items() if (e := _epochs(row)) is not None}
     missed = sorted(int(b) for b, row in advised["batches"].items() if _epochs(row) is None)
     reference_epochs = measured.get(ref)
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if r["stale_advice_at"]:
             print(f"  {r['task']}: the service now advises another LR at batches {r['stale_advice_at']} than these runs "
-                  "trained at (its estimator changed since): train again without --quick", file=sys.stderr)
+                  "trained at (its estimator or the ground truth's reference run changed since): train again without --quick", file=sys.stderr)
         print(f"  {r['task']:22s} B_noise={r['noise_scale']:8.4g} cbs_advised={r['cbs_fitted'] or float('nan'):8.4g} "
               f"err={r['median_abs_epochs_err_pct']:5.1f}% regret={r['regret']:.2f} vs_tuned={r['regret_vs_tuned']:.2f}", file=sys.stderr)  # fmt: skip
     print(f"report: {out / 'advised_lr.md'}", file=sys.stderr)

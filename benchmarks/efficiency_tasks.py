@@ -12,8 +12,11 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
   the same at any LR, so steps decide without timing noise; a tie keeps the earlier multiplier). When the
   winner is an edge of the grid, the grid goes on by LR_STEP past it (to at most MAX_LR_MULTIPLIER or its
-  inverse) until the winner is inside (with --lr-lookahead N, until it is more than N steps inside: the committed
-  truth has N = 0, which stops at the first LR that does not improve; meta.lr_lookahead says which). When no candidate reaches the target, the grid goes on downwards (a
+  inverse) until the winner is more than N = --lr-lookahead steps inside: the committed truth has N = 1, i.e. two LRs
+  past the best (meta.lr_lookahead; until 2026-12-05 it had N = 0, which stops at the first LR that does not improve
+  and left the GRU's 256 at a third of its best LR: docs/validation.md). Where the lookahead moves the winner past
+  that first stop, both are measured on every seed and the one with fewer median epochs stands (the other is the
+  row's runner_up): 3 seeds cannot tell apart the LRs of a flat optimum. When no candidate reaches the target, the grid goes on downwards (a
   large batch's sqrt-scaled LR can sit past what trains: plain SGD at 16x its reference batch trained only
   below the grid's first three LRs) until one does or the bound is reached. A seed's run stops once it has taken as many steps as the best median
   so far (it cannot change the winner: a better median comes from seeds below that), and a candidate stops
@@ -86,7 +89,7 @@ MOMENTUM = 0.9
 LR_STEP = math.sqrt(2.0)  # spacing of the LR grid
 LR_MULTIPLIERS = (1.0, 1.0 / LR_STEP, LR_STEP)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
 MAX_LR_MULTIPLIER = 16.0  # the grid is extended by factors of LR_STEP past an edge that wins, up to this (and 1/16)
-LR_LOOKAHEAD = 0  # LRs tried past the best before the grid stops (0: stop at the first that does not improve; --lr-lookahead)
+LR_LOOKAHEAD = 1  # LRs tried past the best before the grid stops (0: stop at the first that does not improve; --lr-lookahead)
 TUNING_SEEDS = 3  # the LR is chosen by the median over this many seeds
 WARMUP_EPOCHS = 1.0
 EVALS_PER_EPOCH = 8
@@ -456,7 +459,8 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
     A seed's run stops once it has taken as many steps as the best median so far: the median of a candidate
     that beats the best comes from seeds below that, so pruning never changes the winner. A candidate stops
     once a majority of its seeds has missed. Returns the winner ({"multiplier", "lr", "median_steps", "runs"};
-    None when no candidate reached the target on a majority of seeds) and every tuning run.
+    None when no candidate reached the target on a majority of seeds) and every tuning run. The winner's
+    "first_stop" is the winner lookahead 0 would have stopped at, where the lookahead moved it (else None).
 
     `known` (known_runs of an earlier tuning of the same task and batch) is taken instead of training where it
     holds a (multiplier, seed): re-tuning with a larger `lookahead` tries the same candidates in the same order
@@ -466,6 +470,7 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
     known = known or {}
     tuning: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
+    first_stop: dict[str, Any] | None = None  # the winner where lookahead 0 would have stopped
     tried: list[float] = []
     while multipliers:
         multiplier = multipliers.pop(0)
@@ -484,23 +489,53 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
         if math.isfinite(score) and (best is None or score < best["median_steps"]):
             best = {"multiplier": multiplier, "lr": lr, "median_steps": score, "runs": runs}
         if not multipliers and best is not None:
+            if first_stop is None and next_multiplier(best["multiplier"], tried, 0) is None:
+                first_stop = best
             multipliers = [m for m in [next_multiplier(best["multiplier"], tried, lookahead)] if m]
         elif not multipliers and min(tried) / LR_STEP >= (1 - 1e-9) / MAX_LR_MULTIPLIER:
             multipliers = [min(tried) / LR_STEP]  # nothing reached the target yet: smaller LRs (module docstring)
+    if best is not None:
+        best["first_stop"] = first_stop if first_stop is not best else None
     return best, tuning
+
+
+def every_seed(task: Task, batch: int, candidate: dict[str, Any], tuning_seeds: int) -> list[dict[str, Any]]:
+    """Seeds 0..task.seeds-1 at a tuning candidate's LR: its tuning seeds that reached the target as they ran
+    (seed 0 split, with the trajectory), the pruned or untrained ones and the other seeds trained to the end."""
+    same_lr = {"task": asdict(task), "batch": batch, "lr": candidate["lr"], "lr_multiplier": candidate["multiplier"]}
+    tuned = {r["seed"]: r for r in candidate["runs"] if r["reached"] and not r.get("reused")}
+    runs = [tuned.get(seed) or train_to_target({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
+    return runs + [train_to_target({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
+
+
+FINALIST_KEYS = ("lr", "lr_multiplier", "epochs", "epochs_min", "epochs_max", "reached_seeds", "seeds")
+
+
+def finalist(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A candidate measured on every seed, as a row's "runner_up" records it."""
+    summary = summarize_runs(runs)
+    return {k: summary[k] for k in FINALIST_KEYS}
 
 
 def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     """Tune the LR on the median of the tuning seeds (seed 0 split, for the trajectory), train the remaining
     seeds at it (no split), and, where asked, seed 0 again without the split.
 
+    Where the lookahead moved the winner past the one lookahead 0 stops at (tune_lr's first_stop), both are
+    measured on every seed and the one with fewer median epochs stands (a tie keeps the first stop); the other is
+    the row's "runner_up". Three tuning seeds pick among more candidates than they can tell apart: on a flat
+    optimum the lookahead's winner can win on 3 seeds by a twentieth and lose on all 8 by a fifth (the ResNet's
+    32 under SGD: 2.27 against 2.41 epochs on 3 seeds, 3.14 against 2.54 on 8).
+
     Re-tuning a stored row (job["known_tuning"], its "tuning", and job["kept_multiplier"], its lr_multiplier):
     the stored runs are reused (tune_lr); where the winner is still the stored one (or nothing reached the
     target, which the lookahead does not touch) only {"batch", "kept": True, "tuning"} comes back, the row's
-    other fields standing as they are."""
+    other fields standing as they are; where it moved, the new winner's row comes back, and the caller, which
+    holds the stored winner's measurement on every seed, makes the comparison."""
     started = time.perf_counter()
     task, batch = Task(**job["task"]), job["batch"]
     tuning_seeds = min(task.seeds, job.get("tuning_seeds", TUNING_SEEDS))
+    runner_up = None
     best, tuning = tune_lr(task, batch, list(job.get("lr_multipliers", LR_MULTIPLIERS)), tuning_seeds, job.get("lr_lookahead", LR_LOOKAHEAD),
                            known_runs(job.get("known_tuning") or []))  # fmt: skip
     tuning_records = [{k: r[k] for k in ("lr", "lr_multiplier", "seed", "outcome", "steps", "epochs", "final_metric")} for r in tuning]
@@ -512,12 +547,14 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
         runs = [chosen]
         same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
     else:
-        same_lr = {"task": asdict(task), "batch": batch, "lr": best["lr"], "lr_multiplier": best["multiplier"]}
-        # the winner's seeds that were pruned or never trained run to the end; then the seeds that did not tune
-        tuned = {r["seed"]: r for r in best["runs"] if r["reached"] and not r.get("reused")}
-        runs = [tuned.get(seed) or train_to_target({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
-        runs += [train_to_target({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
+        runs = every_seed(task, batch, best, tuning_seeds)
+        if best["first_stop"] is not None and "kept_multiplier" not in job:
+            first = every_seed(task, batch, best["first_stop"], tuning_seeds)
+            if summarize_runs(first)["epochs"] <= summarize_runs(runs)["epochs"]:
+                runs, first = first, runs
+            runner_up = finalist(first)
         chosen = runs[0]
+        same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
     split_check = None
     if job.get("split_check") and best:
         unsplit = train_to_target({**same_lr, "seed": 0})
@@ -526,7 +563,7 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "batch": batch, **summarize_runs(runs), "tuning_seeds": tuning_seeds, "trajectory": chosen["trajectory"], "split_check": split_check,
         "runs": [{k: r[k] for k in ("seed", "outcome", "steps", "epochs", "final_metric", "train_s", "split")} for r in runs],
-        "tuning": tuning_records, "job_wall_s": time.perf_counter() - started,
+        "tuning": tuning_records, "runner_up": runner_up, "job_wall_s": time.perf_counter() - started,
     }  # fmt: skip
 
 
@@ -678,9 +715,12 @@ def add_to_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PAT
 def retune_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PATH, lookahead: int = LR_LOOKAHEAD) -> dict[str, Any]:
     """Re-tune every batch of the named tasks of the ground truth at `path` with `lookahead`, reusing the tuning
     runs it holds (tune_lr's `known`; exact where they were trained on this kind of machine): a batch whose winner
-    stays keeps its row and gains the new tuning runs; one whose winner moves is measured again at the new LR
-    (every seed, and the split check where the row had one), its epoch timing kept. meta.lr_lookahead becomes
-    `lookahead`; meta["retuned"] says when, with what, and which batches moved."""
+    stays keeps its row and gains the new tuning runs; one whose winner moves is measured at the new LR (every
+    seed, and the split check where the row had one), and the move stands only where it takes fewer median epochs
+    than the stored winner on every seed (measure_batch's rule; from a truth tuned with lookahead 0 the stored
+    winner is the first stop, so this gives what generating afresh gives), the loser the row's "runner_up" and the
+    epoch timing kept. meta.lr_lookahead becomes `lookahead`; meta["retuned"] says when, with what, which batches
+    moved and which held."""
     truth = load_ground_truth(path)
     tasks = [name for name in tasks if name in truth["tasks"]]
     stored = lambda task: json.loads(json.dumps(significant(asdict(task))))  # noqa: E731 (fields added since take their defaults)
@@ -693,6 +733,7 @@ def retune_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PAT
             for name in tasks for b, row in truth["tasks"][name]["batches"].items()]  # fmt: skip
     jobs.sort(key=lambda j: (TASKS[j[0]].model != "gpt", -j[1]))
     moved: dict[str, list[int]] = {}
+    held: dict[str, list[int]] = {}  # the winner moved on the tuning seeds, but the stored one kept fewer epochs on every seed
 
     def collect(name: str, batch: int, result: dict[str, Any]) -> None:
         rows = truth["tasks"][name]["batches"]
@@ -700,8 +741,12 @@ def retune_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PAT
         if result.get("kept"):
             line = f"B={batch} kept lr={old['lr']:.4g} epochs={old['epochs']:.3g} (+{len(result['tuning']) - len(old['tuning'])} tuning runs)"
             old["tuning"] = result["tuning"]
+        elif old["epochs"] <= result["epochs"]:  # the move did not hold on every seed (measure_batch)
+            rows[str(batch)] = {**old, "tuning": result["tuning"], "runner_up": {k: result[k] for k in FINALIST_KEYS}}
+            held.setdefault(name, []).append(batch)
+            line = f"B={batch} held lr={old['lr']:.4g} epochs={old['epochs']:.3g} against lr={result['lr']:.4g} epochs={result['epochs']:.3g}"
         else:
-            rows[str(batch)] = {**result, "epoch_s": old["epoch_s"], "epoch_rounds_s": old["epoch_rounds_s"]}
+            rows[str(batch)] = {**result, "runner_up": {k: old[k] for k in FINALIST_KEYS}, "epoch_s": old["epoch_s"], "epoch_rounds_s": old["epoch_rounds_s"]}
             moved.setdefault(name, []).append(batch)
             line = f"{batch_line(batch, result)} moved from lr={old['lr']:.4g} epochs={old['epochs']:.3g}"
         print(f"  [{time.perf_counter() - started:6.0f} s] {name} {line} ({result['job_wall_s']:.0f} s)", file=sys.stderr, flush=True)
@@ -713,6 +758,7 @@ def retune_ground_truth(tasks: list[str], workers: int, path: Path = DEFAULT_PAT
     meta.setdefault("retuned", []).append({
         "tasks": tasks, "lr_lookahead": lookahead, "date": dt.date.today().isoformat(), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
         "torch": torch.__version__, "workers": workers, "wall_s": wall_s, "moved": {name: sorted(b) for name, b in moved.items()},
+        "held": {name: sorted(b) for name, b in held.items()},
     })  # fmt: skip
     meta["wall_s"] = meta.get("wall_s", 0.0) + wall_s
     path.write_text(json.dumps(significant(truth), separators=(",", ":")))

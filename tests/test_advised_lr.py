@@ -66,6 +66,9 @@ def test_runs_trained_at_another_advice_are_flagged_stale():
     runs = advised_runs(task, lambda b: task.epochs[b])
     runs["advice"]["multipliers"]["256"] *= 1.5  # trained when the estimator read another noise scale
     assert advised_lr.evaluate(task, runs)["stale_advice_at"] == [256]
+    runs = advised_runs(task, lambda b: task.epochs[b])
+    task.lr[32] = 0.15  # the ground truth's reference LR tuned again: every batch trained at another LR
+    assert advised_lr.evaluate(task, runs)["stale_advice_at"] == sorted(int(b) for b in runs["batches"])
 
 
 @pytest.mark.skipif(not advised_lr.DEFAULT_RUNS.exists(), reason="no cached advised-LR runs")

@@ -82,14 +82,14 @@ RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) ove
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
     "epochs trained at the advised LR was 0.12-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.10-3.1x: momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
+    "0.09-3.1x: momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
     "and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
     "momentum the noise scale read was 1.1-5.3x the critical batch (five tasks) (docs/validation.md, "
     "benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
     "training.max_lr or a measured headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
-    "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.1-2.5x "
+    "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.0-2.5x "
     "the critical batch fitted to their epochs, and on two of them the advised LR overshot: at 8x the reference batch "
     "and above, few or no seeds reached the target, every seed with the LR capped at the stability headroom measured "
     "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Measure the headroom (measure_stability) "
@@ -100,15 +100,16 @@ NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
     "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 18 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 18.8% to 10.7%, 13 of 18 tasks within 15%; one at 2x helped less (19.5%): runs "
-    "close together differ by little more than a run's scatter. A run is only as good as its epochs: on one task the "
-    "run at 8x was itself 2x off (its LR under-tuned) and the fit missed by 92.5%, so measure it at a well-tuned LR"
+    "took the median epochs error from 13.8% to 9.7%, 14 of 18 tasks within 15%, the worst 18.5%; one at 2x helped "
+    "less (20.8%, worst 80%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
+    "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
 ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
     "advised_rule": "the LR at each batch follows the advised rule (lr_rule: the AdaScale gain of B_noise, its square "
     "root for Adam/AdamW). Trained that way, the CPU tasks of benchmarks/advised_lr.py matched the predicted epochs "
-    "within 3-6% (median per task) on 3 of 7 tasks and 13-27% on the others; with the LR tuned at every batch instead, "
+    "within 3-8% (median per task) on 7 of 14 tasks and 10-44% on the others; with the LR tuned at every batch instead, "
     "they needed 1.1-2x fewer epochs above B_noise, so there a tuned LR can beat this prediction",
 }
 
