@@ -1,0 +1,36 @@
+"""benchmarks/momentum_signal.py's report: a reading with no resolved signal is shown as '-', not a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import momentum_signal as ms  # noqa: E402
+
+
+def _row(name: str, simple: float | None, smoothed: float | None, hessian: float | None, needed: float) -> dict:
+    return {"task": name, "optimizer": "sgd", "steps": 100, "service_noise_scale": 50.0, "best_noise_scale": 50.0 * needed,
+            "needed_factor": needed, "simple": simple, "smoothed": smoothed,
+            "smoothed_over_simple": smoothed / simple if simple and smoothed else None, "hessian": hessian,
+            "hessian_over_simple": hessian / simple if simple and hessian else None}  # fmt: skip
+
+
+def test_a_task_whose_signal_is_not_resolved_is_shown_as_a_dash_and_left_out_of_the_summary(monkeypatch):
+    names = ("digits_mlp_sgd", "digits_cnn_sgd", "digits_cnn_adam")  # the last: B_simple not resolved, as on its reference run
+    rows = {names[0]: _row(names[0], 40.0, 160.0, 30.0, 2.0), names[1]: _row(names[1], 60.0, 120.0, 80.0, 1.0),
+            names[2]: _row(names[2], None, 300.0, None, 1.5)}
+    monkeypatch.setattr(ms.et, "load_ground_truth", lambda: {"tasks": {name: {} for name in rows}})
+    monkeypatch.setattr(ms.se, "cpu_tasks", lambda path: [SimpleNamespace(name=name) for name in rows])
+    monkeypatch.setattr(ms, "evaluate", lambda name, truth, task: rows[name])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert ms.main(["--tasks", *rows]) == 0
+    lines = out.getvalue().splitlines()
+    assert "| digits_cnn_adam | sgd | 100 | 50 | 75 (1.50) | - | 300 | - | - | - |" in lines
+    assert lines[-1].startswith("momentum_signal: tasks=2 rank_correlation=1.00 ")
