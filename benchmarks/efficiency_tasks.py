@@ -452,8 +452,12 @@ def known_runs(tuning: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, 
             for r in tuning}  # fmt: skip
 
 
+TrainRun = Callable[[dict[str, Any]], dict[str, Any]]  # one run to the target: train_to_target, or time_to_accuracy's
+
+
 def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int, lookahead: int = LR_LOOKAHEAD,
-            known: dict[tuple[int, int], dict[str, Any]] | None = None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:  # fmt: skip
+            known: dict[tuple[int, int], dict[str, Any]] | None = None, train: TrainRun | None = None
+            ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:  # fmt: skip
     """The LR with the fewest median steps over seeds 0..tuning_seeds-1 (see the module docstring).
 
     A seed's run stops once it has taken as many steps as the best median so far: the median of a candidate
@@ -466,8 +470,12 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
     holds a (multiplier, seed): re-tuning with a larger `lookahead` tries the same candidates in the same order
     with the same pruning limits until the smaller lookahead stopped, and a run is deterministic on one machine
     (the GRU's truth regenerated whole with lookahead 1 repeated the stored runs step for step), so only the
-    candidates past that point train."""
-    known = known or {}
+    candidates past that point train.
+
+    `train` (default train_to_target) trains one run from {"task", "batch", "lr", "lr_multiplier", "seed", "split",
+    "prune_after_steps"} and returns at least {"reached", "steps"}: benchmarks/time_to_accuracy.py tunes its tasks,
+    whose runs differ (partial last batch, noise probes), by the same rule."""
+    known, train = known or {}, train or train_to_target
     tuning: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     first_stop: dict[str, Any] | None = None  # the winner where lookahead 0 would have stopped
@@ -478,7 +486,7 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
         lr = multiplier * sqrt_scaled_lr(task, batch)
         runs: list[dict[str, Any]] = []
         for seed in range(tuning_seeds):
-            runs.append(known.get((grid_index(multiplier), seed)) or train_to_target({
+            runs.append(known.get((grid_index(multiplier), seed)) or train({
                 "task": asdict(task), "batch": batch, "lr": lr, "lr_multiplier": multiplier, "seed": seed, "split": seed == 0,
                 "prune_after_steps": best["median_steps"] if best else None,
             }))  # fmt: skip
@@ -499,13 +507,28 @@ def tune_lr(task: Task, batch: int, multipliers: list[float], tuning_seeds: int,
     return best, tuning
 
 
-def every_seed(task: Task, batch: int, candidate: dict[str, Any], tuning_seeds: int) -> list[dict[str, Any]]:
+def every_seed(task: Task, batch: int, candidate: dict[str, Any], tuning_seeds: int, train: TrainRun | None = None) -> list[dict[str, Any]]:
     """Seeds 0..task.seeds-1 at a tuning candidate's LR: its tuning seeds that reached the target as they ran
     (seed 0 split, with the trajectory), the pruned or untrained ones and the other seeds trained to the end."""
+    train = train or train_to_target
     same_lr = {"task": asdict(task), "batch": batch, "lr": candidate["lr"], "lr_multiplier": candidate["multiplier"]}
     tuned = {r["seed"]: r for r in candidate["runs"] if r["reached"] and not r.get("reused")}
-    runs = [tuned.get(seed) or train_to_target({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
-    return runs + [train_to_target({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
+    runs = [tuned.get(seed) or train({**same_lr, "seed": seed, "split": seed == 0}) for seed in range(tuning_seeds)]
+    return runs + [train({**same_lr, "seed": seed}) for seed in range(tuning_seeds, task.seeds)]
+
+
+def confirmed_runs(task: Task, batch: int, best: dict[str, Any], tuning_seeds: int, train: TrainRun | None = None
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:  # fmt: skip
+    """The tuning winner's runs on every seed, and the runner-up (finalist) or None: where the lookahead moved the
+    winner past the one lookahead 0 stops at (best["first_stop"]), both are measured on every seed and the one with
+    fewer median epochs stands (a tie keeps the first stop); see measure_batch."""
+    runs = every_seed(task, batch, best, tuning_seeds, train)
+    if best["first_stop"] is None:
+        return runs, None
+    first = every_seed(task, batch, best["first_stop"], tuning_seeds, train)
+    if summarize_runs(first)["epochs"] <= summarize_runs(runs)["epochs"]:
+        runs, first = first, runs
+    return runs, finalist(first)
 
 
 FINALIST_KEYS = ("lr", "lr_multiplier", "epochs", "epochs_min", "epochs_max", "reached_seeds", "seeds")
@@ -547,12 +570,10 @@ def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
         runs = [chosen]
         same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
     else:
-        runs = every_seed(task, batch, best, tuning_seeds)
-        if best["first_stop"] is not None and "kept_multiplier" not in job:
-            first = every_seed(task, batch, best["first_stop"], tuning_seeds)
-            if summarize_runs(first)["epochs"] <= summarize_runs(runs)["epochs"]:
-                runs, first = first, runs
-            runner_up = finalist(first)
+        if "kept_multiplier" in job:  # the caller compares with the stored winner
+            runs = every_seed(task, batch, best, tuning_seeds)
+        else:
+            runs, runner_up = confirmed_runs(task, batch, best, tuning_seeds)
         chosen = runs[0]
         same_lr = {"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"]}
     split_check = None

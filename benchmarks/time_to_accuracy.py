@@ -5,14 +5,19 @@ Ground truth, per task and global batch B of the grid (one device, no accumulati
 - SGD with momentum 0.9 from scratch until the test accuracy reaches the target (checked EVALS_PER_EPOCH
   times per epoch; the last batch of an epoch is partial, as with a DataLoader without drop_last), or
   until max_epochs (then the batch "did not reach" the target: infinite time).
-- Learning rate tuned per batch on seed 0 over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root
-  scaling, the rule that was stable at every batch here; linear scaling diverged at B / B_ref >= 32),
-  with a linear warm-up from lr_ref over WARMUP_EPOCHS when B > B_ref. The LR with the fewest steps to
-  the target wins (at a fixed batch a step costs the same at any LR, so steps, unlike wall time on a
-  shared machine, decide without noise; a tie keeps the earlier multiplier); a tuning run stops once it
-  has taken as many steps as the best so far. Seeds 1.. then train at the chosen LR. A seed changes the
-  initialization and the batch order, never the data. Seeds per task: Task.seeds (digits, whose runs
-  take a fraction of a second and whose 360 test samples make the target coarse, gets 5).
+- Learning rate tuned per batch by benchmarks/efficiency_tasks.py's rule (its tune_lr and confirmed_runs):
+  LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, the rule that was stable at every batch
+  here; linear scaling diverged at B / B_ref >= 32) on a grid spaced by sqrt 2, with a linear warm-up from
+  lr_ref over WARMUP_EPOCHS when B > B_ref. A candidate scores the median steps to the target over seeds
+  0..TUNING_SEEDS-1 (at a fixed batch a step costs the same at any LR, so steps, unlike wall time on a shared
+  machine, decide without noise; a tie keeps the earlier multiplier); a run stops once it has taken as many
+  steps as the best median so far. The grid goes on past a winning edge until the best is more than
+  LR_LOOKAHEAD steps inside; where that moved the winner, both are trained on every seed and the one with
+  fewer median epochs stands (runner_up: the other). The remaining seeds then train at the chosen LR. A seed
+  changes the initialization and the batch order, never the data. Seeds per task: Task.seeds (8).
+  (Until 2026-12-05 the LR was tuned on seed 0 alone over x0.5, 1, 2 with no extension: the MNIST-1D task's
+  batches 64-1024 all won at the grid's top LR and its reference batch was slower than both neighbours,
+  the signs of an LR left short of its optimum; docs/validation.md.)
 - Recorded: epochs (samples seen / train set), steps, and the run's training wall time (evaluation
   excluded; one torch thread). The median over seeds is "the" measured value.
 - Time to the target = measured epochs x measured seconds per epoch, the latter timed afterwards for
@@ -75,13 +80,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from efficiency_tasks import LR_LOOKAHEAD, LR_MULTIPLIERS, TUNING_SEEDS, confirmed_runs, tune_lr  # noqa: E402
 from live_server import api_server  # noqa: E402
 from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
 from tula_service.units import GIB  # noqa: E402
 
 MOMENTUM = 0.9
-LR_MULTIPLIERS = (1.0, 0.5, 2.0)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
 WARMUP_EPOCHS = 1.0
 EVALS_PER_EPOCH = 8
 EPOCH_TIMING_ROUNDS = 5
@@ -107,7 +112,7 @@ class Task:
     max_epochs: int
     reference_batch: int = 32
     reference_lr: float = 0.02
-    seeds: int = 3  # ground-truth seeds per batch (--seeds overrides)
+    seeds: int = 8  # ground-truth seeds per batch (--seeds overrides), TUNING_SEEDS of them tune the LR
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -116,7 +121,7 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
 
 TASKS = {
     "mnist1d": Task("mnist1d", "cnn1d", 20_000, 4_000, 0.96, powers_of_two(16, 4096), (16, 64, 256, 1024, 4096), max_epochs=200),
-    "digits": Task("digits", "small_cnn", 1_437, 360, 0.98, powers_of_two(16, 1024), (16, 64, 256, 1024), max_epochs=300, seeds=5),
+    "digits": Task("digits", "small_cnn", 1_437, 360, 0.98, powers_of_two(16, 1024), (16, 64, 256, 1024), max_epochs=300),
 }
 
 
@@ -244,24 +249,35 @@ def sqrt_scaled_lr(task: Task, batch: int) -> float:
     return task.reference_lr * math.sqrt(batch / task.reference_batch)
 
 
+def seed_run(run: dict[str, Any]) -> dict[str, Any]:
+    """One run of the LR tuning (efficiency_tasks.tune_lr's `train`): seed 0 probes the noise scale along the way,
+    so that the chosen LR's seed-0 run carries the trajectory; the other seeds train without the probes."""
+    return train_to_target({**run, "probe_noise": run["seed"] == 0})
+
+
+TUNING_RECORD_KEYS = ("lr", "lr_multiplier", "seed", "outcome", "reached", "steps", "epochs", "final_test_acc")
+
+
 def measure_batch(job: dict[str, Any]) -> dict[str, Any]:
-    """Tune the LR on seed 0 (fewest steps wins; runs that fall behind are pruned), then train the other seeds at it."""
-    task, batch, seeds = Task(**job["task"]), job["batch"], job["seeds"]
-    tuning, best = [], None
-    for multiplier in job["lr_multipliers"]:
-        run = train_to_target({
-            "task": asdict(task), "batch": batch, "lr": multiplier * sqrt_scaled_lr(task, batch), "lr_multiplier": multiplier,
-            "seed": 0, "probe_noise": True, "prune_after_steps": best["steps"] if best else None,
-        })  # fmt: skip
-        tuning.append(run)
-        if run["reached"] and (best is None or run["steps"] < best["steps"]):
-            best = run
-    chosen = best or min(tuning, key=lambda r: -r["final_test_acc"])
-    runs = [chosen] + [
-        train_to_target({"task": asdict(task), "batch": batch, "lr": chosen["lr"], "lr_multiplier": chosen["lr_multiplier"], "seed": seed})
-        for seed in range(1, seeds)
-    ] if best else [chosen]  # fmt: skip
-    return {"batch": batch, "tuning": tuning, "runs": runs, **summarize_runs(runs)}
+    """Tune the LR by efficiency_tasks' rule (tune_lr: median steps over TUNING_SEEDS seeds, a sqrt-2 grid extended
+    past a winning edge with a lookahead of LR_LOOKAHEAD, the lookahead's move kept only where every seed confirms
+    it), then train the remaining seeds at it. One multiplier (--quick): no tuning, every seed at that LR.
+    Tuning runs are kept without their curves and probes; the chosen runs with them."""
+    task, batch = replace(Task(**job["task"]), seeds=job["seeds"]), job["batch"]
+    multipliers = list(job["lr_multipliers"])
+    if len(multipliers) == 1:
+        lr = multipliers[0] * sqrt_scaled_lr(task, batch)
+        runs = [seed_run({"task": asdict(task), "batch": batch, "lr": lr, "lr_multiplier": multipliers[0], "seed": seed}) for seed in range(task.seeds)]
+        return {"batch": batch, "tuning": [{k: runs[0][k] for k in TUNING_RECORD_KEYS}], "runs": runs, "runner_up": None, **summarize_runs(runs)}
+    tuning_seeds = min(task.seeds, TUNING_SEEDS)
+    best, tuning = tune_lr(task, batch, multipliers, tuning_seeds, job.get("lr_lookahead", LR_LOOKAHEAD), train=seed_run)
+    runner_up = None
+    if best is None:  # no LR reached the target on most seeds: the batch is reported as missed, with its closest run
+        runs = [max((r for r in tuning if r["seed"] == 0), key=lambda r: r["final_test_acc"])]
+    else:
+        runs, runner_up = confirmed_runs(task, batch, best, tuning_seeds, train=seed_run)
+    records = [{k: r[k] for k in TUNING_RECORD_KEYS} for r in tuning]
+    return {"batch": batch, "tuning": records, "tuning_seeds": tuning_seeds, "runs": runs, "runner_up": runner_up, **summarize_runs(runs)}
 
 
 def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

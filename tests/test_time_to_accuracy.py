@@ -84,16 +84,29 @@ def test_seed_zero_at_the_reference_batch_records_the_noise_scale_along_the_way(
     assert result["noise"][-1]["at_target"] is result["reached"]
 
 
-def test_measure_batch_keeps_the_learning_rate_with_the_fewest_steps_and_trains_the_other_seeds_at_it():
+def test_measure_batch_tunes_the_lr_on_the_median_of_the_tuning_seeds_and_trains_every_seed_at_it():
     task = replace(DIGITS, target_acc=0.85)
-    result = tta.measure_batch({"task": asdict(task), "batch": 64, "seeds": 2, "lr_multipliers": (1.0, 4.0, 0.25)})
-    reached = [r for r in result["tuning"] if r["reached"]]
-    fastest = min(reached, key=lambda r: r["steps"])  # the first of equals
-    assert result["lr"] == fastest["lr"] and [r["seed"] for r in result["runs"]] == [0, 1]
-    assert all(r["steps"] >= fastest["steps"] for r in result["tuning"])  # the others were pruned or slower
+    result = tta.measure_batch({"task": asdict(task), "batch": 64, "seeds": 4, "lr_multipliers": (1.0, 4.0, 0.25)})
+    assert result["tuning_seeds"] == tta.TUNING_SEEDS == 3 and [r["seed"] for r in result["runs"]] == [0, 1, 2, 3]
+    assert all(r["lr"] == result["lr"] for r in result["runs"])
+    by_lr: dict[float, list[float]] = {}
+    for r in result["tuning"]:
+        by_lr.setdefault(r["lr"], []).append(r["steps"] if r["reached"] else math.inf)
+    median = {lr: float(np.median(steps + [math.inf] * (3 - len(steps)))) for lr, steps in by_lr.items()}
+    winner = min(median, key=median.get)  # the first of equals
+    finalists = {winner} | ({result["runner_up"]["lr"]} if result["runner_up"] else set())
+    assert result["lr"] in finalists and median[winner] < math.inf
     assert any(r["outcome"] == "pruned" for r in result["tuning"])  # 0.25 x falls behind
-    assert all(r["lr"] == fastest["lr"] for r in result["runs"])
+    assert len(by_lr) > 3  # the grid went on past its edges (sqrt 2 apart)
+    assert result["runs"][0]["noise"] and not result["runs"][1]["noise"]  # seed 0 carries the trajectory
+    assert "curve" not in result["tuning"][0]  # tuning runs are kept as records
     assert result["wall_s"] == pytest.approx(float(np.median([r["train_s"] if r["reached"] else math.inf for r in result["runs"]])))
+
+
+def test_measure_batch_with_one_multiplier_trains_every_seed_at_it_without_tuning():
+    result = tta.measure_batch({"task": asdict(replace(DIGITS, target_acc=0.85)), "batch": 32, "seeds": 2, "lr_multipliers": (1.0,)})
+    assert [r["seed"] for r in result["runs"]] == [0, 1] and len(result["tuning"]) == 1
+    assert result["lr"] == pytest.approx(DIGITS.reference_lr)
 
 
 def test_summarize_runs_counts_a_seed_that_missed_the_target_as_infinitely_slow():

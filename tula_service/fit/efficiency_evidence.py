@@ -100,8 +100,8 @@ NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
     "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 18 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 13.8% to 9.7%, 14 of 18 tasks within 15%, the worst 18.5%; one at 2x helped "
-    "less (20.8%, worst 80%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 14.8% to 9.5%, 14 of 18 tasks within 15%, the worst 18.5%; one at 2x helped "
+    "less (21.3%, worst 80%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
