@@ -52,10 +52,34 @@ is not resolved is shown as '-' and left out): `momentum_signal: tasks=13 rank_c
 smoothed_nearer_best=3 simple_median_abs_log_err=0.55 smoothed_median_abs_log_err=1.70 hessian_rank_correlation=-0.05
 hessian_nearer_best=4 hessian_median_abs_log_err=0.61`: neither explains the misses on the better truth either.
 
+The third hypothesis (2026-12-05, last): the |G|^2 a run measures holds, besides the gradient that makes progress,
+the gradient of the weights' fluctuation about the valley floor that SGD's own noise keeps up. Near a minimum, SGD
+with LR eta and heavy-ball momentum beta holds the weights at a covariance C ~ eta_eff H^-1 Sigma / (2 B), eta_eff =
+eta / (1 - beta) (the small-step limit of the stationary Lyapunov equation, H and Sigma commuting), so that
+E|H d theta|^2 = tr(H C H) ~ eta_eff tr(H Sigma) / (2 B): a share of |G|^2 that grows with the LR and does not move the
+loss down. What is left is the signal:
+
+    B_stationary = tr(Sigma) / (|G|^2 - eta_eff tr(H Sigma) / (2 B)),
+
+tr(H Sigma) from the Hessian-weighted estimates above, eta the step's scheduled LR, read over the same records
+with the same estimator. SGD only (Adam's step is preconditioned, and its eta_eff is another matter); nothing is
+fitted. If it held, the momentum tasks' reads, taken at larger effective LRs, would rise towards their critical batch.
+
+Measured 2026-12-05 (full run, 15 tasks with the GRU under SGD, 18 min; the GRU now has its Hessian-vector products
+too): `momentum_signal: tasks=14 rank_correlation=0.45 smoothed_nearer_best=4 simple_median_abs_log_err=0.69
+smoothed_median_abs_log_err=1.56 hessian_rank_correlation=0.13 hessian_nearer_best=6 hessian_median_abs_log_err=0.61
+stationary_tasks=2 stationary_nearer_best=0 stationary_median_abs_log_err=2.13 simple_there=0.37`. The fluctuation
+the formula subtracts is larger than the whole |G|^2 measured on five of the seven SGD tasks with Hessians (every
+momentum task among them: the small-step premise fails where eta_eff lambda is of order one), so B_stationary is not
+resolved there; on the two plain-SGD tasks where it is, it reads 4.5x and 7.5x B_simple where they need 0.70x and
+1.11x. It overshoots as the EMA did. The service does not use it. (On the GRU under SGD, B_hessian is 1.63x B_simple,
+nearer the best B_noise, 7.6x; one task.)
+
 Run:  .venv/bin/python benchmarks/momentum_signal.py [--quick] [--tasks NAME ...]
 (--quick: digits_mlp_sgd and digits_cnn_sgd only, about 60 s; the full run about 4 min; nothing is written.)
 Last line:  momentum_signal: tasks=N rank_correlation=R smoothed_nearer_best=K simple_median_abs_log_err=X smoothed_median_abs_log_err=Y
-            hessian_rank_correlation=R2 hessian_nearer_best=K2 hessian_median_abs_log_err=Z
+            hessian_rank_correlation=R2 hessian_nearer_best=K2 hessian_median_abs_log_err=Z stationary_tasks=M
+            stationary_nearer_best=K3 stationary_median_abs_log_err=W simple_there=V (V: B_simple's on those M tasks)
 """
 
 from __future__ import annotations
@@ -82,7 +106,7 @@ from tula_service.fit.perfmodel.noise_trajectory import progress_weighted_ratio 
 
 QUICK_TASKS = ("digits_mlp_sgd", "digits_cnn_sgd")
 HESSIAN_BATCH = 512  # samples of the independent batch whose loss the Hessian-vector products differentiate
-DOUBLE_BACKWARD_MODELS = ("mlp1d", "small_cnn", "cnn1d")  # the GPT's CPU attention kernel has no double backward
+DOUBLE_BACKWARD_MODELS = ("mlp1d", "small_cnn", "cnn1d", "gru1d")  # the GPT's CPU attention kernel has no double backward
 
 
 def ema_noise_share(beta: float, steps: int) -> float:
@@ -135,8 +159,9 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
     hessian_rows = torch.Generator().manual_seed(20_000)
     for step in range(math.ceil(task.max_epochs * task.train_samples / batch)):
         rows = stream.next(batch)
+        step_lr = et.scheduled_lr(task, batch, lr, step)
         for group in optimizer.param_groups:
-            group["lr"] = et.scheduled_lr(task, batch, lr, step)
+            group["lr"] = step_lr
         forms = None
         if hessian:
             drawn = torch.randint(task.train_samples, (min(HESSIAN_BATCH, task.train_samples),), generator=hessian_rows)
@@ -147,7 +172,7 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
         full = et.flat([p.grad for p in params])
         ema = (1 - beta) * full if ema is None else beta * ema + (1 - beta) * full
         smoothed = ema / (1 - beta ** (step + 1))
-        record = {**stats, "ema_sqr": float(smoothed @ smoothed), "share": ema_noise_share(beta, step + 1)}
+        record = {**stats, "ema_sqr": float(smoothed @ smoothed), "share": ema_noise_share(beta, step + 1), "effective_lr": step_lr / (1 - beta)}
         if forms is not None:
             record["hessian_grad_sqr"], record["hessian_trace_sigma"] = forms
         if adam:
@@ -161,14 +186,19 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
 
 def second_half_noise_scale(steps: list[dict[str, float]], batch: int, signal: str, prefix: str = "") -> float | None:
     """The service's progress-weighted mean over the second half of the steps, with |G|^2 replaced by the
-    smoothed signal when signal == "ema"; of the Hessian-weighted estimates when signal == "hessian"."""
+    smoothed signal when signal == "ema", and by |G|^2 less the stationary fluctuation's eta_eff tr(H Sigma) / (2 B)
+    when signal == "stationary" (module docstring); of the Hessian-weighted estimates when signal == "hessian"."""
+    if signal in ("hessian", "stationary"):
+        steps = [s for s in steps if "hessian_grad_sqr" in s]
     if signal == "hessian":
-        prefix, steps = "hessian_", [s for s in steps if "hessian_grad_sqr" in s]
+        prefix = "hessian_"
     half = steps[len(steps) // 2 :]
     trace = np.array([s[f"{prefix}trace_sigma"] for s in half])
     grad_sqr = np.array([s[f"{prefix}grad_sqr"] for s in half])
     if signal == "ema":
         grad_sqr = np.array([s[f"{prefix}ema_sqr"] for s in half]) - np.array([s["share"] for s in half]) * trace / batch
+    if signal == "stationary":
+        grad_sqr = grad_sqr - np.array([s["effective_lr"] * s["hessian_trace_sigma"] for s in half]) / (2 * batch)
     arrays = {"batch": np.full(len(half), float(batch)), "grad_sqr": grad_sqr, "trace_sigma": trace, "span": np.full(len(half), float(batch))}
     return progress_weighted_ratio(arrays)
 
@@ -180,13 +210,15 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     prefix = "precond_" if task.optimizer in ("adam", "adamw") else ""
     simple, smoothed = (second_half_noise_scale(steps, batch, signal, prefix) for signal in ("raw", "ema"))
     hessian_scale = second_half_noise_scale(steps, batch, "hessian") if hessian else None
+    stationary = second_half_noise_scale(steps, batch, "stationary") if hessian and task.optimizer == "sgd" else None
     service = se.evaluate(task)
     best = se.truth_floor(task, fit_epochs_to_runs(list(task.epochs), list(task.epochs.values())))["best_noise_scale"]
     return {
         "task": name, "optimizer": task.optimizer, "steps": len(steps), "service_noise_scale": service["noise_scale"],
         "best_noise_scale": best, "needed_factor": best / service["noise_scale"], "simple": simple, "smoothed": smoothed,
         "smoothed_over_simple": smoothed / simple if simple and smoothed else None, "hessian": hessian_scale,
-        "hessian_over_simple": hessian_scale / simple if simple and hessian_scale else None,
+        "hessian_over_simple": hessian_scale / simple if simple and hessian_scale else None, "stationary": stationary,
+        "stationary_over_simple": stationary / simple if simple and stationary else None,
     }  # fmt: skip
 
 
@@ -205,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     tasks = {t.name: t for t in se.cpu_tasks(et.DEFAULT_PATH)}
     rows = [evaluate(name, truth[name], tasks[name]) for name in names]
     print("| task | optimizer | steps | service B_noise | best B_noise (needed x) | B_simple here | B_smoothed | smoothed / simple "
-          "| B_hessian | hessian / simple |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| B_hessian | hessian / simple | B_stationary | stationary / simple |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     shown = lambda value: "-" if value is None else f"{value:.4g}"  # noqa: E731
     for r in rows:
         print(f"| {r['task']} | {r['optimizer']} | {r['steps']} | {r['service_noise_scale']:.4g} | {r['best_noise_scale']:.4g} "
               f"({r['needed_factor']:.2f}) | {shown(r['simple'])} | {shown(r['smoothed'])} | {shown(r['smoothed_over_simple'])} "
-              f"| {shown(r['hessian'])} | {shown(r['hessian_over_simple'])} |")  # fmt: skip  (a reading with no resolved signal: -)
+              f"| {shown(r['hessian'])} | {shown(r['hessian_over_simple'])} | {shown(r.get('stationary'))} "
+              f"| {shown(r.get('stationary_over_simple'))} |")  # fmt: skip  (a reading with no resolved signal: -)
     valid = [r for r in rows if r["smoothed_over_simple"]]
     log_err = lambda key: float(np.median([abs(math.log(r[key] / r["best_noise_scale"])) for r in valid]))  # noqa: E731
     nearer = sum(abs(math.log(r["smoothed"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in valid)
@@ -220,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     hessian_nearer = sum(abs(math.log(r["hessian"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in weighted)
     hessian_correlation = rank_correlation([r["hessian_over_simple"] for r in weighted], [r["needed_factor"] for r in weighted])
     hessian_err = float(np.median([abs(math.log(r["hessian"] / r["best_noise_scale"])) for r in weighted])) if weighted else float("nan")
+    fluctuation = [r for r in valid if r.get("stationary_over_simple")]
+    stationary_nearer = sum(abs(math.log(r["stationary"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"]))
+                            for r in fluctuation)  # fmt: skip
+    stationary_err = float(np.median([abs(math.log(r["stationary"] / r["best_noise_scale"])) for r in fluctuation])) if fluctuation else float("nan")
+    simple_err_there = float(np.median([abs(math.log(r["simple"] / r["best_noise_scale"])) for r in fluctuation])) if fluctuation else float("nan")
     print(f"momentum_signal: tasks={len(valid)} rank_correlation={correlation:.2f} smoothed_nearer_best={nearer} "
           f"simple_median_abs_log_err={log_err('simple'):.2f} smoothed_median_abs_log_err={log_err('smoothed'):.2f} "
           f"hessian_rank_correlation={hessian_correlation:.2f} hessian_nearer_best={hessian_nearer} "
-          f"hessian_median_abs_log_err={hessian_err:.2f}")  # fmt: skip
+          f"hessian_median_abs_log_err={hessian_err:.2f} stationary_tasks={len(fluctuation)} stationary_nearer_best={stationary_nearer} "
+          f"stationary_median_abs_log_err={stationary_err:.2f} simple_there={simple_err_there:.2f}")  # fmt: skip
     return 0
 
 

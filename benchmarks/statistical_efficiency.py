@@ -947,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="evaluate the cached ground truth into a temporary folder")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--ground-truth", type=Path, default=None, help="cached CPU ground truth (default: OUT/ground_truth.json)")
-    parser.add_argument("--regenerate-ground-truth", action="store_true", help="train the CPU tasks again (about 2 hours with 2 workers: 14 tasks)")
+    parser.add_argument("--regenerate-ground-truth", action="store_true", help="train the CPU tasks again (about 2.5 hours with 2 workers: 15 tasks)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--traces", type=Path, default=None, help="the pollux-traces folder (default: ../shared/data/pollux-traces)")
     parser.add_argument("--momentum-ablation", nargs="*", metavar="TASK", default=None,

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -32,5 +34,17 @@ def test_a_task_whose_signal_is_not_resolved_is_shown_as_a_dash_and_left_out_of_
     with contextlib.redirect_stdout(out):
         assert ms.main(["--tasks", *rows]) == 0
     lines = out.getvalue().splitlines()
-    assert "| digits_cnn_adam | sgd | 100 | 50 | 75 (1.50) | - | 300 | - | - | - |" in lines
+    assert "| digits_cnn_adam | sgd | 100 | 50 | 75 (1.50) | - | 300 | - | - | - | - | - |" in lines
     assert lines[-1].startswith("momentum_signal: tasks=2 rank_correlation=1.00 ")
+
+
+def test_the_stationary_signal_is_the_gradient_less_the_fluctuation_its_own_noise_keeps_up():
+    # |G|^2 = 2, tr(Sigma) = 100 at B = 32: B_simple 50; eta_eff tr(H Sigma) / (2 B) = 1.0 * 64 / 64 = 1 of the 2 is
+    # the fluctuation, so the signal's noise scale is 100 / (2 - 1) = 100
+    steps = [{"grad_sqr": 2.0, "trace_sigma": 100.0, "hessian_grad_sqr": 0.5, "hessian_trace_sigma": 64.0, "effective_lr": 1.0}] * 10
+    assert ms.second_half_noise_scale(steps, 32, "raw") == pytest.approx(50.0)
+    assert ms.second_half_noise_scale(steps, 32, "stationary") == pytest.approx(100.0)
+    halved = [{**step, "effective_lr": 0.5} for step in steps]  # half the LR, half the fluctuation
+    assert ms.second_half_noise_scale(halved, 32, "stationary") == pytest.approx(100.0 / 1.5)
+    # steps without the Hessian-weighted estimates (Adam's first) are left out, as for B_hessian
+    assert ms.second_half_noise_scale([{"grad_sqr": 2.0, "trace_sigma": 100.0}] * 4 + steps, 32, "stationary") == pytest.approx(100.0)

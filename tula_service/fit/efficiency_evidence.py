@@ -81,8 +81,8 @@ WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run 
 RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
-    "epochs trained at the advised LR was 0.12-1.9x the noise scale read, and with the LR tuned at every batch "
-    "0.09-3.1x: momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
+    "epochs trained at the advised LR was 0.12-3.5x the noise scale read, and with the LR tuned at every batch "
+    "0.09-9.3x (9.3x on a GRU, 1.3x on the same GRU under Adam): momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
     "and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
     "momentum the noise scale read was 1.1-5.3x the critical batch (five tasks) (docs/validation.md, "
     "benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
@@ -98,10 +98,10 @@ PLAIN_SGD_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 18 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 19 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 14.8% to 9.5%, 14 of 18 tasks within 15%, the worst 18.5%; one at 2x helped "
-    "less (21.3%, worst 80%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 15.3% to 10.6%, 13 of 19 tasks within 15%, the worst 18.6% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (23.5%, worst 159%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
@@ -109,8 +109,8 @@ ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
     "advised_rule": "the LR at each batch follows the advised rule (lr_rule: the AdaScale gain of B_noise, its square "
     "root for Adam/AdamW). Trained that way, the CPU tasks of benchmarks/advised_lr.py matched the predicted epochs "
-    "within 3-8% (median per task) on 7 of 14 tasks and 10-44% on the others; with the LR tuned at every batch instead, "
-    "they needed 1.1-2x fewer epochs above B_noise, so there a tuned LR can beat this prediction",
+    "within 3-8% (median per task) on 7 of 15 tasks and 10-67% on the others; with the LR tuned at every batch instead, "
+    "they needed 1.1-2.8x fewer epochs above B_noise, so there a tuned LR can beat this prediction",
 }
 
 
