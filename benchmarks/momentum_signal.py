@@ -222,6 +222,20 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def log_error(row: dict[str, Any], key: str) -> float:
+    """|ln(reading / best B_noise)| of one task's reading `key`."""
+    return abs(math.log(row[key] / row["best_noise_scale"]))
+
+
+def median_log_error(rows: list[dict[str, Any]], key: str) -> float:
+    return float(np.median([log_error(r, key) for r in rows])) if rows else float("nan")
+
+
+def nearer_best(rows: list[dict[str, Any]], key: str) -> int:
+    """The tasks on which reading `key` is nearer the best B_noise than B_simple."""
+    return sum(log_error(r, key) < log_error(r, "simple") for r in rows)
+
+
 def rank_correlation(x: list[float], y: list[float]) -> float:
     ranks = lambda values: np.argsort(np.argsort(values)).astype(float)  # noqa: E731
     return float(np.corrcoef(ranks(x), ranks(y))[0, 1]) if len(x) > 1 else float("nan")
@@ -246,23 +260,17 @@ def main(argv: list[str] | None = None) -> int:
               f"| {shown(r['hessian'])} | {shown(r['hessian_over_simple'])} | {shown(r.get('stationary'))} "
               f"| {shown(r.get('stationary_over_simple'))} |")  # fmt: skip  (a reading with no resolved signal: -)
     valid = [r for r in rows if r["smoothed_over_simple"]]
-    log_err = lambda key: float(np.median([abs(math.log(r[key] / r["best_noise_scale"])) for r in valid]))  # noqa: E731
-    nearer = sum(abs(math.log(r["smoothed"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in valid)
-    correlation = rank_correlation([r["smoothed_over_simple"] for r in valid], [r["needed_factor"] for r in valid])
     weighted = [r for r in valid if r["hessian_over_simple"]]
-    hessian_nearer = sum(abs(math.log(r["hessian"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"])) for r in weighted)
-    hessian_correlation = rank_correlation([r["hessian_over_simple"] for r in weighted], [r["needed_factor"] for r in weighted])
-    hessian_err = float(np.median([abs(math.log(r["hessian"] / r["best_noise_scale"])) for r in weighted])) if weighted else float("nan")
     fluctuation = [r for r in valid if r.get("stationary_over_simple")]
-    stationary_nearer = sum(abs(math.log(r["stationary"] / r["best_noise_scale"])) < abs(math.log(r["simple"] / r["best_noise_scale"]))
-                            for r in fluctuation)  # fmt: skip
-    stationary_err = float(np.median([abs(math.log(r["stationary"] / r["best_noise_scale"])) for r in fluctuation])) if fluctuation else float("nan")
-    simple_err_there = float(np.median([abs(math.log(r["simple"] / r["best_noise_scale"])) for r in fluctuation])) if fluctuation else float("nan")
-    print(f"momentum_signal: tasks={len(valid)} rank_correlation={correlation:.2f} smoothed_nearer_best={nearer} "
-          f"simple_median_abs_log_err={log_err('simple'):.2f} smoothed_median_abs_log_err={log_err('smoothed'):.2f} "
-          f"hessian_rank_correlation={hessian_correlation:.2f} hessian_nearer_best={hessian_nearer} "
-          f"hessian_median_abs_log_err={hessian_err:.2f} stationary_tasks={len(fluctuation)} stationary_nearer_best={stationary_nearer} "
-          f"stationary_median_abs_log_err={stationary_err:.2f} simple_there={simple_err_there:.2f}")  # fmt: skip
+    correlation = rank_correlation([r["smoothed_over_simple"] for r in valid], [r["needed_factor"] for r in valid])
+    hessian_correlation = rank_correlation([r["hessian_over_simple"] for r in weighted], [r["needed_factor"] for r in weighted])
+    print(f"momentum_signal: tasks={len(valid)} rank_correlation={correlation:.2f} smoothed_nearer_best={nearer_best(valid, 'smoothed')} "
+          f"simple_median_abs_log_err={median_log_error(valid, 'simple'):.2f} smoothed_median_abs_log_err={median_log_error(valid, 'smoothed'):.2f} "
+          f"hessian_rank_correlation={hessian_correlation:.2f} hessian_nearer_best={nearer_best(weighted, 'hessian')} "
+          f"hessian_median_abs_log_err={median_log_error(weighted, 'hessian'):.2f} stationary_tasks={len(fluctuation)} "
+          f"stationary_nearer_best={nearer_best(fluctuation, 'stationary')} "
+          f"stationary_median_abs_log_err={median_log_error(fluctuation, 'stationary'):.2f} "
+          f"simple_there={median_log_error(fluctuation, 'simple'):.2f}")  # fmt: skip
     return 0
 
 

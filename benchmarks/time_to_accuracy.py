@@ -80,7 +80,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from efficiency_tasks import LR_LOOKAHEAD, LR_MULTIPLIERS, TUNING_SEEDS, confirmed_runs, tune_lr  # noqa: E402
+from efficiency_tasks import LR_LOOKAHEAD, LR_MULTIPLIERS, TUNING_SEEDS, confirmed_runs, sqrt_scaled_lr, tune_lr  # noqa: E402
 from live_server import api_server  # noqa: E402
 from offline_data import SERVICE_DATASET_FIELDS, data_shape, load_data  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
@@ -243,10 +243,6 @@ def train_to_target(run: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- ground truth --------------------------------------------------------------------------------------
-
-
-def sqrt_scaled_lr(task: Task, batch: int) -> float:
-    return task.reference_lr * math.sqrt(batch / task.reference_batch)
 
 
 def seed_run(run: dict[str, Any]) -> dict[str, Any]:
