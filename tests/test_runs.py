@@ -5,7 +5,7 @@ across a restart."""
 import httpx
 import pytest
 
-from tests.api_fixtures import finished_job, store_for
+from tests.api_fixtures import finished_job, plan_answers, store_for
 from tests.handmade import spec_dict
 from tula_service.store import run_store
 
@@ -101,17 +101,46 @@ def test_a_larger_live_noise_scale_moves_the_run_to_a_larger_batch_once(server_a
     assert steady["changed"] is False and steady["config"] == moved["config"] and len(steady["decisions"]) == 1
 
 
+def test_a_plan_asked_again_before_new_evidence_is_not_computed_again(server_and_job):
+    server, job_id, _ = server_and_job
+    run = _post(server, "/v1/runs", {"job_id": job_id, "min_steps_between_changes": 0}).json()
+    path = f"{server.url}/v1/runs/{run['id']}/plan"
+    _post(server, f"/v1/runs/{run['id']}/telemetry", {"records": _records(1, 40, run["config"]["global_batch"], 100.0)})
+    first = httpx.get(path, timeout=60)
+    assert first.status_code == 200 and first.json()["changed"] is False and first.headers["cache-control"] == "no-cache"
+    etag = first.headers["etag"]
+    again = httpx.get(path, timeout=60)  # no ETag sent: the same answer, kept
+    assert again.status_code == 200 and again.json() == first.json() and again.headers["etag"] == etag
+    not_modified = httpx.get(path, headers={"If-None-Match": f'"other", W/{etag}'}, timeout=60)
+    assert not_modified.status_code == 304 and not_modified.content == b"" and not_modified.headers["etag"] == etag
+    assert plan_answers(server.url) == {"computed": 1.0, "cached": 1.0, "not_modified": 1.0}
+    # new evidence (the noise scale grows 50x): a new version, re-planned, and the run moves
+    _post(server, f"/v1/runs/{run['id']}/telemetry", {"records": _records(41, 200, run["config"]["global_batch"], 5000.0)})
+    moved = httpx.get(path, headers={"If-None-Match": etag}, timeout=60)
+    assert moved.status_code == 200 and moved.json()["changed"] is True and "etag" not in moved.headers, moved.text
+    # the move made the run a new version: its own answer is computed once, says changed: false, and is then kept
+    settled = httpx.get(path, timeout=60)
+    assert settled.json()["changed"] is False and settled.json()["config"] == moved.json()["config"]
+    assert settled.headers["etag"] not in (etag, None)
+    assert httpx.get(path, headers={"If-None-Match": settled.headers["etag"]}, timeout=60).status_code == 304
+    assert plan_answers(server.url) == {"computed": 3.0, "cached": 1.0, "not_modified": 2.0}
+
+
 def test_a_run_and_its_decisions_survive_a_restart(server_and_job, make_server):
     server, job_id, database = server_and_job
     run = _post(server, "/v1/runs", {"job_id": job_id, "min_steps_between_changes": 0}).json()
     _post(server, f"/v1/runs/{run['id']}/telemetry", {"records": _records(1, 100, run["config"]["global_batch"], 5000.0)})
     moved = httpx.get(f"{server.url}/v1/runs/{run['id']}/plan", timeout=60).json()
     assert moved["changed"] is True, moved["why"]
+    etag = httpx.get(f"{server.url}/v1/runs/{run['id']}/plan", timeout=60).headers["etag"]
     server.stop()
     again = make_server("--executor", "none", database_path=database)
     restored = httpx.get(f"{again.url}/v1/runs/{run['id']}", timeout=10).json()
     assert restored["config"] == moved["config"] and restored["records"] == 100 and restored["last_step"] == 100
     assert len(restored["decisions"]) == 1
+    # the restarted server (other code, perhaps) answers in full: the ETag of the one before it matches nothing
+    replanned = httpx.get(f"{again.url}/v1/runs/{run['id']}/plan", headers={"If-None-Match": etag}, timeout=60)
+    assert replanned.status_code == 200 and replanned.json()["config"] == moved["config"] and replanned.headers["etag"] != etag
 
 
 def test_a_run_refuses_telemetry_past_its_bound_and_stores_none_of_the_batch(jobs_database_url, monkeypatch):

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun, upload  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.gloo_ranks import gloo_group, spawn_ranks  # noqa: E402
-from tests.api_fixtures import run_on_a_server  # noqa: E402
+from tests.api_fixtures import plan_answers, run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
 
@@ -70,6 +70,21 @@ def test_a_training_loop_sends_its_telemetry_and_gets_advice(run_on_server):
     view = _run_view(server, run_id)
     assert view["records"] == STEPS // EVERY and view["last_step"] == STEPS and run.sent == STEPS // EVERY
     assert run.advice["run_id"] == run_id and "config" in run.advice and run.dropped == 0
+
+
+def test_advice_asked_again_without_new_telemetry_is_answered_304_and_kept(run_on_server):
+    server, run_id = run_on_server
+    run = _tula_run(server.url, run_id, plan_every_s=0.1)
+    _train(run, STEPS)
+    deadline = time.monotonic() + 60
+    while (run.advice is None or run.advice["step"] != STEPS or run.buffered) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = run.advice
+    time.sleep(1.0)  # about ten more questions, no new telemetry
+    run.close()
+    answers = plan_answers(server.url)
+    assert answers.get("not_modified", 0) >= 3 and answers.get("cached", 0) == 0, answers
+    assert run.advice is held and held["step"] == STEPS and run.last_error is None
 
 
 def test_a_dead_server_costs_the_loop_nothing_and_gets_everything_when_it_is_back(run_on_server):

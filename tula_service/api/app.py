@@ -20,6 +20,7 @@ from tula_service.api.auth import TokenAuth
 from tula_service.api.dashboard import mount_api_docs, mount_dashboard
 from tula_service.api.errors import PROBLEM_RESPONSES, install_problem_handlers
 from tula_service.api.metrics import Metrics
+from tula_service.runs.plan_cache import PlanCache
 from tula_service.api.openapi import install_openapi
 from tula_service.api.security import IN_PROCESS_ALLOWED_HOSTS, HostAllowlist, SecurityHeaders
 from tula_service.dispatch.executor import LocalExecutor, NoExecutor
@@ -105,6 +106,7 @@ def create_app(settings: Settings = Settings()) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.plans = PlanCache()  # GET /v1/runs/{id}/plan answers that would not differ
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     # Each added outside the one before: a request without a valid token is refused before its body is
     # read, one for another Host before its token is looked up, and every answer gets the security headers.

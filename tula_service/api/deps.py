@@ -1,5 +1,5 @@
 """What the routes depend on (FastAPI `Depends`): the store, the executor, the settings, the database
-engine and the metrics the app was made with (`create_app` puts them on app.state).
+engine, the metrics and the run plans' cache the app was made with (`create_app` puts them on app.state).
 
 Authentication is not a dependency but a middleware (tula_service.api.auth.TokenAuth): FastAPI reads and
 validates a body before it solves a route's dependencies, and a request without a valid token must be
@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 from sqlalchemy.engine import Engine
 
 from tula_service.api.metrics import Metrics
+from tula_service.runs.plan_cache import PlanCache
 from tula_service.store.job_store import Store
 
 
@@ -37,8 +38,13 @@ def _metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
+def _plans(request: Request) -> PlanCache:
+    return request.app.state.plans
+
+
 StoreDep = Annotated[Store, Depends(_store)]
 ExecutorDep = Annotated[Any, Depends(_executor)]  # LocalExecutor, RayExecutor or NoExecutor: start/stop/notify/cancel/alive
 SettingsDep = Annotated[Any, Depends(_settings)]  # tula_service.api.app.Settings
 EngineDep = Annotated[Engine, Depends(_engine)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
+PlansDep = Annotated[PlanCache, Depends(_plans)]

@@ -1,13 +1,14 @@
-"""Prometheus metrics at /metrics: jobs by state, queue depth, point durations.
+"""Prometheus metrics at /metrics: jobs by state, queue depth, point durations, run plans' answers.
 
 Jobs by state and queue depth are read from the database at scrape time (so every server process
 on one database reports the same truth); point durations are a histogram of the attempts this
-process recorded (`observe_point`). Each app has its own registry, so tests can run several.
+process recorded (`observe_point`); the answers to GET /v1/runs/{id}/plan a counter by how they were made
+(`run_plan_answers`: computed, cached or not_modified, tula_service.runs.plan_cache). Each app has its own registry, so tests can run several.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -46,6 +47,13 @@ class Metrics:
             "Wall time of finished profiling points recorded by this process",
             ["kind", "state"],
             buckets=POINT_DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.run_plan_answers = Counter(
+            "tula_run_plan_answers",
+            "GET /v1/runs/{id}/plan answers of this process: computed (re-planned), cached (the same inputs' answer "
+            "served again), not_modified (304: the client's ETag was current)",
+            ["answer"],
             registry=self.registry,
         )
 

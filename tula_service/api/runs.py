@@ -9,7 +9,8 @@ advice of its next interval (tula_service.runs.replan).
 - GET /v1/runs/{id}/plan re-plans from the telemetry and answers the configuration to train with now, why, and
   what it is based on. A change it decides is stored with the run (the run's current configuration and its
   decisions), so it holds across restarts and counts for the rate limit; asking again changes nothing more
-  until the evidence does.
+  until the evidence does. The answer's ETag names its inputs: asked again with it (If-None-Match) before they
+  change, the answer is 304, and an unchanged answer is not computed twice (tula_service.runs.plan_cache).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field
 
-from tula_service.api.deps import StoreDep
+from tula_service.api.deps import MetricsDep, PlansDep, StoreDep
 from tula_service.dispatch.jobs import plan_inputs
 from tula_service.plan.recommend import NotEnoughMeasurements
+from tula_service.runs.plan_cache import matches, plan_version
 from tula_service.runs.replan import advise, initial_config
 from tula_service.runs.telemetry import MAX_RECORDS_PER_BATCH, RunRequest, TelemetryBatch
 from tula_service.schemas import utc
@@ -154,14 +156,33 @@ def get_telemetry(
 
 
 @router.get("/{run_id}/plan", response_model=RunPlan,
-            responses={404: {"description": "no such run"}, 409: {"description": "the run's evidence cannot be planned from"}})  # fmt: skip
-def get_run_plan(run_id: str, store: StoreDep) -> RunPlan:
-    """The configuration for the run's next interval, re-planned from its telemetry (tula_service.runs.replan)."""
+            responses={304: {"description": "If-None-Match named the current version: the answer the client holds stands"},
+                       404: {"description": "no such run"}, 409: {"description": "the run's evidence cannot be planned from"}})  # fmt: skip
+def get_run_plan(
+    run_id: str, store: StoreDep, plans: PlansDep, metrics: MetricsDep, response: Response,
+    if_none_match: Annotated[str | None, Header(max_length=1024)] = None,
+) -> RunPlan | Response:
+    """The configuration for the run's next interval, re-planned from its telemetry (tula_service.runs.replan).
+    The answer's ETag names what it was computed from (tula_service.runs.plan_cache): asked again with it in
+    If-None-Match before anything changed, the answer is 304 Not Modified, and an answer that would not differ
+    is served again without re-planning."""
     run = _run_or_404(store, run_id)
-    job = store.get_job(run.job_id)
+    job = store.get_job(run.job_id, measurements=False)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{run.job_id}' of run '{run_id}' not found")
-    measurements, failed = plan_inputs(job)
+    version = plan_version(run, job)
+    revalidate = {"ETag": version, "Cache-Control": "no-cache"}
+    if matches(if_none_match, version):
+        metrics.run_plan_answers.labels("not_modified").inc()
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=revalidate)
+    if (kept := plans.get(run_id, version)) is not None:
+        metrics.run_plan_answers.labels("cached").inc()
+        response.headers.update(revalidate)
+        return kept
+    measured = store.get_job(run.job_id)
+    if measured is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job '{run.job_id}' of run '{run_id}' not found")
+    measurements, failed = plan_inputs(measured)
     try:
         advice = advise(job.spec, measurements, failed, run.options, run.config, run_store.telemetry(store, run_id), run.last_step)
     except (NotEnoughMeasurements, ValueError, ArithmeticError) as error:
@@ -170,8 +191,13 @@ def get_run_plan(run_id: str, store: StoreDep) -> RunPlan:
         decision = {"step": advice["step"], "from": _brief(run.config), "to": _brief(advice["change"]), "why": advice["why"],
                     "gain": advice["predicted"]["gain"], "at": utc(dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)).isoformat()}  # fmt: skip
         run = run_store.record_decision(store, run_id, advice["change"], decision)
-    return RunPlan(run_id=run.id, step=advice["step"], changed=advice["change"] is not None, config=run.config, why=advice["why"],
-                   predicted=advice["predicted"], evidence=advice["evidence"], decisions=run.decisions[-DECISIONS_SHOWN:])  # fmt: skip
+    answer = RunPlan(run_id=run.id, step=advice["step"], changed=advice["change"] is not None, config=run.config, why=advice["why"],
+                     predicted=advice["predicted"], evidence=advice["evidence"], decisions=run.decisions[-DECISIONS_SHOWN:])  # fmt: skip
+    metrics.run_plan_answers.labels("computed").inc()
+    if advice["change"] is None:  # a change moved the run to a new version, whose own answer says changed: false
+        plans.put(run_id, version, answer)
+        response.headers.update(revalidate)
+    return answer
 
 
 def _brief(config: dict[str, Any]) -> dict[str, Any]:
