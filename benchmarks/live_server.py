@@ -108,3 +108,10 @@ def api_server(
             yield server.start().url, server.database_url
         finally:
             server.stop()
+
+
+def plan_answers(server_url: str) -> dict[str, float]:
+    """The server's GET /v1/runs/{id}/plan answers so far by how they were made (computed, cached, not_modified), from
+    its /metrics."""
+    lines = httpx.get(f"{server_url}/metrics", timeout=10).text.splitlines()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in lines if line.startswith("tula_run_plan_answers_total{")}

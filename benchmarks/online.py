@@ -14,8 +14,9 @@ thread, as the ground truth was made):
      one process needs for the statistics; statistics on 2 steps in SAMPLE_EVERY or fewer: the client's overhead
      budget, OVERHEAD_BUDGET of the step time, stretches the sampling period) sending telemetry every EVERY
      steps to a run (POST /v1/runs) and
-     fetching GET /v1/runs/{id}/plan every PLAN_EVERY_S; an advised change (batch, LR) is applied at the next
-     step;
+     fetching GET /v1/runs/{id}/plan every PLAN_EVERY_S, posting as often (with the last answer's ETag: the server
+     re-plans only when telemetry has landed since; the report counts its answers by how they were made); an advised
+     change (batch, LR) is applied at the next step;
    - online_replayed: the online run's batch and LR changes at the same steps, without the client: the worth
      of its decisions apart from the telemetry's cost;
    - (c) each batch schedule of the recommendation (training_advice.batch_schedule) other than "constant":
@@ -86,7 +87,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from efficiency_tasks import TASKS, BatchStream, Task, as_one_run, evaluate, mean_loss, reached, task_data, task_model, task_optimizer  # noqa: E402
-from live_server import api_server  # noqa: E402
+from live_server import api_server, plan_answers  # noqa: E402
 from statistical_efficiency import _contract_record as contract_record  # noqa: E402
 
 from profiler.tula_run import TulaRun  # noqa: E402
@@ -99,7 +100,7 @@ MAX_EPOCHS_FACTOR = 10.0
 EVERY = 20  # optimizer steps per telemetry record: these runs take a few hundred steps
 SAMPLE_EVERY = 20  # statistics on 2 consecutive steps in 20 at most (GradientStatsLogger's sampling): a step here takes milliseconds
 OVERHEAD_BUDGET = 0.02  # TulaRun(overhead_budget=): the client stretches the sampling to cost at most 2% of a step (issue 17's target)
-PLAN_EVERY_S = 0.25
+PLAN_EVERY_S = 0.25  # and the posts as often: the runs take under a second, and advice needs their telemetry first
 MICRO_BATCHES = 2
 MIN_STEPS_BETWEEN_CHANGES = 20  # the runs are short: the service's default (100) would allow about one change
 OVERHEAD_ROUNDS, OVERHEAD_STEPS = 40, 40
@@ -290,7 +291,7 @@ def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[
     model = on_device(task, seed, data)
     optimizer = task_optimizer(task, model, task_reference_lr(rec))
     client = TulaRun(server, run_id, model, optimizer, every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
-                     sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
+                     post_every_s=PLAN_EVERY_S, sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
     arm = Arm(static_stages(rec), task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"], client)
     try:
         result = train_to_target(task, data, seed, arm, max_epochs, client=client, model=model, optimizer=optimizer)
@@ -326,7 +327,8 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
     start = {name: tensor.clone() for name, tensor in models["plain"].state_dict().items()}
     offline_folder = tempfile.TemporaryDirectory(prefix="tula-online-offline-")
     options = {"every": EVERY, "accumulation": MICRO_BATCHES, "sample_every": SAMPLE_EVERY, "overhead_budget": OVERHEAD_BUDGET}
-    clients = {"client": TulaRun(server, run_id, models["client"], optimizers["client"], plan_every_s=PLAN_EVERY_S, **options),
+    clients = {"client": TulaRun(server, run_id, models["client"], optimizers["client"], plan_every_s=PLAN_EVERY_S,
+                                 post_every_s=PLAN_EVERY_S, **options),
                "client_offline": TulaRun(None, run_id, models["client_offline"], optimizers["client_offline"],
                                          offline_path=Path(offline_folder.name) / "telemetry.jsonl", **options)}  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in models}
@@ -517,6 +519,11 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     online_ratios = [r["ratio_vs_static"]["online"] for r in results]
     lines += ["", f"Online decisions replayed without telemetry, median ratio over tasks: {_fmt(statistics.median(x if x is not None else math.inf for x in replayed))}.",
               f"Online, the largest ratio over tasks: {_fmt(max(x if x is not None else math.inf for x in online_ratios))} (target: never above 1.02)."]  # fmt: skip
+    if meta.get("plan_answers"):
+        answers = meta["plan_answers"]
+        lines += ["", f"The server's answers to the clients' GET /v1/runs/{{id}}/plan (every {PLAN_EVERY_S:g} s), by how they were made: "
+                  + ", ".join(f"{how} {answers.get(how, 0):g}" for how in ("computed", "cached", "not_modified"))
+                  + " (not_modified: the client's ETag was current, nothing re-planned; tula_service/runs/plan_cache.py)."]  # fmt: skip
     lines += ["", summary_line(results)]
     return "\n".join(lines) + "\n"
 
@@ -572,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: chosen {result['chosen_batch']}, ratio vs static {json.dumps({k: _fmt(v) for k, v in result['ratio_vs_static'].items()})} "
                   f"(wall {json.dumps({k: _fmt(v) for k, v in result['wall_ratio_vs_static'].items()})}), "
                   f"overhead {result['overhead']['overhead_pct']:.2f}% (offline {result['overhead']['offline_pct']:.2f}%, A/A {result['overhead']['a_a_pct']:+.2f}%)", flush=True)  # fmt: skip
+        meta["plan_answers"] = plan_answers(server)
+        (out / "online.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+        (out / "online.md").write_text(markdown(results, meta))
+    print(f"plan answers (GET /v1/runs/{{id}}/plan, the server's /metrics): {json.dumps(meta['plan_answers'])}")
     print(f"wrote {out / 'online.md'} (server log: {server_log})")
     print(summary_line(results))
     return 0

@@ -352,17 +352,24 @@ class TulaRun:
     # -- the sender thread ------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        backoff, next_plan = RETRY_S, time.monotonic()
+        """Posts when its time has come (post_every_s, or the backoff after a failed post) or when woken (a post's worth
+        buffered, close()); asks for advice when its own time has come. Woken for one, it does not do the other early: a
+        plan_every_s shorter than post_every_s used to post at the plan's pace, so that every question followed new
+        telemetry and the server re-planned for each."""
+        backoff, now = RETRY_S, time.monotonic()
+        next_post = next_plan = now
         while not self._stop.is_set():
-            sent_all = self._send_buffered()
+            now = time.monotonic()
+            if now >= next_post or self._wake.is_set():
+                self._wake.clear()
+                sent_all = self._send_buffered()
+                self._backing_off = not sent_all
+                next_post = time.monotonic() + (self.post_every_s if sent_all else backoff)
+                backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
             if time.monotonic() >= next_plan:
                 self._fetch_advice()
                 next_plan = time.monotonic() + self.plan_every_s
-            self._backing_off = not sent_all
-            wait = self.post_every_s if sent_all else backoff
-            backoff = RETRY_S if sent_all else min(backoff * 2, MAX_RETRY_S)
-            self._wake.wait(timeout=max(0.0, min(wait, next_plan - time.monotonic())))
-            self._wake.clear()
+            self._wake.wait(timeout=max(0.0, min(next_post, next_plan) - time.monotonic()))
 
     def _send_buffered(self) -> bool:
         """Post what is buffered, a post at a time; False when a post failed (the records stay)."""

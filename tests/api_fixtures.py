@@ -35,11 +35,3 @@ def run_on_a_server(make_server, tmp_path) -> tuple[object, str]:
     server = make_server("--executor", "none", database_path=database)
     run = httpx.post(f"{server.url}/v1/runs", json={"job_id": job_id}, timeout=30).json()
     return server, run["id"]
-
-
-def plan_answers(server_url: str) -> dict[str, float]:
-    """The server's GET /v1/runs/{id}/plan answers so far by how they were made (computed, cached, not_modified)."""
-    import httpx
-
-    lines = httpx.get(f"{server_url}/metrics", timeout=10).text.splitlines()
-    return {line.split('"')[1]: float(line.split()[-1]) for line in lines if line.startswith("tula_run_plan_answers_total{")}

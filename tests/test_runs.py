@@ -5,7 +5,8 @@ across a restart."""
 import httpx
 import pytest
 
-from tests.api_fixtures import finished_job, plan_answers, store_for
+from benchmarks.live_server import plan_answers
+from tests.api_fixtures import finished_job, store_for
 from tests.handmade import spec_dict
 from tula_service.store import run_store
 

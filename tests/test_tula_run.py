@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun, upload  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.gloo_ranks import gloo_group, spawn_ranks  # noqa: E402
-from tests.api_fixtures import plan_answers, run_on_a_server  # noqa: E402
+from benchmarks.live_server import plan_answers  # noqa: E402
+from tests.api_fixtures import run_on_a_server  # noqa: E402
 
 STEPS, EVERY, ACCUMULATION, MICRO_BATCH = 60, 10, 2, 16
 
@@ -85,6 +86,21 @@ def test_advice_asked_again_without_new_telemetry_is_answered_304_and_kept(run_o
     answers = plan_answers(server.url)
     assert answers.get("not_modified", 0) >= 3 and answers.get("cached", 0) == 0, answers
     assert run.advice is held and held["step"] == STEPS and run.last_error is None
+
+
+def test_advice_asked_more_often_than_the_posts_does_not_post_at_its_pace(run_on_server):
+    server, run_id = run_on_server
+    run = _tula_run(server.url, run_id, plan_every_s=0.1, post_every_s=3600)
+    _train(run, STEPS)  # 6 records, far from a post's worth
+    deadline = time.monotonic() + 60
+    while run.advice is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # about five more questions
+    assert run.advice is not None and run.sent == 0 and run.buffered == STEPS // EVERY
+    run.close()  # sends what is buffered
+    assert run.sent == STEPS // EVERY and _run_view(server, run_id)["records"] == STEPS // EVERY
+    answers = plan_answers(server.url)
+    assert answers.get("not_modified", 0) >= 3 and answers.get("computed") == 1, answers
 
 
 def test_a_dead_server_costs_the_loop_nothing_and_gets_everything_when_it_is_back(run_on_server):
