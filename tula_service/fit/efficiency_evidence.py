@@ -82,15 +82,16 @@ RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) ove
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
     "epochs trained at the advised LR was 0.12-3.5x the noise scale read, and with the LR tuned at every batch "
-    "0.09-9.3x (9.3x on a GRU, 1.3x on the same GRU under Adam): momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT, "
-    "and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
-    "momentum the noise scale read was 1.1-5.3x the critical batch (five tasks) (docs/validation.md, "
-    "benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
+    "0.09-9.3x (9.3x on a GRU, 1.3x on the same GRU under Adam): momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT and 3.4x on "
+    "the GRU, and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
+    "momentum the noise scale read was 0.34-5.3x the critical batch (six tasks; 0.34x on the GRU, whose critical batch "
+    "was still 2.9x the read) (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
     "training.max_lr or a measured headroom caps the advised LR"
 )
 PLAIN_SGD_CAVEAT = (
     "sgd without momentum (training.momentum 0): on the three CPU tasks trained so the noise scale read was 1.0-2.5x "
-    "the critical batch fitted to their epochs, and on two of them the advised LR overshot: at 8x the reference batch "
+    "the critical batch fitted to their epochs, and on a GRU trained so once (a momentum ablation) 0.34x: its critical "
+    "batch was 2.9x the read, 78% epochs error. On two of the three the advised LR overshot: at 8x the reference batch "
     "and above, few or no seeds reached the target, every seed with the LR capped at the stability headroom measured "
     "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Measure the headroom (measure_stability) "
     "so the LR is capped; epochs measured at 8x the reference batch (next_run; training.other_runs) settle the rest"
