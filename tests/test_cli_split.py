@@ -21,7 +21,7 @@ def loaded_after(statement: str) -> list[str]:
 
 # The package too: importing tula_service.cli.client runs tula_service/cli/__init__.py, which imports
 # server.py to build the parser, so the server half must leave SQLAlchemy and uvicorn to its commands.
-@pytest.mark.parametrize("module", ["tula_service.cli.client", "tula_service.cli.printing", "tula_service.cli"])
+@pytest.mark.parametrize("module", ["tula_service.cli.client", "tula_service.cli.printing", "tula_service.cli.runs", "tula_service.cli"])
 def test_importing_the_client_half_loads_no_database_server_or_app(module):
     assert loaded_after(f"import {module}") == []
 
@@ -37,4 +37,4 @@ def test_one_parser_has_both_halves_commands_in_their_order():
     from tula_service.cli import build_parser
 
     (commands,) = [action for action in build_parser()._actions if action.dest == "command"]
-    assert list(commands.choices) == ["serve", "submit", "status", "show", "plan", "cancel", "delete", "catalog", "token"]
+    assert list(commands.choices) == ["serve", "submit", "status", "show", "plan", "cancel", "delete", "catalog", "run", "token"]

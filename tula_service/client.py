@@ -7,6 +7,9 @@ and what-if plans are checked against their model and returned as the JSON dicts
 pydantic's ValidationError. Errors are `TulaError` with the server's problem+json body and a message
 naming each bad field.
 
+Runs (a training run's telemetry and advice): `start_run`, `run`, `run_plan`, and `upload_telemetry`, which sends
+records (a `TulaRun` offline JSONL file's, say) in posts of the server's bound.
+
 Retries: transport errors (connection refused or reset, timeouts) and 502/503/504 are retried with
 exponential backoff on every request that is safe to repeat. A submission always carries an
 `Idempotency-Key` (a fresh uuid4 unless given) and every retry reuses it, so a submission whose
@@ -26,6 +29,7 @@ import httpx
 from pydantic import BaseModel
 
 from tula_service.plan.recommendation import JobRecommendation, StatelessPlan, WhatIfPlan
+from tula_service.runs.telemetry import MAX_RECORDS_PER_BATCH
 from tula_service.schemas import JobList, JobSummary, JobView, MeasurementList, PointList
 from tula_service.settings import environment
 from tula_service.store.states import TERMINAL_JOB_STATES
@@ -241,6 +245,38 @@ class TulaClient:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job.state} after {timeout_s:g} s")
             time.sleep(poll_s)
+
+    # --- runs (issue 17: a training run's telemetry and advice) -------------------------------------
+
+    @staticmethod
+    def _run_path(run_id: str, *rest: str) -> str:
+        return "/".join((f"/v1/runs/{quote(run_id, safe='')}", *rest))
+
+    def start_run(self, job_id: str, options: Mapping[str, Any] | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+        """POST /v1/runs: a run of a done job at its recommended configuration (options: hysteresis,
+        min_steps_between_changes); a retry with the same key returns the run the first attempt made."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        return self._json("POST", "/v1/runs", json={"job_id": job_id, **dict(options or {})}, headers=headers)
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return self._json("GET", self._run_path(run_id))
+
+    def run_plan(self, run_id: str) -> dict[str, Any]:
+        """GET /v1/runs/{id}/plan: the configuration for the run's next interval, why, and what it rests on (a
+        repeat changes nothing more, so a retry is safe)."""
+        return self._json("GET", self._run_path(run_id, "plan"), timeout=PLAN_TIMEOUT_S)
+
+    def upload_telemetry(self, run_id: str, records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+        """POST /v1/runs/{id}/telemetry in posts of at most MAX_RECORDS_PER_BATCH records; {"accepted", "duplicates",
+        "posts"} summed (a step the run holds already is a duplicate, so a retried post is harmless)."""
+        records = [dict(r) for r in records]
+        totals = {"accepted": 0, "duplicates": 0, "posts": 0}
+        for start in range(0, len(records), MAX_RECORDS_PER_BATCH):
+            receipt = self._json("POST", self._run_path(run_id, "telemetry"), json={"records": records[start : start + MAX_RECORDS_PER_BATCH]})
+            totals["accepted"] += receipt["accepted"]
+            totals["duplicates"] += receipt["duplicates"]
+            totals["posts"] += 1
+        return totals
 
     # --- the rest --------------------------------------------------------------------------------
 

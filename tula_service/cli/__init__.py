@@ -1,10 +1,12 @@
-"""`tula`: serve the API; submit, list, show, re-plan, cancel and delete jobs; manage API tokens.
+"""`tula`: serve the API; submit, list, show, re-plan, cancel and delete jobs; start and follow runs; manage API
+tokens.
 
 Two halves, one parser:
 - `server.py`: `tula serve` and `tula token ...`, on the database (`--database-url`, default
   $TULA_DATABASE_URL);
 - `client.py`: every command that talks to a server, through `tula_service.client.TulaClient`
-  (`--server`, default $TULA_URL; `--token`, default $TULA_TOKEN), and `printing.py`, what it prints.
+  (`--server`, default $TULA_URL; `--token`, default $TULA_TOKEN), and `printing.py`, what it prints;
+  `runs.py`: `tula run ...`, a training run's start, advice and telemetry upload, through the same client.
 
 Each half turns what can go wrong on its side (a database, a server) into a `CliError`; `_run` prints
 any mistake as one `error: ...` on stderr and exits 2, never with a traceback (exit statuses:
@@ -17,7 +19,7 @@ import argparse
 import os
 import sys
 
-from tula_service.cli import client, server
+from tula_service.cli import client, runs, server
 from tula_service.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_MISTAKE, CliError
 
 
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     server.add_serve(sub)  # in this order, as `tula --help` lists them
     client.add_commands(sub)
+    runs.add_run(sub)
     server.add_token(sub)
     return parser
 

@@ -469,13 +469,19 @@ def _catalog(args: argparse.Namespace) -> int:
 # --- their arguments ---------------------------------------------------------------------------------
 
 
+def client_options_parser() -> argparse.ArgumentParser:
+    """--server and --token, the parent parser of every command that talks to a server."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
+    options.add_argument("--token", help="API token (default: $TULA_TOKEN)")
+    return options
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from tula_service.client import CATALOG_KINDS
     from tula_service.store.states import JOB_STATES
 
-    client_options = argparse.ArgumentParser(add_help=False)
-    client_options.add_argument("--server", help="API base URL (default: $TULA_URL or http://127.0.0.1:8000)")
-    client_options.add_argument("--token", help="API token (default: $TULA_TOKEN)")
+    client_options = client_options_parser()
 
     submit = sub.add_parser("submit", parents=[client_options], help="submit a job spec (YAML or JSON)")
     submit.add_argument("spec")
