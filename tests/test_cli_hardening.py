@@ -250,3 +250,15 @@ def test_the_gpu_catalog_shows_human_units(api_only):
 )  # fmt: skip
 def test_human_units(shown, expected):
     assert shown == expected
+
+
+def test_a_measurements_file_that_is_not_json_is_named_by_its_line():
+    """JSONL is parsed a line at a time: its mistake is at the file's line, not at line 1 of the line."""
+    from tula_service.cli.client import _json_records
+    from tula_service.cli.common import CliError
+
+    with pytest.raises(CliError, match=r"^m\.jsonl: not valid JSON at line 3, column 10: Expecting value$"):
+        _json_records("m.jsonl", '{"kind": "step"}\n\n{"kind": }\n')
+    with pytest.raises(CliError, match=r"^m\.json: not valid JSON at line 2, column 1: Expecting value$"):
+        _json_records("m.json", '[{"kind": "step"},\n]')
+    assert _json_records("m.jsonl", '{"kind": "step"}\n\n{"kind": "comm"}\n') == [{"kind": "step"}, {"kind": "comm"}]

@@ -376,14 +376,21 @@ def _measurement_files(paths: list[str]) -> tuple[list[dict[str, Any]], str | No
     return records, csv_text
 
 
-def _json_records(path: str, text: str) -> list[dict[str, Any]]:
+def _parsed_json(path: str, text: str, line_number: int | None = None) -> Any:
+    """`text` parsed; a mistake names its line in the file (`line_number` for one line of JSONL)."""
     try:
-        if path.lower().endswith(".jsonl"):
-            loaded = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            loaded = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as error:
-        raise CliError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+        line = line_number or error.lineno
+        raise CliError(f"{path}: not valid JSON at line {line}, column {error.colno}: {error.msg}") from None
+
+
+def _json_records(path: str, text: str) -> list[dict[str, Any]]:
+    """A JSON list of records, or JSONL (one a line)."""
+    if path.lower().endswith(".jsonl"):
+        loaded = [_parsed_json(path, line, number) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    else:
+        loaded = _parsed_json(path, text)
     if isinstance(loaded, dict) and isinstance(loaded.get("points"), list):  # GET /v1/jobs/{id}/measurements
         loaded = [point["measurement"] for point in loaded["points"] if isinstance(point, dict) and point.get("measurement")]
     if not isinstance(loaded, list) or not all(isinstance(record, dict) for record in loaded):
