@@ -99,11 +99,12 @@ BUDGET_REFIT_WINDOWS = 8  # without a new sampled step, the budget's period is f
 PAUSE_FACTOR = 10.0  # an interval over 10 x the median plain step held a pause (evaluation, checkpoint): not a step's cost
 # What the client costs a training loop per second spent inside its step() calls: the calls plus what it costs outside
 # them (the forward pre-hook, and the Python work's toll on the steps around it), which it cannot time itself. Measured
-# by benchmarks/client_overhead.py (sampling off, against plain steps, over the calls' own timing): 2.4-7.7 per task on
-# this repository's CPU, 3.16 the median of three full runs since the plain step's short path (plain_step) made the calls
-# shorter and the ratio larger (docs/validation/client_overhead.md); an assumption elsewhere (a GPU's is measured by
-# benchmarks/gpu_check.py), and `overhead` says which value it assumed.
-COST_PER_CALL_SECOND = 3.2
+# by benchmarks/client_overhead.py (sampling off, against plain steps, over the calls' own timing) on this repository's
+# CPU: 3.16 the median of three full runs after the plain step's short path (plain_step), 2.15 (2.08-3.20) since the
+# statistics' emptied gradient-hook dicts come off autograd between pairs, which took 1.1-1.4 us per parameter tensor
+# off every backward pass outside the calls (benchmarks/hook_residue.py; docs/validation/client_overhead.md); an
+# assumption elsewhere (a GPU's is measured by benchmarks/gpu_check.py), and `overhead` says which value it assumed.
+COST_PER_CALL_SECOND = 2.2
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
 TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma",

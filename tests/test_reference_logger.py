@@ -272,6 +272,29 @@ def test_a_new_sampling_period_waits_for_the_pair_under_way_and_hooks_follow_it(
         logger.set_sample_every(0)
 
 
+def test_the_statistics_hooks_come_off_autograd_between_pairs_and_leave_the_users_own_hooks_alone():
+    """A removed tensor hook leaves its emptied dict registered with autograd, called on every backward pass; the
+    logger takes it out where nothing else is left in it (reference_logger._unregister_empty_hook_dicts), and a hook
+    the loop put on a parameter itself keeps running, before, during and after the sampled pairs."""
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    weight = model[0].weight
+    calls = []
+    weight.register_hook(lambda grad: calls.append(1))
+    others = [p for p in model.parameters() if p is not weight]
+    with GradientStatsLogger(os.devnull, model, optimizer, every=100, accumulation=4, sample_every=4) as logger:
+        for step, batch in enumerate(_batches(steps=10)):
+            micro_batches = 4 if logger.sampling else 1
+            _train(model, optimizer, logger, [batch], micro_batches=micro_batches)
+            assert len(calls) == micro_batches  # the loop's hook ran on every backward pass
+            calls.clear()
+            if not logger.sampling:  # the coming step is plain: no hook dict left on the others, the loop's own kept
+                assert all(p._backward_hooks is None for p in others)
+                assert len(weight._backward_hooks) == 1
+    assert logger.last_record["window_steps"] == 6  # pairs (0, 1), (4, 5), (8, 9): registered again each time
+    assert all(p._backward_hooks is None for p in others) and len(weight._backward_hooks) == 1
+
+
 def test_a_window_without_a_sampled_step_writes_its_counts_only_when_asked(tmp_path):
     for counts_only in (False, True):
         model = _tiny_model()

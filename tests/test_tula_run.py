@@ -396,13 +396,13 @@ def test_the_budget_picks_the_densest_doubling_of_the_period_that_fits_and_says_
     run._sampled_s.extend([0.02004] * 3)  # a sampled step adds 10 ms
     run._fit_sampling_to_budget()
     bare_s = 0.010 - (c - 1) * 0.00004
-    room_s = 0.02 * bare_s - c * 0.00004  # 0.070 ms with c = 3.2
+    room_s = 0.02 * bare_s - c * 0.00004  # 0.111 ms with c = 2.2
     assert 5 * 2**5 < 2 * 0.010 / room_s <= 5 * 2**6  # so n = 320 (c = 1 would leave room for 0.16 ms: n = 160)
     assert run.logger.sample_every == 320 and run.overhead["step_s"] == pytest.approx(bare_s)
     assert run.overhead["fraction"] == pytest.approx((2 * 0.010 / 320 + c * 0.00004) / bare_s) and run.overhead["within_budget"]
     assert run.overhead["cost_per_call_second"] == c
     run._plain_call_s.clear()
-    run._plain_call_s.extend([0.0001] * 9)  # the client alone costs 3.2% of the step: no period fits
+    run._plain_call_s.extend([0.0001] * 9)  # the client alone costs 2.2% of the step: no period fits
     run._fit_sampling_to_budget()
     assert run.logger.sample_every == 1024 and not run.overhead["within_budget"]
     run.close()
