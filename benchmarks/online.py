@@ -21,6 +21,14 @@ thread, as the ground truth was made):
      of its decisions apart from the telemetry's cost;
    - (c) each batch schedule of the recommendation (training_advice.batch_schedule) other than "constant":
      its stages switched by epochs done, each at its LR (reference LR x the stage's lr_multiplier).
+   A task with batch norm (efficiency_tasks' micro_batched: the ResNets) trains every step of every arm in its
+   ground truth's micro-batches (every_step_pieces), as k devices with local batch norm would: batch norm
+   normalizes each micro-batch by its own statistics, so a split only on the client's sampled steps would change
+   what the online arm trains with, and its runs would no longer be the static runs of the same seeds. With the
+   split everywhere the client only observes: the online arm's steps are the static arm's until advice changes them.
+   Every suite task the service's catalog can describe is planned with its own model, model options and data
+   (JOB_DATASETS; the GPT's Python-stdlib text as a token_file the server's data roots hold); the two digits MLP
+   tasks are not (they read the 8x8 images as 64-long signals, which no catalog dataset gives).
    The clock counts training steps only (data indexing, forward, backward, optimizer, the client's calls);
    the evaluations (every 1/EVALS_PER_EPOCH epoch, as in the ground truth) are outside it. A run that does not
    reach the target within MAX_EPOCHS_FACTOR x the reference epochs counts as infinitely slow.
@@ -86,8 +94,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from efficiency_tasks import TASKS, BatchStream, Task, as_one_run, evaluate, mean_loss, reached, task_data, task_model, task_optimizer  # noqa: E402
+from efficiency_tasks import TASKS, BatchStream, Task, as_one_run, evaluate, mean_loss, micro_batches, reached, task_data, task_model, task_optimizer  # noqa: E402
 from live_server import api_server, plan_answers  # noqa: E402
+from offline_data import STDLIB_TOKEN_FILE, write_stdlib_token_file  # noqa: E402
 from statistical_efficiency import _contract_record as contract_record  # noqa: E402
 
 from profiler.tula_run import TulaRun  # noqa: E402
@@ -116,6 +125,15 @@ PILOT_SHARE = 0.1
 # -- the static recommendation --------------------------------------------------------------------------
 
 
+# The suite's datasets as the service's catalog names them. Not here: digits_x16_flat (the digits MLP reads the 8x8
+# images as 64-long signals; the catalog's digits are images, which its mlp1d does not take).
+JOB_DATASETS = {
+    "mnist1d": {"name": "mnist1d"},
+    "digits_x16": {"name": "digits", "scaling": "unit", "split": "train"},
+    "stdlib_bytes": {"name": "token_file", "path": str(STDLIB_TOKEN_FILE)},  # the server's data roots hold its folder
+}
+
+
 def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device: str = "cpu") -> dict[str, Any]:
     """The job a user of this task would submit: one device (a CPU core, or the GPU), min_time, the reference batch's
     LR and epochs, and as noise-scale evidence the service's pilot over PILOT_SHARE of the reference run (evidence
@@ -129,13 +147,18 @@ def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device:
     else:
         pilot_steps = max(10, round(PILOT_SHARE * reference["epochs"] * task.train_samples / task.reference_batch))
         profiling.update(pilot=True, pilot_steps=pilot_steps, pilot_record_every=max(1, pilot_steps // 20))
-    dataset = {"mnist1d": {"name": "mnist1d", "num_samples": task.train_samples},
-               "digits_x16": {"name": "digits", "scaling": "unit", "split": "train"},
-               "digits_x16_flat": {"name": "digits", "scaling": "unit", "split": "train"}}[task.dataset]  # fmt: skip
+    if task.dataset not in JOB_DATASETS:
+        raise ValueError(f"{task.dataset}: no dataset of the service's catalog gives what this task trains on ({sorted(JOB_DATASETS)} do)")
+    dataset = dict(JOB_DATASETS[task.dataset])
+    if dataset["name"] != "digits":  # digits' split sets its size
+        dataset["num_samples"] = task.train_samples
+    if task.dataset == "stdlib_bytes":
+        dataset["seq_len"] = task.seq_len
     batches = [b for b in task.batches if b <= task.train_samples // 2]
     return {
         "name": f"online-{task.dataset}-{task.model}",
         "model": task.model,
+        "model_options": dict(task.model_options),
         "dataset": dataset,
         "batch_sizes": {"min": min(batches), "max": max(batches)},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 8, "interconnect_gbps": 100},
@@ -216,14 +239,29 @@ def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> float:
+def every_step_pieces(task: Task, batch: int) -> int:
+    """Micro-batches every step of the task trains in, in every arm: a batch-norm task's (efficiency_tasks'
+    micro_batched) as its ground truth trains, micro_batches(B), for batch norm normalizes each micro-batch by its
+    own statistics, so a split only on the client's sampled steps would change what the model trains with (module
+    docstring); 1 for the others, whose split gives the same gradient."""
+    return micro_batches(batch) if task.micro_batched else 1
+
+
+def client_accumulation(task: Task, batch: int) -> int:
+    """The client's micro-batches on the steps it samples: the task's every-step split where there is one."""
+    pieces = every_step_pieces(task, batch)
+    return pieces if pieces > 1 else MICRO_BATCHES
+
+
+def split_step(model, optimizer, inputs, targets, client: TulaRun | None, pieces: int = 1) -> float:
     """One optimizer step over MICRO_BATCHES micro-batches (the client's statistics need them; with a client, only
-    on the steps it samples, the others whole); the loss, read once, as plain_step reads it. The client gets what
+    on the steps it samples, the others whole), or over `pieces` on every step where that is more (a batch-norm
+    task's: every_step_pieces); the loss, read once, as plain_step reads it. The client gets what
     TulaRun.step advises: on a GPU the loss tensor (a float before optimizer.step() would make the host wait for
     the GPU there), on a CPU the float the loop reads anyway (a second read, inside step(), cost 8-12 us a step
     in this loop: benchmarks/client_overhead.py)."""
     optimizer.zero_grad(set_to_none=True)
-    pieces = MICRO_BATCHES if client is None or client.sampling else 1
+    pieces = max(pieces, MICRO_BATCHES if client is None or client.sampling else 1)
     if pieces == 1:  # a whole step as plain_step runs it: no chunk views, no division node in the graph
         total = mean_loss(model(inputs), targets)
         total.backward()
@@ -242,7 +280,10 @@ def split_step(model, optimizer, inputs, targets, client: TulaRun | None) -> flo
     return float(total) if value is None else value
 
 
-def plain_step(model, optimizer, inputs, targets) -> float:
+def plain_step(model, optimizer, inputs, targets, pieces: int = 1) -> float:
+    """One optimizer step on the whole batch, or in `pieces` micro-batches (a batch-norm task's every step)."""
+    if pieces > 1:
+        return split_step(model, optimizer, inputs, targets, None, pieces)
     optimizer.zero_grad(set_to_none=True)
     loss = mean_loss(model(inputs), targets)
     loss.backward()
@@ -267,7 +308,8 @@ def train_to_target(task: Task, data: dict[str, torch.Tensor], seed: int, arm: A
         _set_lr(optimizer, lr)
         rows = stream.next(batch)
         inputs, targets = data["train_x"][rows], data["train_y"][rows]
-        loss = split_step(model, optimizer, inputs, targets, client) if client is not None else plain_step(model, optimizer, inputs, targets)
+        pieces = every_step_pieces(task, batch)
+        loss = split_step(model, optimizer, inputs, targets, client, pieces) if client is not None else plain_step(model, optimizer, inputs, targets, pieces)
         synchronize(data)
         train_s += time.perf_counter() - started
         if not math.isfinite(loss):
@@ -290,7 +332,8 @@ def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[
     run_id = run.raise_for_status().json()["id"]
     model = on_device(task, seed, data)
     optimizer = task_optimizer(task, model, task_reference_lr(rec))
-    client = TulaRun(server, run_id, model, optimizer, every=EVERY, accumulation=MICRO_BATCHES, plan_every_s=PLAN_EVERY_S,
+    accumulation = client_accumulation(task, rec["chosen"]["global_batch"])
+    client = TulaRun(server, run_id, model, optimizer, every=EVERY, accumulation=accumulation, plan_every_s=PLAN_EVERY_S,
                      post_every_s=PLAN_EVERY_S, sample_every=SAMPLE_EVERY, overhead_budget=OVERHEAD_BUDGET)
     arm = Arm(static_stages(rec), task_reference_lr(rec), rec["training_advice"]["warmup"]["steps"], client)
     try:
@@ -326,7 +369,8 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
     optimizers = {arm: task_optimizer(task, model, lr) for arm, model in models.items()}
     start = {name: tensor.clone() for name, tensor in models["plain"].state_dict().items()}
     offline_folder = tempfile.TemporaryDirectory(prefix="tula-online-offline-")
-    options = {"every": EVERY, "accumulation": MICRO_BATCHES, "sample_every": SAMPLE_EVERY, "overhead_budget": OVERHEAD_BUDGET}
+    options = {"every": EVERY, "accumulation": client_accumulation(task, batch), "sample_every": SAMPLE_EVERY, "overhead_budget": OVERHEAD_BUDGET}
+    pieces = every_step_pieces(task, batch)
     clients = {"client": TulaRun(server, run_id, models["client"], optimizers["client"], plan_every_s=PLAN_EVERY_S,
                                  post_every_s=PLAN_EVERY_S, **options),
                "client_offline": TulaRun(None, run_id, models["client_offline"], optimizers["client_offline"],
@@ -346,9 +390,9 @@ def overhead(task: Task, data, server: str, job_id: str, batch: int, lr: float) 
                     rows = stream.next(batch)
                     inputs, targets = data["train_x"][rows], data["train_y"][rows]
                     if arm in ("plain", "plain_again"):
-                        plain_step(model, optimizers[arm], inputs, targets)
+                        plain_step(model, optimizers[arm], inputs, targets, pieces)
                     else:
-                        split_step(model, optimizers[arm], inputs, targets, clients.get(arm))
+                        split_step(model, optimizers[arm], inputs, targets, clients.get(arm), pieces)
                 synchronize(data)
                 times[arm].append((time.perf_counter() - started) / OVERHEAD_STEPS)
     finally:
@@ -382,13 +426,13 @@ def step_clock(task: Task, data, batches: set[int] | list[int], lr: float) -> di
             model.load_state_dict(start)
             optimizer.state.clear()
             stream = BatchStream(task.train_samples, torch.Generator().manual_seed(2_000 + round_))
-            rows = stream.next(batch)
-            plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])  # untimed: the first step after a reset
+            rows, pieces = stream.next(batch), every_step_pieces(task, batch)
+            plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows], pieces)  # untimed: the first step after a reset
             synchronize(data)
             started = time.perf_counter()
             for _ in range(CLOCK_STEPS):
                 rows = stream.next(batch)
-                plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+                plain_step(model, optimizer, data["train_x"][rows], data["train_y"][rows], pieces)
             synchronize(data)
             times[batch].append((time.perf_counter() - started) / CLOCK_STEPS)
     return {batch: statistics.median(seconds) for batch, seconds in times.items()}
@@ -570,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
             "date": dt.date.today().isoformat(), "machine": machine, "seeds": seeds}  # fmt: skip
     results = []
     server_log = Path(tempfile.mkdtemp(prefix="tula-online-server-")) / "server.log"  # never into the tracked docs
-    with on_cpu(SERVER_CPU), api_server(None, server_log, executor="local", env=ONE_THREAD) as (server, _), on_cpu(TRAINING_CPU):
+    env = dict(ONE_THREAD)
+    if any(TASKS[name].dataset == "stdlib_bytes" for name in args.tasks):  # the GPT's text, a token_file the server may read
+        env["TULA_DATA_ROOTS"] = str(write_stdlib_token_file().parent)
+    with on_cpu(SERVER_CPU), api_server(None, server_log, executor="local", env=env) as (server, _), on_cpu(TRAINING_CPU):
         for name in args.tasks:
             result = run_task(name, truth[name], server, seeds, args.evidence, args.device)
             results.append(result)

@@ -23,8 +23,12 @@ from tula_service.spec.job_spec import JobSpec  # noqa: E402
 TRUTH = json.loads(online.GROUND_TRUTH.read_text())["tasks"]
 
 
-@pytest.mark.parametrize("name", online.DEFAULT_TASKS)
-def test_each_task_submits_a_valid_job_with_a_pilot_over_a_tenth_of_the_reference_run(name):
+PLANNED_TASKS = [name for name, task in TASKS.items() if task.dataset in online.JOB_DATASETS]
+
+
+@pytest.mark.parametrize("name", PLANNED_TASKS)
+def test_each_task_submits_a_valid_job_with_a_pilot_over_a_tenth_of_the_reference_run(name, monkeypatch):
+    monkeypatch.setenv("TULA_DATA_ROOTS", str(online.STDLIB_TOKEN_FILE.parent))  # the GPT's text, as main() serves it
     task, truth = TASKS[name], TRUTH[name]
     reference = truth["batches"][str(task.reference_batch)]
     pilot = JobSpec.model_validate(online.job_spec(task, truth))
@@ -34,6 +38,43 @@ def test_each_task_submits_a_valid_job_with_a_pilot_over_a_tenth_of_the_referenc
     whole = JobSpec.model_validate(online.job_spec(task, truth, "reference_run"))
     assert not whole.profiling.pilot and len(whole.training.reference_run.gradient_stats) == len(reference["trajectory"])
     assert whole.training.reference_lr == reference["lr"] and whole.training.reference_epochs == reference["epochs"]
+
+
+def test_every_suite_task_but_the_flat_digits_ones_is_planned_with_its_own_model_and_data():
+    assert set(online.DEFAULT_TASKS) <= set(PLANNED_TASKS) and {"stdlib_gpt_adamw", "mnist1d_gru_sgd", "digits_resnet_sgd"} <= set(PLANNED_TASKS)
+    gpt = online.job_spec(TASKS["stdlib_gpt_adamw"], TRUTH["stdlib_gpt_adamw"])
+    assert gpt["model_options"] == {"layers": 2, "width": 32, "heads": 4}
+    assert gpt["dataset"] == {"name": "token_file", "path": str(online.STDLIB_TOKEN_FILE), "num_samples": 2048, "seq_len": 32}
+    with pytest.raises(ValueError, match="digits_x16_flat"):
+        online.job_spec(TASKS["digits_mlp_sgd"], TRUTH["digits_mlp_sgd"])
+
+
+def test_a_batch_norm_task_trains_every_step_in_its_ground_truths_micro_batches_in_every_arm():
+    """Batch norm normalizes each micro-batch by its own statistics: a split only on the client's sampled steps would
+    change what the online arm trains with. The ResNet trains split on every step, as its ground truth does."""
+    resnet, cnn = TASKS["digits_resnet_adamw"], TASKS["digits_cnn_sgd"]
+    assert online.every_step_pieces(resnet, 64) == 4 and online.client_accumulation(resnet, 64) == 4
+    assert online.every_step_pieces(cnn, 64) == 1 and online.client_accumulation(cnn, 64) == online.MICRO_BATCHES
+    model = online.on_device(resnet, 0, online.task_data(resnet))
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[0]))
+    optimizer = online.task_optimizer(resnet, model, 1e-3)
+    x, y = online.task_data(resnet)["train_x"][:64], online.task_data(resnet)["train_y"][:64]
+    online.plain_step(model, optimizer, x, y, online.every_step_pieces(resnet, 64))
+    assert passes == [16] * 4
+    passes.clear()
+
+    class NotSampling:
+        sampling = False
+
+        def step(self, loss=None, metric=None):
+            pass
+
+    online.split_step(model, optimizer, x, y, NotSampling(), online.every_step_pieces(resnet, 64))
+    assert passes == [16] * 4  # the client's plain step is split as well
+    passes.clear()
+    online.split_step(model, optimizer, x, y, NotSampling())
+    assert passes == [64]  # a task without batch norm: whole
 
 
 def test_a_schedule_switches_by_epochs_done_with_its_lr_after_the_warmup():
