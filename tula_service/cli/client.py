@@ -167,7 +167,9 @@ def with_reference_stats(spec: dict[str, Any], records: list[dict[str, Any]]) ->
 
 def _validated_spec(path: str, reference_stats: str | None = None) -> dict[str, Any]:
     """The spec file, parsed (specfile: size-limited, safe YAML, errors with line and column) and
-    validated here, so a mistake is named before anything is sent."""
+    validated here, so a mistake is named before anything is sent. What the server decides by its own
+    configuration (the allowlist of user code, the data roots, its bounds) and the user code's contract are
+    left to the server's 422 (JobSpec.checked_by_client)."""
     from tula_service.spec.job_spec import JobSpec  # the catalogs behind it take a second to import
     from tula_service.spec.specfile import load_spec_file
 
@@ -175,7 +177,7 @@ def _validated_spec(path: str, reference_stats: str | None = None) -> dict[str, 
         data = load_spec_file(path)
         if reference_stats is not None:
             with_reference_stats(data, _reference_stats(reference_stats))
-        JobSpec.model_validate(data)  # fail here, naming the field, before anything is sent
+        JobSpec.checked_by_client(data)  # fail here, naming the field, before anything is sent; the server's policy is its own
     except OSError as error:
         raise CliError(f"cannot read spec {path}: {error.strerror}") from None
     except ValidationError as error:

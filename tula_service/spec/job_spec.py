@@ -8,7 +8,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from models.data_roots import check_submitted_path
 from models.registry import (
-    ALLOWED_MODULES_ENV,
     DATASET_SPEC_FIELDS,
     DATASETS,
     MODELS,
@@ -99,16 +98,32 @@ def _field_error(field: str, message: str, error_type: str = "dataset_field") ->
 # still refuses a module that is no longer allowlisted, or a path outside today's roots: the point fails
 # with that reason, as data.
 STORED = "stored"
+# Validation context of a spec checked by a client before it sends it (the CLI): the spec's own rules are
+# checked, the server's policy is not, because the client cannot know it. The allowlist, the data roots and the
+# bounds an operator sets (TULA_MAX_DEVICES, TULA_MAX_BATCH_SIZES) are the server's environment, not the
+# client's, and the user code's contract is checked by importing a module that may exist only where the server
+# runs. The server checks all of them at submission, and its 422 names the field.
+CLIENT_SIDE = "client_side"
 
 
 def _stored(info: ValidationInfo) -> bool:
     return bool(info.context and info.context.get(STORED))
 
 
+def _client_side(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get(CLIENT_SIDE))
+
+
+def _server_decided(info: ValidationInfo) -> bool:
+    """Whether the server's policy (allowlist, data roots) is not this validation's to apply: decided at the
+    spec's submission (STORED), or left to the server (CLIENT_SIDE)."""
+    return _stored(info) or _client_side(info)
+
+
 def _known_or_allowed_dataset(name: str, info: ValidationInfo) -> str:
     if not is_user_ref(name):
         return in_catalog("dataset", name, DATASETS)
-    if not _stored(info) and not user_model_allowed(name, allowed_model_modules()):
+    if not _server_decided(info) and not user_model_allowed(name, allowed_model_modules()):
         raise ValueError(not_allowlisted_message("dataset", name))
     return name
 
@@ -141,7 +156,7 @@ class DatasetSpec(_Strict):
     @classmethod
     def _path_under_a_data_root(cls, path: str | None, info: ValidationInfo) -> str | None:
         """The worker reads `path`: only under the operator's data roots (models.data_roots)."""
-        problem = None if path is None or _stored(info) else check_submitted_path(path, environment().data_roots)
+        problem = None if path is None or _server_decided(info) else check_submitted_path(path, environment().data_roots)
         if problem:
             raise ValueError(problem)
         return path
@@ -528,13 +543,8 @@ class JobSpec(_Strict):
     def _known_or_allowed_model(cls, name: str, info: ValidationInfo) -> str:
         if not is_user_model_ref(name):
             return in_catalog("model", name, MODELS)
-        allowed = allowed_model_modules()
-        if not _stored(info) and not user_model_allowed(name, allowed):
-            module = name.split(":", 1)[0]
-            raise ValueError(
-                f"user model module '{module}' is not allowlisted (importing it runs its code); the server "
-                f"operator can allow it with {ALLOWED_MODULES_ENV}={module} (comma-separated prefixes)"
-            )
+        if not _server_decided(info) and not user_model_allowed(name, allowed_model_modules()):
+            raise ValueError(not_allowlisted_message("model", name))
         return name
 
     @model_validator(mode="after")
@@ -580,11 +590,12 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _sizes_within_bounds(self) -> JobSpec:
-        """The bounds of tula_service.spec.spec_limits that need two fields: devices, and batches against D."""
+    def _sizes_within_bounds(self, info: ValidationInfo) -> JobSpec:
+        """The bounds of tula_service.spec.spec_limits that need two fields: devices (the server's bound, not a
+        client's to apply: CLIENT_SIDE), and batches against D."""
         problems: list[tuple[tuple[str | int, ...], str]] = []
         devices, limit = self.cluster.total_devices, max_devices()
-        if devices > limit:
+        if devices > limit and not _client_side(info):
             problems.append((("cluster",), (
                 f"{self.cluster.nodes} nodes x {self.cluster.gpus_per_node} GPUs = {devices} devices: more than the "
                 f"{limit} this server plans for (the operator can raise it with TULA_MAX_DEVICES)"
@@ -608,7 +619,7 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _user_code_meets_the_contract(self, info: ValidationInfo) -> JobSpec:
-        if _stored(info):  # checked at submission (user_code_check says how)
+        if _server_decided(info):  # checked at submission (user_code_check says how), or the server's to check
             return self
         return check_user_code(self, allowed_model_modules())  # a child process; catalog-only specs skip it
 
@@ -617,6 +628,12 @@ class JobSpec(_Strict):
         """A spec the server accepted before, parsed again (see STORED): its shape and the rules between
         its fields are checked, the allowlist and data-root decisions of its submission are kept."""
         return cls.model_validate(data, context={STORED: True})
+
+    @classmethod
+    def checked_by_client(cls, data: dict[str, object]) -> JobSpec:
+        """A spec a client is about to send, checked without the server's policy (see CLIENT_SIDE): a mistake in
+        the spec itself is named before anything is sent, and what only the server can decide is left to it."""
+        return cls.model_validate(data, context={CLIENT_SIDE: True})
 
     def measures_communication(self) -> bool:
         if self.profiling.measure_comm is None:
@@ -630,11 +647,11 @@ class JobSpec(_Strict):
 
     @field_validator("batch_sizes")
     @classmethod
-    def _enough_batches(cls, batch_sizes: list[int]) -> list[int]:
+    def _enough_batches(cls, batch_sizes: list[int], info: ValidationInfo) -> list[int]:
         if len(set(batch_sizes)) < 2:
             raise ValueError("profile at least 2 distinct batch sizes: the memory and time models are lines")
         limit = max_batch_sizes()
-        if len(set(batch_sizes)) > limit:
+        if len(set(batch_sizes)) > limit and not _client_side(info):  # the server's bound (CLIENT_SIDE)
             raise ValueError(
                 f"{len(set(batch_sizes))} batch sizes: a job profiles at most {limit} (each is a profiling point); "
                 "a few per power of two is enough, and the server operator can raise the limit with TULA_MAX_BATCH_SIZES"
