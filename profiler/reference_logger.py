@@ -11,7 +11,23 @@ Two lines in a plain loop (then `tula submit SPEC --reference-stats stats.jsonl`
         optimizer.step()
     logger.close()                             # or `with GradientStatsLogger(...) as logger:`
 
-One process: accumulate k micro-batches per step and say so (the small batches of the estimator):
+One process without accumulation: give the logger the per-sample losses and let it run the backward pass:
+
+    logger = GradientStatsLogger("stats.jsonl", model, optimizer, every=20, sample_every=10)
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(inputs), targets, reduction="none")   # one loss per sample
+        loss = logger.backward(losses)         # instead of loss.backward(); returns the batch's mean loss
+        logger.step(loss=loss)
+        optimizer.step()
+
+On a step that takes statistics, backward() runs two backward passes through the same graph, one per half of
+the batch (the first keeps the graph for the second), so the hooks see two half-batch gradients and .grad ends as
+the whole batch's; on the other steps one backward pass of the mean. That second backward pass is the mode's
+cost, on the sampled steps only: with sample_every=n (statistics on 2 steps in n) 2/n of a backward pass a step
+on average, a fifth at n = 10.
+
+One process with accumulation: accumulate k micro-batches per step and say so (the small batches of the estimator):
 
     logger = GradientStatsLogger("stats.jsonl", model, optimizer, every=20, accumulation=4)
     for inputs, targets in loader:
@@ -45,9 +61,12 @@ Where the two batches come from, at no extra forward or backward pass:
 - Gradient accumulation over k micro-batches (`accumulation=k`, one process, or DDP with `no_sync()`
   on all but the last micro-batch): the same hooks see each micro-batch's own gradient, so the small
   batch is the micro-batch (b = its samples, B = W k b, mean over all W k micro-batches).
-- One process without accumulation has one gradient per step: nothing to compare, so the
-  constructor refuses it; split each batch into k >= 2 micro-batches (`(loss / k).backward()` on each)
-  and pass `accumulation=k`.
+- One process without accumulation (`logger.backward(losses)`): the two halves of the batch, b = B / 2, each
+  backpropagated on its own on the sampled steps (a second backward pass, no second forward). The hooks see
+  (b / B) g_b = g_b / 2, as accumulation=2 with `(loss / 2).backward()` would show them. A batch of odd size splits
+  into unequal halves, and the step counts its samples but gives no statistics (as any step whose micro-batches
+  differ in size). A step with one gradient and neither DDP, accumulation nor backward() has nothing to compare:
+  step() refuses it, naming these three ways.
 
 Hooks rather than a DDP communication hook: a model keeps its own comm hook (fp16 compression,
 PowerSGD: DDP takes only one), the micro-batches of `no_sync()` accumulation stay visible, and the
@@ -136,9 +155,10 @@ LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_CO
 
 NOTHING_TO_COMPARE = (
     "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to "
-    "compare. Split each batch into k >= 2 micro-batches, call (loss / k).backward() on each, then "
-    "logger.step(), and pass accumulation=k; or run under DistributedDataParallel, where the ranks' local "
-    "gradients are the small batches"
+    "compare. Call logger.backward(losses) with the per-sample losses (reduction='none') instead of "
+    "loss.backward(), and it backpropagates the two halves of the batch on the steps that take statistics; or "
+    "split each batch into k >= 2 micro-batches, call (loss / k).backward() on each, then logger.step(), and pass "
+    "accumulation=k; or run under DistributedDataParallel, where the ranks' local gradients are the small batches"
 )
 
 
@@ -152,6 +172,7 @@ class _StepTally:
     micro_sq: list[torch.Tensor] = field(default_factory=list)
     precond_micro_sq: list[torch.Tensor] = field(default_factory=list)
     precond_missing: bool = False
+    split_sizes: list[int] | None = None  # the halves backward() backpropagated one by one, on a sampled step
 
 
 class GradientStatsLogger:
@@ -193,8 +214,6 @@ class GradientStatsLogger:
         if grad_scaler is not None and optimizer is None:
             raise ValueError("grad_scaler needs the optimizer: GradScaler unscales the gradients per optimizer")
         self.process_group, self.world_size, self.rank = _distributed_setup(model)
-        if self.world_size == 1 and accumulation == 1:
-            raise ValueError(NOTHING_TO_COMPARE)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("the model has no parameter that requires a gradient")
@@ -304,6 +323,31 @@ class GradientStatsLogger:
         bias_correction = 1 - group["betas"][1] ** step
         return (second_moment / bias_correction).sqrt_().add_(group["eps"])
 
+    def backward(self, losses: torch.Tensor) -> torch.Tensor:
+        """The step's backward pass from its per-sample losses (reduction="none"; shape (batch, ...), a sample's
+        loss the mean over its other dims, as cross-entropy's mean over a sequence's tokens), in place of
+        loss.backward(); returns the batch's mean loss, detached. For one process without accumulation, on a step
+        that takes statistics: the two halves of the batch backpropagated one after the other (module docstring),
+        .grad ending as the mean's gradient. Otherwise one backward pass of the mean (divided by accumulation when
+        loss_divided_by_accumulation, for a micro-batch). Under AMP the grad_scaler scales what it backpropagates."""
+        if not isinstance(losses, torch.Tensor) or losses.dim() == 0 or losses.shape[0] == 0:
+            raise ValueError("backward() takes the per-sample losses (reduction='none'): a tensor of shape (batch, ...)")
+        per_sample = losses.reshape(losses.shape[0], -1).mean(dim=1) if losses.dim() > 1 else losses
+        batch, scaler = per_sample.shape[0], self.grad_scaler
+        split = self.world_size == 1 and self.accumulation == 1 and self.sampling and batch >= 2
+        if not split:
+            total = per_sample.mean()
+            if self.accumulation > 1 and self.loss_divided_by_accumulation:
+                total = total / self.accumulation
+            (total if scaler is None else scaler.scale(total)).backward()
+            return per_sample.detach().mean()
+        half = batch // 2
+        for part, keep_graph in ((per_sample[:half], True), (per_sample[half:], False)):
+            share = part.sum() / batch  # (b / B) of the half's mean: the halves' gradients sum to the batch mean's
+            (share if scaler is None else scaler.scale(share)).backward(retain_graph=keep_graph)
+        self._tally.split_sizes = [half, batch - half]
+        return per_sample.detach().mean()
+
     # -- once per optimizer step -------------------------------------------------------------------
 
     def step(self, loss: float | torch.Tensor | None = None, metric: float | None = None) -> dict[str, Any] | None:
@@ -332,13 +376,16 @@ class GradientStatsLogger:
             micro_batches = max(tally.backward_counts.values(), default=0)
             if micro_batches == 0:
                 raise RuntimeError("step() found no backward pass since the last step: call it after backward(), before optimizer.step()")
-            if micro_batches != self.accumulation:
+            expected = self.accumulation if tally.split_sizes is None else len(tally.split_sizes)
+            if micro_batches != expected:
                 raise ValueError(
                     f"{micro_batches} backward passes since the last step, but accumulation={self.accumulation}: pass the number "
                     "of micro-batches per optimizer step (and run no other backward pass through the model between steps)"
                 )
-            sizes = self._micro_sizes(tally.forward_sizes, micro_batches)
-            squared_norms, precond_ok = self._squared_norms(tally, micro_batches)
+            if micro_batches == 1 and self.world_size == 1:
+                raise ValueError(NOTHING_TO_COMPARE)
+            sizes = tally.split_sizes or self._micro_sizes(tally.forward_sizes, micro_batches)
+            squared_norms, precond_ok = self._squared_norms(tally, micro_batches, divided=tally.split_sizes is not None or None)
         self._add_row(squared_norms, loss, micro_batches, sizes, precond_ok)
         if metric is not None:
             self._metric = float(metric)
@@ -388,11 +435,12 @@ class GradientStatsLogger:
         self.steps = steps + 1
         return len(sizes)
 
-    def _squared_norms(self, tally: _StepTally, micro_batches: int) -> tuple[torch.Tensor, bool]:
+    def _squared_norms(self, tally: _StepTally, micro_batches: int, divided: bool | None = None) -> tuple[torch.Tensor, bool]:
         """This rank's [sum over micro-batches of |g_b|^2, |g_B|^2, the same two of P g], true scale (see
-        the module docstring for the loss and AMP factors), and whether the precond pair is there."""
+        the module docstring for the loss and AMP factors), and whether the precond pair is there. divided: whether
+        the hooks saw g_b / k (True for backward()'s halves); None: loss_divided_by_accumulation says."""
         scale = self._unscale()
-        divided = self.loss_divided_by_accumulation
+        divided = self.loss_divided_by_accumulation if divided is None else divided
         micro_factor = (micro_batches**2 if divided else 1.0) / scale**2  # hooks saw scale * g_b / k (or scale * g_b)
         full_factor = 1.0 if divided else 1.0 / micro_batches**2  # .grad holds g_B (or k g_B), unscaled
         with_grad = [(i, p.grad) for i, p in enumerate(self.parameters) if p.grad is not None]
@@ -599,6 +647,13 @@ class GradientStatsLogger:
             self.close()
         else:  # no collective on the way out of an error: other ranks may be gone
             self._release()
+
+
+def require_two_gradients(model: nn.Module, accumulation: int, how: str) -> None:
+    """For a loop that cannot call GradientStatsLogger.backward (a trainer's callback): refuses, before training starts,
+    one process without accumulation, with `how`, the trainer's own way to give the estimator two gradients a step."""
+    if accumulation == 1 and _distributed_setup(model)[1] == 1:
+        raise ValueError("one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare. " + how)
 
 
 def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:

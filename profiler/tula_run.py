@@ -12,6 +12,10 @@ step's way (issue 17).
         advice = run.advice          # the latest GET /v1/runs/{id}/plan answer, or None
     run.close()
 
+One process without accumulation: `loss = run.backward(F.cross_entropy(model(inputs), targets, reduction="none"))`
+in place of `loss.backward()` (GradientStatsLogger.backward: the batch's two halves backpropagated one after the
+other on the steps that take statistics, which the overhead budget counts like any sampled step's cost).
+
 - Statistics: `profiler.reference_logger.GradientStatsLogger`, so they are DDP-correct at no extra pass
   (each rank's local gradient against the all-reduced one), and accumulation's micro-batches serve as well.
   Every `every` optimizer steps one telemetry record (tula_service.runs.telemetry.TelemetryRecord): step,
@@ -189,6 +193,11 @@ class TulaRun:
     def _count_pass(self, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
             self._passes += 1
+
+    def backward(self, losses: torch.Tensor) -> torch.Tensor:
+        """loss.backward() from the per-sample losses, for one process without accumulation; the batch's mean loss
+        (GradientStatsLogger.backward)."""
+        return self.logger.backward(losses)
 
     def step(self, loss: float | torch.Tensor | None = None, metric: float | None = None) -> dict[str, Any] | None:
         """After the step's backward passes, before optimizer.step(); the telemetry record when this step

@@ -139,6 +139,17 @@ def _assert_sampling_options_reach_the_run(tula, records: list[dict]) -> None:
     assert [r["step"] for r in records] == [10, 20, 30, 40] and all(r["step_time_s"] > 0 for r in records)
 
 
+def test_lightning_on_one_device_without_accumulation_is_refused_before_training_with_its_own_fix(tmp_path):
+    tula = TulaLightningCallback(None, "run-1", offline_path=tmp_path / "t.jsonl")
+    module = LightningClassifier()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data(8)), batch_size=MICRO_BATCH)
+    trainer = lightning.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[tula])  # fmt: skip
+    with pytest.raises(ValueError, match=r"nothing to compare. Train with Trainer\(accumulate_grad_batches=2\)"):
+        trainer.fit(module, loader)
+    assert tula.run is None and not (tmp_path / "t.jsonl").exists()
+
+
 def test_lightning_callback_passes_sampling_and_the_overhead_budget_to_its_run(tmp_path):
     path = tmp_path / "telemetry.jsonl"
     tula = TulaLightningCallback(None, "run-1", every=EVERY, offline_path=path, sample_every=4, overhead_budget=0.5, post_every_s=0.5)
@@ -236,9 +247,10 @@ class _TrueGradient(TrueGradient):
 
 def _train_hf(tula: TulaTrainerCallback, tmp_path, micro_batches: int, model: nn.Module | None = None, await_advice: bool = False, **arguments) -> tuple[Trainer, _TrueGradient]:
     truth = _TrueGradient(tula if await_advice else None)
-    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=ACCUMULATION,
-                             learning_rate=0.01, logging_steps=5, report_to=[], save_strategy="no", use_cpu=True,
-                             dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, seed=0, **{"max_grad_norm": 100.0, "num_train_epochs": 1, **arguments})  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=MICRO_BATCH,
+                             learning_rate=0.01, logging_steps=5, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                             remove_unused_columns=False, disable_tqdm=True, seed=0,
+                             **{"gradient_accumulation_steps": ACCUMULATION, "max_grad_norm": 100.0, "num_train_epochs": 1, **arguments})  # fmt: skip
     trainer = Trainer(model=model or MeanLoss(), args=args, train_dataset=Samples(micro_batches), callbacks=[truth, tula])
     trainer.train()
     return trainer, truth
@@ -269,6 +281,13 @@ def test_hf_trainer_with_a_dead_server_trains_on_and_keeps_the_records_offline(d
     _assert_statistics(records, [10, 20, 31, 41])  # the Trainer's step numbers, across the gap
     _assert_true_scale(records, truth.true_grad_sqr, dropped=frozenset({21, 42}))
     assert tula.closed and tula.run.sent == 0 and tula.run.failed_posts >= 1 and tula.advice is None
+
+
+def test_hf_trainer_on_one_device_without_accumulation_is_refused_before_training_with_its_own_fix(tmp_path):
+    tula = TulaTrainerCallback(None, "run-1", offline_path=tmp_path / "t.jsonl")
+    with pytest.raises(ValueError, match=r"nothing to compare. Train with TrainingArguments\(gradient_accumulation_steps=2\)"):
+        _train_hf(tula, tmp_path, 8, gradient_accumulation_steps=1)
+    assert tula.run is None and not (tmp_path / "t.jsonl").exists()
 
 
 def test_hf_callback_passes_sampling_and_the_overhead_budget_to_its_run(tmp_path):

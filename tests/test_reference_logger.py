@@ -54,15 +54,20 @@ def _train(model, optimizer, logger, batches, micro_batches: int, divide: bool =
             total_loss += loss.item() / (1 if divide else micro_batches)
             with contextlib.nullcontext() if syncing else model.no_sync():
                 (grad_scaler.scale(loss) if grad_scaler else loss).backward()
-        record = logger.step(loss=total_loss)
-        if record is not None:
-            records.append(record)
-        if grad_scaler:
-            grad_scaler.step(optimizer)
-            grad_scaler.update()
-        else:
-            optimizer.step()
+        _finish_step(logger, optimizer, records, total_loss, grad_scaler)
     return records
+
+
+def _finish_step(logger, optimizer, records: list[dict], loss: float, grad_scaler=None) -> None:
+    """logger.step (its record, if any, into `records`), then the optimizer's step, through the scaler under AMP."""
+    record = logger.step(loss=loss)
+    if record is not None:
+        records.append(record)
+    if grad_scaler:
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+    else:
+        optimizer.step()
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -434,12 +439,98 @@ def test_a_smaller_last_batch_counts_its_samples_but_not_in_the_statistics(tmp_p
 # -- mistakes a user can make ------------------------------------------------------------------------
 
 
-def test_one_process_without_micro_batches_is_refused_with_what_to_do(tmp_path):
-    with pytest.raises(ValueError, match=r"nothing to compare.*accumulation=k"):
-        GradientStatsLogger(tmp_path / "s.jsonl", _tiny_model())
+def test_one_process_with_one_gradient_a_step_is_refused_at_its_first_step_with_what_to_do(tmp_path):
+    model = _tiny_model()
+    logger = GradientStatsLogger(tmp_path / "s.jsonl", model, every=2)  # backward(losses) may come: not refused yet
+    inputs, targets = _batches(1)[0]
+    F.cross_entropy(model(inputs), targets).backward()
+    with pytest.raises(ValueError, match=r"nothing to compare.*logger.backward\(losses\).*accumulation=k"):
+        logger.step()
+    logger.close()
     with pytest.raises(ValueError, match="device_batch must be a whole number >= 1"):
-        GradientStatsLogger(tmp_path / "s.jsonl", _tiny_model(), accumulation=2, device_batch=0)
-    assert not (tmp_path / "s.jsonl").exists()
+        GradientStatsLogger(tmp_path / "t.jsonl", _tiny_model(), accumulation=2, device_batch=0)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+# -- one process without accumulation: backward(losses) -----------------------------------------------
+
+
+def _train_with_backward(model, optimizer, logger, batches, grad_scaler=None) -> tuple[list[dict], list[int]]:
+    """The plain loop of the module docstring: one forward pass of the whole batch, logger.backward(per-sample losses);
+    returns the records and the backward passes each step ran (counted by a hook on the logits)."""
+    records, passes = [], []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        counted = [0]
+        logits = model(inputs)
+        logits.register_hook(lambda grad: counted.__setitem__(0, counted[0] + 1))
+        losses = F.cross_entropy(logits, targets, reduction="none")
+        loss = logger.backward(losses)
+        assert loss.item() == pytest.approx(losses.mean().item())
+        passes.append(counted[0])
+        _finish_step(logger, optimizer, records, loss.item(), grad_scaler)
+    return records, passes
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adam"])
+@pytest.mark.parametrize("sample_every", [1, 4])
+def test_backward_of_the_per_sample_losses_gives_the_records_of_two_accumulated_halves(tmp_path, optimizer_name, sample_every):
+    """The same run twice: accumulation=2 on each batch's two halves, and one pass of the whole batch with
+    logger.backward(losses). The gradients are the same, so the weights, the records and the Adam pair are too; the
+    second backward pass runs on the sampled steps only."""
+    runs = []
+    for mode in ("accumulated", "backward"):
+        model = _tiny_model()
+        optimizer = _optimizer(optimizer_name, model)
+        accumulation = 2 if mode == "accumulated" else 1
+        logger = GradientStatsLogger(None, model, optimizer, every=4, accumulation=accumulation, sample_every=sample_every)
+        if mode == "accumulated":
+            runs.append((_train(model, optimizer, logger, _batches(8), micro_batches=2), None, model))
+        else:
+            runs.append((*_train_with_backward(model, optimizer, logger, _batches(8)), model))
+        logger.close()
+    (accumulated, _, model_a), (split, passes, model_b) = runs
+    assert len(accumulated) == len(split) == 2
+    for a, b in zip(accumulated, split):
+        assert a.keys() == b.keys()
+        for key in RECORD_KEYS:
+            assert b[key] == (None if a[key] is None else pytest.approx(a[key], rel=1e-6)), key
+        assert b["window_steps"] == (4 if sample_every == 1 else 2) and math.isfinite(b["grad_sqr"]) and b["trace_sigma"] > 0
+        assert (b["precond_grad_sqr"] is None) == (optimizer_name == "sgd")
+    sampled = [step % sample_every in (0, 1) if sample_every > 1 else True for step in range(8)]
+    assert passes == [2 if on else 1 for on in sampled]
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_under_a_grad_scaler_gives_the_statistics_of_the_unscaled_run():
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        model = _tiny_model()
+        optimizer = _optimizer("adam", model)
+        logger = GradientStatsLogger(None, model, optimizer, every=2, grad_scaler=scaler)
+        runs.append(_train_with_backward(model, optimizer, logger, _batches(), grad_scaler=scaler)[0])
+        logger.close()
+    for a, b in zip(*runs):
+        for key in RECORD_KEYS:
+            assert a[key] == (None if b[key] is None else pytest.approx(b[key], rel=1e-5)), key
+
+
+def test_backward_of_an_odd_batch_counts_its_samples_and_of_a_token_model_takes_each_samples_mean():
+    model = _tiny_model()
+    optimizer = _optimizer("sgd", model)
+    logger = GradientStatsLogger(None, model, optimizer, every=3)
+    batches = _batches(2) + _batches(1, batch=BATCH - 1)  # the odd one: unequal halves, left out of the statistics
+    records, passes = _train_with_backward(model, optimizer, logger, batches)
+    assert passes == [2, 2, 2]
+    assert (records[0]["samples"], records[0]["batch"], records[0]["window_steps"]) == (3 * BATCH - 1, BATCH, 2)
+    tokens = torch.arange(12, dtype=torch.float64).reshape(4, 3).requires_grad_()
+    logger = GradientStatsLogger(None, nn.Linear(1, 1), sample_every=4)
+    logger.steps = 2  # a step without statistics: one backward pass of the mean
+    assert logger.backward(tokens).item() == pytest.approx(5.5)
+    torch.testing.assert_close(tokens.grad, torch.full((4, 3), 1 / 12, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"per-sample losses \(reduction='none'\)"):
+        logger.backward(tokens.sum())
 
 
 def test_a_wrong_accumulation_count_is_named_at_the_first_step(tmp_path):

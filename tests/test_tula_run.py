@@ -237,6 +237,26 @@ def test_records_say_how_most_steps_ran_when_the_loop_splits_only_the_sampled_on
     assert all(r["samples"] == r["step"] * ACCUMULATION * MICRO_BATCH and "grad_sqr" in r for r in records)
 
 
+def test_a_loop_without_accumulation_gives_its_per_sample_losses_and_reports_one_pass_of_its_batch(tmp_path):
+    """run.backward(losses) in a one-process loop with no accumulation: statistics on the sampled steps (the batch's
+    halves backpropagated one by one), every step one forward pass of the whole batch, and the records say so."""
+    path = tmp_path / "telemetry.jsonl"
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = TulaRun(None, "run-1", model, optimizer, every=EVERY, offline_path=path, sample_every=5)
+    torch.manual_seed(0)
+    for _ in range(30):
+        optimizer.zero_grad()
+        x = torch.randn(ACCUMULATION * MICRO_BATCH, 8)
+        loss = run.backward(torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long(), reduction="none"))
+        run.step(loss=loss.item())
+        optimizer.step()
+    run.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["accumulation"], r["device_batch"]) for r in records] == [(10, 1, 32), (20, 1, 32), (30, 1, 32)]
+    assert all(r["samples"] == r["step"] * 32 and r["trace_sigma"] > 0 and r["loss"] > 0 for r in records)
+
+
 def test_records_of_a_loop_that_always_accumulates_say_so(tmp_path):
     path = tmp_path / "telemetry.jsonl"
     run = _tula_run(None, "run-1", offline_path=path)

@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from profiler.reference_logger import require_two_gradients
 from profiler.tula_run import TulaRun
 
 CLIPPED_SHARE = 1e-3  # a step whose gradient norm is within this share of max_grad_norm counts as clipped
@@ -125,8 +126,9 @@ class TulaTrainerCallback(TrainerCallback):
         torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's AcceleratedOptimizer
         self._scale = _TrainerGradientScale.of(getattr(optimizer, "scaler", None), args.max_grad_norm)
         self._parameters = [p for p in model.parameters() if p.requires_grad]
-        self.run = TulaRun(self.server, self.run_id, self._statistics_model(model), torch_optimizer,
-                           accumulation=self.accumulation or args.gradient_accumulation_steps,
+        wrapped, accumulation = self._statistics_model(model), self.accumulation or args.gradient_accumulation_steps
+        require_two_gradients(wrapped, accumulation, "Train with TrainingArguments(gradient_accumulation_steps=2) or more, or on several devices (DDP)")
+        self.run = TulaRun(self.server, self.run_id, wrapped, torch_optimizer, accumulation=accumulation,
                            loss_divided_by_accumulation=self._loss_divided(model), grad_scaler=self._scale, **self.options)  # fmt: skip
         self.dropped_steps = self.clipped_steps = self._substeps = 0
         self.closed, self._logged_loss = False, None

@@ -47,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from profiler.reference_logger import require_two_gradients
 from profiler.tula_run import TulaRun
 
 
@@ -93,8 +94,9 @@ class TulaLightningCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not pl_module.automatic_optimization:
             raise ValueError("TulaLightningCallback needs automatic optimization: with manual optimization use profiler.tula_run.TulaRun in training_step")
-        self.run = TulaRun(self.server, self.run_id, self._statistics_model(trainer, pl_module), trainer.optimizers[0],
-                           accumulation=self.accumulation or trainer.accumulate_grad_batches, loss_divided_by_accumulation=True,
+        model, accumulation = self._statistics_model(trainer, pl_module), self.accumulation or trainer.accumulate_grad_batches
+        require_two_gradients(model, accumulation, "Train with Trainer(accumulate_grad_batches=2) or more, or on several devices (DDP)")
+        self.run = TulaRun(self.server, self.run_id, model, trainer.optimizers[0], accumulation=accumulation, loss_divided_by_accumulation=True,
                            grad_scaler=_grad_scaler(trainer), **self.options)  # fmt: skip
         self.dropped_steps, self._backward_passes, self._losses, self.closed = 0, 0, [], False
 
