@@ -61,6 +61,24 @@ def test_a_run_is_started_fed_from_a_file_once_and_moved_by_its_advice(server_an
     assert f"  step 2500: global batch {batch} -> {moved_to['global_batch']}: global batch {batch} ->" in shown.stdout
 
 
+def test_a_run_of_a_job_with_a_reference_lr_prints_its_labelled_lr(make_server, tmp_path):
+    """The run's LR and multiplier come labelled ({"value", "source"}): start, plan and show printed a traceback."""
+    database = tmp_path / "runs.db"
+    job_id = finished_job(store_for(f"sqlite:///{database}"), training={"reference_lr": 0.1})
+    server = make_server("--executor", "none", database_path=database)
+    started = tula("run", "start", job_id, "--server", server.url)
+    assert started.returncode == 0, started.stderr
+    run_id = started.stdout.split()[2]
+    assert started.stdout.splitlines()[1] == f"run {run_id} of job {job_id}: 0 telemetry records"  # no "last step None"
+    config = httpx.get(f"{server.url}/v1/runs/{run_id}", timeout=10).json()["config"]
+    lr, multiplier = config["lr"], config["lr_multiplier"]
+    expected = f", LR {lr['value']:.4g} ({lr['source']}; x{multiplier['value']:.3g} the reference, {multiplier['source']})"
+    assert expected in started.stdout.splitlines()[2], started.stdout
+    for command in ("plan", "show"):
+        shown = tula("run", command, run_id, "--server", server.url)
+        assert shown.returncode == 0 and expected in shown.stdout, shown.stderr
+
+
 def test_a_bad_telemetry_file_is_named_by_line_and_field_and_nothing_is_sent(server_and_job, tmp_path):
     server, job_id = server_and_job
     run_id = json.loads(tula("run", "start", job_id, "--json", "--server", server.url).stdout)["id"]

@@ -59,18 +59,29 @@ def read_telemetry_file(path: str) -> list[dict[str, Any]]:
 
 
 def describe_config(config: dict[str, Any]) -> str:
-    """`global batch 128 (device batch 64 x accumulation 2 on placement [1]), LR 0.1 (x2 the reference), since step 200`."""
-    lr = config.get("lr")
-    multiplier = config.get("lr_multiplier")
+    """`global batch 128 (device batch 64 x accumulation 2 on placement [1]), LR 0.1 (predicted; x2 the reference, fitted),
+    since step 200`. The LR and its multiplier come labelled ({"value", "source"}), as every number the server returns."""
+    lr, multiplier = _labelled(config.get("lr")), _labelled(config.get("lr_multiplier"))
     text = (f"global batch {config.get('global_batch')} (device batch {config.get('device_batch')} x accumulation "
             f"{config.get('accumulation')} on placement {config.get('placement')})")  # fmt: skip
     if lr is not None:
-        text += f", LR {lr:.4g}" + (f" (x{multiplier:.3g} the reference)" if isinstance(multiplier, (int, float)) else "")
+        told = [f"x{multiplier[0]:.3g} the reference" + (f", {multiplier[1]}" if multiplier[1] else "")] if multiplier else []
+        told = ([lr[1]] if lr[1] else []) + told
+        text += f", LR {lr[0]:.4g}" + (f" ({'; '.join(told)})" if told else "")
     return text + (f", since step {config['since_step']}" if config.get("since_step") else "")
 
 
+def _labelled(quantity: Any) -> tuple[float, str | None] | None:
+    """(value, source) of a number the server labels ({"value": 0.1, "source": "predicted"}), or of a bare one."""
+    if isinstance(quantity, dict):
+        value = quantity.get("value")
+        return (float(value), quantity.get("source")) if isinstance(value, (int, float)) else None
+    return (float(quantity), None) if isinstance(quantity, (int, float)) and not isinstance(quantity, bool) else None
+
+
 def describe_run(run: dict[str, Any]) -> str:
-    lines = [f"run {run['id']} of job {run['job_id']}: {run['records']} telemetry records, last step {run.get('last_step')}",
+    last = "" if run.get("last_step") is None else f", last step {run['last_step']}"
+    lines = [f"run {run['id']} of job {run['job_id']}: {run['records']} telemetry records{last}",
              f"  train with: {describe_config(run['config'])} ({run['config'].get('source')})"]  # fmt: skip
     for decision in run.get("decisions") or []:
         before, after = decision.get("from") or {}, decision.get("to") or {}
