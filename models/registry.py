@@ -158,6 +158,13 @@ _OWN_MODELS = (
         options={"hidden": 32, "layers": 1},
     ),
     ModelInfo(
+        "lstm_lm",
+        "LSTM language model: token embedding, `layers` LSTM layers of `width` units, linear head over the vocabulary;"
+        " seq_len and vocab_size come from the dataset; batch counted in sequences.",
+        "tokens",
+        options={"width": 64, "layers": 1},
+    ),
+    ModelInfo(
         "gpt",
         "GPT-style decoder-only transformer LM (pre-LayerNorm, causal self-attention, tied head);"
         " seq_len and vocab_size come from the dataset; batch counted in sequences.",

@@ -16,6 +16,7 @@ from typing import Callable
 from torch import nn
 
 from models.gpt import GPT
+from models.lstm import LSTMLanguageModel
 from models.registry import (
     ALLOWED_MODULES_ENV,
     MODELS,
@@ -39,6 +40,7 @@ _FACTORIES: dict[str, ModelFactory] = {
     "cnn1d": CNN1d,
     "gru1d": GRU1d,
     "gpt": GPT,
+    "lstm_lm": LSTMLanguageModel,
     **{name: functools.partial(torchvision_classifier, name) for name in TORCHVISION_CLASSIFIERS},
 }
 

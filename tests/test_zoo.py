@@ -159,6 +159,24 @@ def test_gpt_gives_next_token_logits_with_a_tied_head():
     assert len(model.blocks) == 1
 
 
+def test_lstm_lm_gives_next_token_logits_that_read_only_the_past_and_trains_as_a_workload():
+    model = build_model("lstm_lm", options={"width": 16, "layers": 2}, vocab_size=50, seq_len=12).eval()
+    assert model.lstm.hidden_size == 16 and model.lstm.num_layers == 2 and model.head.out_features == 50
+    tokens = torch.randint(0, 50, (2, 12))
+    changed = tokens.clone()
+    changed[:, 8] = (tokens[:, 8] + 1) % 50
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert before.shape == (2, 12, 50) and model(tokens[:, :5]).shape == (2, 5, 50)  # any length up to seq_len
+    assert torch.allclose(before[:, :8], after[:, :8]) and not torch.allclose(before[:, 8:], after[:, 8:])
+    with pytest.raises(ValueError, match="longer than the model's seq_len 12"):
+        model(torch.randint(0, 50, (1, 13)))
+    workload = build_workload({"model": "lstm_lm", "model_options": {"width": 16}, "dataset": TOKENS})
+    inputs, targets = workload.data.batch(4, torch.Generator().manual_seed(0))
+    workload.loss_fn(workload.model(inputs), targets).backward()
+    assert all(p.grad is not None for p in workload.model.parameters())
+
+
 def test_gpt_attention_is_causal():
     model = GPT(vocab_size=50, seq_len=12, layers=2, width=32, heads=4).eval()
     tokens = torch.randint(0, 50, (1, 12))
