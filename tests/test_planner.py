@@ -57,7 +57,21 @@ def test_every_candidate_has_time_cost_and_source_labels():
     for row in rec["candidates"]:
         for key in ("memory_bytes", "iter_time_s", "total_time_s", "cost_usd", "epochs"):
             assert row[key]["value"] > 0
-            assert row[key]["source"] in ("measured", "predicted", "assumed")
+            assert row[key]["source"] in ("measured", "predicted", "assumed", *(("spec",) if key == "epochs" else ()))
+
+
+def test_the_reference_runs_own_epochs_are_labelled_as_given_and_predictions_elsewhere():
+    """At the reference batch the model anchored on the reference run returns the spec's reference_epochs: given
+    (`spec`), on every placement and accumulation that makes that global batch; every other batch's are predicted.
+    Fitted to other runs, the curve need not pass through it, and the value there stays a prediction."""
+    rec = _plan({"cluster": {"nodes": 1, "gpus_per_node": 4}})
+    given = [row for row in rec["candidates"] if row["epochs"]["source"] == "spec"]
+    assert given and {row["global_batch"] for row in given} == {32} and len({row["devices"] for row in given}) > 1
+    assert all(row["epochs"]["value"] == 10 and "training.reference_epochs" in row["epochs"]["why"] for row in given)
+    assert all(row["epochs"]["source"] == "predicted" for row in rec["candidates"] if row["global_batch"] != 32)
+    runs = {"training": {"reference_batch": 32, "reference_epochs": 10, "other_runs": [{"batch": 128, "epochs": 31}, {"batch": 512, "epochs": 60}]}}
+    fitted = [row["epochs"] for row in _plan(runs)["candidates"] if row["global_batch"] == 32]
+    assert fitted and all(e["source"] == "predicted" and e["value"] != pytest.approx(10, rel=1e-6) for e in fitted)
 
 
 def test_measured_values_are_marked_measured_only_where_they_were_measured():

@@ -9,6 +9,7 @@ Every number in the result carries where it came from:
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import numpy as np
@@ -145,6 +146,7 @@ def plan(spec: JobSpec, measurements: list[dict[str, Any]], failed_points: list[
     reach = measured_reach(steps, comm)
     rows = [_candidate_row(candidates, i, front, measured, report, step_err, measured_steps) for i in range(candidates["global_batch"].size)]
     _mark_epochs_intervals(rows, models.epochs, spec.pricing.fixed_overhead_usd)
+    _mark_given_epochs(rows, models.epochs)
     for row in rows:
         row["extrapolated"] = beyond_reach(row["placement"], reach)
     tokens_per_sample = ok[0].model.tokens_per_sample if ok else None
@@ -400,6 +402,22 @@ def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhe
         time, cost = row["total_time_s"]["value"], row["cost_usd"]["value"]
         row["total_time_s"]["calibrated_interval"] = [time * low, time * high]
         row["cost_usd"]["calibrated_interval"] = [fixed_overhead_usd + (cost - fixed_overhead_usd) * f for f in (low, high)]
+
+
+GIVEN_EPOCHS_WHY = "the reference run's epochs (training.reference_epochs), which the model is anchored on: given, not predicted"
+
+
+def _mark_given_epochs(rows: list[dict[str, Any]], epochs: Any) -> None:
+    """At the reference batch an epochs model anchored on the reference run returns the spec's reference_epochs
+    itself: those candidates' epochs are labelled `spec`, not `predicted`. A model fitted to other runs need not pass
+    through it, and then the value stays a prediction."""
+    batch, given = getattr(epochs, "reference_batch", None), getattr(epochs, "reference_epochs", None)
+    if batch is None or given is None:
+        return
+    for row in rows:
+        value = row["epochs"]["value"]
+        if row["global_batch"] == batch and row["epochs"]["source"] == "predicted" and math.isclose(value, given, rel_tol=1e-9):
+            row["epochs"].update(source="spec", why=GIVEN_EPOCHS_WHY)
 
 
 EDGE_OBJECTIVES = {"min_time": "total_time_s", "min_cost": "cost_usd"}
