@@ -153,9 +153,9 @@ DEVICE_COLUMNS = 4
 MICRO_SQ, FULL_SQ, PRE_MICRO_SQ, PRE_FULL_SQ = range(DEVICE_COLUMNS)  # device values: sums of squared norms
 LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_COLUMNS, DEVICE_COLUMNS + 6)  # host values
 
+ONE_GRADIENT = "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare."
 NOTHING_TO_COMPARE = (
-    "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to "
-    "compare. Call logger.backward(losses) with the per-sample losses (reduction='none') instead of "
+    ONE_GRADIENT + " Call logger.backward(losses) with the per-sample losses (reduction='none') instead of "
     "loss.backward(), and it backpropagates the two halves of the batch on the steps that take statistics; or "
     "split each batch into k >= 2 micro-batches, call (loss / k).backward() on each, then logger.step(), and pass "
     "accumulation=k; or run under DistributedDataParallel, where the ranks' local gradients are the small batches"
@@ -385,7 +385,7 @@ class GradientStatsLogger:
             if micro_batches == 1 and self.world_size == 1:
                 raise ValueError(NOTHING_TO_COMPARE)
             sizes = tally.split_sizes or self._micro_sizes(tally.forward_sizes, micro_batches)
-            squared_norms, precond_ok = self._squared_norms(tally, micro_batches, divided=tally.split_sizes is not None or None)
+            squared_norms, precond_ok = self._squared_norms(tally, micro_batches, divided=True if tally.split_sizes else None)
         self._add_row(squared_norms, loss, micro_batches, sizes, precond_ok)
         if metric is not None:
             self._metric = float(metric)
@@ -653,7 +653,7 @@ def require_two_gradients(model: nn.Module, accumulation: int, how: str) -> None
     """For a loop that cannot call GradientStatsLogger.backward (a trainer's callback): refuses, before training starts,
     one process without accumulation, with `how`, the trainer's own way to give the estimator two gradients a step."""
     if accumulation == 1 and _distributed_setup(model)[1] == 1:
-        raise ValueError("one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare. " + how)
+        raise ValueError(f"{ONE_GRADIENT} {how}")
 
 
 def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
