@@ -106,7 +106,7 @@ from tula_service.fit.perfmodel.noise_trajectory import progress_weighted_ratio 
 
 QUICK_TASKS = ("digits_mlp_sgd", "digits_cnn_sgd")
 HESSIAN_BATCH = 512  # samples of the independent batch whose loss the Hessian-vector products differentiate
-DOUBLE_BACKWARD_MODELS = ("mlp1d", "small_cnn", "cnn1d", "gru1d")  # the GPT's CPU attention kernel has no double backward
+DOUBLE_BACKWARD_MODELS = ("linear1d", "mlp1d", "small_cnn", "cnn1d", "gru1d")  # the GPT's CPU attention kernel has no double backward
 
 
 def ema_noise_share(beta: float, steps: int) -> float:

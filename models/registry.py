@@ -140,6 +140,11 @@ _OWN_MODELS = (
         min_image_size=32,
     ),
     ModelInfo(
+        "linear1d",
+        "Multinomial logistic regression for 1D signals: length -> classes, one linear layer (a convex loss).",
+        "signal1d",
+    ),
+    ModelInfo(
         "mlp1d",
         "MLP for 1D signals (MNIST-1D baseline): length -> hidden -> hidden -> classes, ReLU.",
         "signal1d",

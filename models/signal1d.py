@@ -1,5 +1,5 @@
 """Classifiers for 1D signals of shape (batch, length), the MNIST-1D baselines (Greydanus 2020, sec. 3: an MLP, a
-CNN and a GRU).
+CNN and a GRU), and multinomial logistic regression (a linear model: a convex loss).
 
 Every factory takes `length` and `num_classes` (the shape a dataset gives) plus its own options.
 """
@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class Linear1d(nn.Module):
+    """Multinomial logistic regression: length -> classes, one affine map whose softmax cross-entropy is convex in
+    the weights (the setting in which McCandlish et al. 2018, sec. 2, derive the noise scale from a quadratic loss)."""
+
+    def __init__(self, length: int, num_classes: int):
+        super().__init__()
+        self.linear = nn.Linear(length, num_classes)
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        return self.linear(signals)
 
 
 class MLP1d(nn.Module):

@@ -26,7 +26,7 @@ from models.registry import (
     unknown_name_message,
     user_model_allowed,
 )
-from models.signal1d import CNN1d, GRU1d, MLP1d
+from models.signal1d import CNN1d, GRU1d, Linear1d, MLP1d
 from models.vision import ResNetCifar, SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
 
 ModelFactory = Callable[..., nn.Module]
@@ -36,6 +36,7 @@ _FACTORIES: dict[str, ModelFactory] = {
     "resnet18_cifar": resnet18_cifar,
     "resnet_cifar": ResNetCifar,
     "vgg11_cifar": VGG11Cifar,
+    "linear1d": Linear1d,
     "mlp1d": MLP1d,
     "cnn1d": CNN1d,
     "gru1d": GRU1d,

@@ -132,11 +132,20 @@ def test_resnet_cifar_is_resnet_6n_plus_2_with_batch_norm_and_takes_small_images
     assert model(torch.randn(2, 1, 4, 4)).shape == (2, 10)  # the smallest side the catalog allows
 
 
-@pytest.mark.parametrize(("name", "options"), [("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8}), ("gru1d", {}),
+@pytest.mark.parametrize(("name", "options"), [("linear1d", {}), ("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8}), ("gru1d", {}),
                                               ("gru1d", {"hidden": 8, "layers": 2})])
 def test_1d_models_take_batch_by_length_signals(name, options):
     model = build_model(name, options=options, length=40, num_classes=10)
     assert model(torch.randn(3, 40)).shape == (3, 10)
+
+
+def test_linear1d_is_one_affine_map_and_refuses_options():
+    model = build_model("linear1d", length=64, num_classes=10)
+    assert [p.shape for p in model.parameters()] == [torch.Size([10, 64]), torch.Size([10])]
+    signals = torch.randn(2, 64)
+    assert torch.allclose(model(2 * signals) - model(signals), model(signals) - model(torch.zeros(2, 64)), atol=1e-5)  # linear
+    with pytest.raises(ValueError, match="hidden"):
+        build_model("linear1d", options={"hidden": 8}, length=64, num_classes=10)
 
 
 def test_cnn1d_default_is_the_mnist1d_baseline_size():

@@ -82,9 +82,9 @@ RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) ove
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "
     "epochs trained at the advised LR was 0.12-3.5x the noise scale read, and with the LR tuned at every batch "
-    "0.09-9.3x (9.3x on a GRU, 1.3x on the same GRU under Adam): momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN and a GPT and 3.4x on "
+    "0.09-9.3x (9.3x on a GRU, 1.3x on the same GRU under Adam): momentum moves the critical batch either way (it raised it 1.6-2.9x on MLPs, a small CNN, a GPT and a linear model and 3.4x on "
     "the GRU, and lowered it on a ResNet with batch norm, read 10x too high with momentum and within 9% without); without "
-    "momentum the noise scale read was 0.34-5.3x the critical batch (six tasks; 0.34x on the GRU, whose critical batch "
+    "momentum the noise scale read was 0.34-5.3x the critical batch (seven tasks; 0.34x on the GRU, whose critical batch "
     "was still 2.9x the read) (docs/validation.md, benchmarks/advised_lr.py). Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it; "
     "training.max_lr or a measured headroom caps the advised LR"
 )
@@ -99,10 +99,10 @@ PLAIN_SGD_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 20 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 21 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 16.7% to 10.8%, 14 of 20 tasks within 15%, the worst 18.6% (from 142% on a GRU "
-    "under SGD); one at 2x helped less (22.1%, worst 159%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 18.1% to 11.0%, 16 of 21 tasks within 15%, the worst 18.7% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (22.6%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
