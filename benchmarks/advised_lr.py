@@ -4,7 +4,7 @@ benchmarks/statistical_efficiency.py compares the service's epochs E(B) = E_min 
 truth whose LR was tuned at every batch (benchmarks/efficiency_tasks.py). The service does not tell a user to
 tune: at a batch B it advises the reference LR times its LR rule's multiplier, the AdaScale gain of its own
 B_noise (Johnson et al. 2020), r(k) = (1 + B_noise / B_ref) / (1 + B_noise / (k B_ref)), k = B / B_ref (its
-square root for Adam/AdamW; tula_service/fit/perfmodel/efficiency.py). The Pollux traces were trained that way
+square root for Adam/AdamW/RMSprop; tula_service/fit/perfmodel/efficiency.py). The Pollux traces were trained that way
 (AdaScale in every run). So there are two questions, and this benchmark answers the second:
 1. with the LR tuned at every batch, how many epochs does B take (statistical_efficiency.py)?
 2. with the LR the service advises, how many does it take, and what does the advice cost against tuning?
@@ -62,7 +62,7 @@ STALE_TOLERANCE = 0.01  # the service now advises an LR this far from the one th
 
 def advised_lrs(task: se.Task) -> tuple[dict[int, float], dict[str, Any]]:
     """The LR the service advises at every batch of the task's grid: the tuned reference LR times the
-    EpochModel's LR multiplier (the AdaScale gain of its B_noise; sqrt for Adam/AdamW). Also the model's
+    EpochModel's LR multiplier (the AdaScale gain of its B_noise; sqrt for Adam/AdamW/RMSprop). Also the model's
     B_noise and evidence, for the report."""
     ref = task.reference_batch
     model, report = se.service_model(task, ref)

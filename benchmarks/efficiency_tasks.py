@@ -7,7 +7,7 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   (test accuracy, or held-out loss for the GPT) every 1/EVALS_PER_EPOCH epoch (at least every step);
   the run stops when it reaches the target, or after max_epochs ("did not reach": infinitely slow).
 - LR tuned over LR_MULTIPLIERS x lr_ref sqrt(B / B_ref) (square-root scaling, for SGD with or without momentum as
-  for Adam/AdamW; a grid spaced by LR_STEP = sqrt 2), with a linear warm-up from lr / (B / B_ref) over
+  for Adam/AdamW and RMSprop; a grid spaced by LR_STEP = sqrt 2), with a linear warm-up from lr / (B / B_ref) over
   WARMUP_EPOCHS when B > B_ref. A candidate LR trains seeds 0..TUNING_SEEDS-1 and scores the median steps to
   the target over them (a seed that misses counts as infinitely slow); fewest wins (at a fixed B a step costs
   the same at any LR, so steps decide without timing noise; a tie keeps the earlier multiplier). When the
@@ -43,9 +43,10 @@ Per task and global batch B of its power-of-two grid (one device, one torch thre
   A record: step = optimizer steps done at the window's end, samples = step B, loss = mean
   training loss over the window, metric = the evaluation after that step (null if none), window_steps = w,
   variability = median over the window of | |g_t| - |g_{t-1}| | / |g_{t-1}| (full-batch gradient norm).
-  Adam/AdamW also give precond_grad_sqr / precond_trace_sigma: the same estimates for P g with
-  P = 1 / (sqrt(exp_avg_sq / (1 - beta2^t)) + eps) read from the optimizer state right after the step,
-  i.e. the preconditioner that step's update divided by, applied to every micro-batch and to the full gradient.
+  Adam/AdamW and RMSprop also give precond_grad_sqr / precond_trace_sigma: the same estimates for P g with
+  P = 1 / (sqrt(v) + eps) (profiler.preconditioner: Adam's v = exp_avg_sq / (1 - beta2^t), RMSprop's square_avg)
+  read from the optimizer state right after the step, i.e. the preconditioner that step's update divided by,
+  applied to every micro-batch and to the full gradient.
 - Seconds per epoch at every batch (plain steps, no split, the task's optimizer) timed in common rounds:
   EPOCH_TIMING_ROUNDS rounds, each training ceil(D / B) steps at every batch (the order rotating), scaled
   to D / B steps; median over rounds (the speed of a shared machine drifts; rounds make batches comparable).
@@ -83,6 +84,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from offline_data import data_shape, load_data, stdlib_corpus_info, write_stdlib_token_file  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
+from profiler.preconditioner import is_adaptive, preconditioner  # noqa: E402
 
 DEFAULT_PATH = REPO / "docs" / "validation" / "statistical_efficiency" / "ground_truth.json"
 MOMENTUM = 0.9
@@ -103,7 +105,7 @@ SIGNIFICANT_DIGITS = 6
 class Task:
     dataset: str  # a dataset of benchmarks/offline_data.py
     model: str  # a models.zoo name
-    optimizer: str  # "sgd" (momentum 0.9), "adam" or "adamw"
+    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw" or "rmsprop" (PyTorch's defaults)
     train_samples: int
     test_samples: int
     target: float  # test accuracy (higher is better) or held-out loss (lower is better)
@@ -195,6 +197,12 @@ TASKS: dict[str, Task] = {
     # nothing in the service was changed after it was measured
     "digits_linear_sgd": Task("digits_x16_flat", "linear1d", "sgd", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                               max_epochs=400, reference_batch=32, reference_lr=0.05),
+    # added 2026-12-06, last (--add): an optimizer the suite lacked, RMSprop (PyTorch's defaults: alpha 0.99, no
+    # momentum), on the digits CNN that digits_cnn_adam trains; LR_ref 1e-3 (Keras' default; PyTorch's 1e-2 untried),
+    # the target digits_cnn_adam's, from a one-off check of two seeds (0.97: 4-6 epochs at 32, 3-4 at 3e-3, 5.5-8.6 at
+    # 256 and 15-26 at 512 with the square-root LR); nothing in the service was changed after it was measured
+    "digits_cnn_rmsprop": Task("digits_x16", "small_cnn", "rmsprop", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
+                               max_epochs=400, reference_batch=32, reference_lr=1e-3),
 }  # fmt: skip
 
 
@@ -224,7 +232,9 @@ def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim
         return torch.optim.Adam(model.parameters(), lr=lr)
     if task.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=task.weight_decay)
-    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw")
+    if task.optimizer == "rmsprop":
+        return torch.optim.RMSprop(model.parameters(), lr=lr)
+    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop")
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -278,18 +288,6 @@ def flat(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def adam_preconditioner(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """P = 1 / (sqrt(exp_avg_sq / (1 - beta2^t)) + eps), flattened in the order of params (Kingma & Ba 2015)."""
-    group = optimizer.param_groups[0]
-    beta2, eps = group["betas"][1], group["eps"]
-    parts = []
-    for p in params:
-        state = optimizer.state[p]
-        correction = 1.0 - beta2 ** float(state["step"])
-        parts.append(1.0 / ((state["exp_avg_sq"] / correction).sqrt() + eps))
-    return flat(parts)
-
-
 def accumulation_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float] | None:
     """One optimizer step whose gradient is the mean of k micro-batch gradients, as gradient accumulation
     computes it, and that step's two-batch estimates (see the module docstring); None (no update) when the
@@ -317,8 +315,8 @@ def accumulation_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         stats["grad_sqr"], stats["trace_sigma"] = two_batch_estimates(
             (stacked * stacked).sum(1).tolist(), float(full @ full), micro_batch, batch
         )
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            precond = adam_preconditioner(optimizer, params)
+        if is_adaptive(optimizer):
+            precond = preconditioner(optimizer, params)
             scaled, scaled_full = stacked * precond, full * precond
             stats["precond_grad_sqr"], stats["precond_trace_sigma"] = two_batch_estimates(
                 (scaled * scaled).sum(1).tolist(), float(scaled_full @ scaled_full), micro_batch, batch

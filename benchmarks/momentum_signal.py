@@ -101,6 +101,7 @@ import efficiency_tasks as et  # noqa: E402
 import statistical_efficiency as se  # noqa: E402
 
 from profiler.gradstats import two_batch_estimates  # noqa: E402
+from profiler.preconditioner import is_adaptive, preconditioner  # noqa: E402
 from tula_service.fit.perfmodel.efficiency import fit_epochs_to_runs  # noqa: E402
 from tula_service.fit.perfmodel.noise_trajectory import progress_weighted_ratio  # noqa: E402
 
@@ -125,7 +126,7 @@ def hessian_estimates(
 ) -> tuple[float, float] | None:
     """Two-batch estimates of G^T H G and tr(H Sigma) (of P g for Adam/AdamW) at the current weights; None for
     Adam's first step (no preconditioner yet). See the module docstring."""
-    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    adam = is_adaptive(optimizer)
     if adam and not optimizer.state:
         return None
     batch, k = len(targets), et.micro_batches(len(targets))
@@ -133,7 +134,7 @@ def hessian_estimates(
         et.flat(torch.autograd.grad(et.mean_loss(model(x), y), params)) for x, y in zip(inputs.chunk(k), targets.chunk(k))
     ])  # fmt: skip
     if adam:
-        micro = micro * et.adam_preconditioner(optimizer, params)
+        micro = micro * preconditioner(optimizer, params)
     hessian_loss = et.mean_loss(model(data["train_x"][hessian_rows]), data["train_y"][hessian_rows])
     gradient = et.flat(torch.autograd.grad(hessian_loss, params, create_graph=True))
     hessian_products = torch.stack([et.flat(torch.autograd.grad(gradient, params, grad_outputs=v, retain_graph=True)) for v in micro])
@@ -155,7 +156,7 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
     stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
     eval_every = max(1, round(task.train_samples / batch / et.EVALS_PER_EPOCH))
     beta, ema, steps = optimizer_beta(optimizer), None, []
-    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    adam = is_adaptive(optimizer)
     hessian_rows = torch.Generator().manual_seed(20_000)
     for step in range(math.ceil(task.max_epochs * task.train_samples / batch)):
         rows = stream.next(batch)
@@ -176,7 +177,7 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
         if forms is not None:
             record["hessian_grad_sqr"], record["hessian_trace_sigma"] = forms
         if adam:
-            preconditioned = smoothed * et.adam_preconditioner(optimizer, params)
+            preconditioned = smoothed * preconditioner(optimizer, params)
             record["precond_ema_sqr"] = float(preconditioned @ preconditioned)
         steps.append(record)
         if (step + 1) % eval_every == 0 and et.reached(task, et.evaluate(task, model, data)):
@@ -207,7 +208,7 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     hessian = et.TASKS[name].model in DOUBLE_BACKWARD_MODELS
     steps = reference_run_statistics(name, truth, hessian)
     batch = task.reference_batch
-    prefix = "precond_" if task.optimizer in ("adam", "adamw") else ""
+    prefix = "precond_" if task.optimizer in ("adam", "adamw", "rmsprop") else ""
     simple, smoothed = (second_half_noise_scale(steps, batch, signal, prefix) for signal in ("raw", "ema"))
     hessian_scale = second_half_noise_scale(steps, batch, "hessian") if hessian else None
     stationary = second_half_noise_scale(steps, batch, "stationary") if hessian and task.optimizer == "sgd" else None

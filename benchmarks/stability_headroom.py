@@ -2,12 +2,13 @@
 LR advice there do to its epochs predictions? The stability headroom of the CPU tasks' reference runs.
 
 The service advises, at a batch B, the reference LR times the AdaScale gain of its B_noise (Johnson et al. 2020;
-its square root for Adam/AdamW; tula_service/fit/perfmodel/efficiency.py). Nothing in the gradient noise scale
+its square root for Adam/AdamW/RMSprop; tula_service/fit/perfmodel/efficiency.py). Nothing in the gradient noise scale
 says whether that LR still trains: on plain SGD the advice took 2.8x the epochs of the tuned LR at 4x the
 reference batch (benchmarks/advised_lr.py). profiler/sharpness.py measures the stability headroom
 
     h = (2 + 2 beta) / (eta lambda_max)                      SGD, heavy-ball momentum beta (0: plain SGD)
     h = (2 + 2 beta1) / ((1 - beta1) eta lambda_max)         Adam/AdamW, lambda_max of P^(1/2) H P^(1/2)
+    h = 2 / (eta lambda_max)                                 RMSprop (no momentum), of P^(1/2) H P^(1/2)
 
 the factor by which the LR eta can grow before the top Hessian direction is unstable on a quadratic (Cohen et
 al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability"; Cohen et al. 2022,

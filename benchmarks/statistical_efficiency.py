@@ -27,7 +27,7 @@ efficiency model. Besides the service's estimator, the same records are read by 
 chosen from (the noise scale at the first record, i.e. at initialization; the pooled ratio over the whole
 run; over its second half; the geometric mean or median of pooled bins; the progress-weighted mean over
 other parts of the run, the whole run included; the finite-data factor D / (D - 1 - B) applied on top; the
-power-law trend read at other fractions of the run; pilot-like prefixes of the run) and, for Adam/AdamW,
+power-law trend read at other fractions of the run; pilot-like prefixes of the run) and, for Adam/AdamW/RMSprop,
 from the raw and the preconditioned statistics; and every batch is tried as the reference (the service's
 estimator against the geometric mean of bins). What the ground truth allows (truth_floor): the best single
 B_noise for this code path and its error, the reference run's epochs against the curve fitted to every batch,
@@ -332,7 +332,7 @@ def progress_fraction_start(records: list[dict], target_samples: float, referenc
 
 def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
     """The same records read by each alternative, with the statistic the service reads for the task's optimizer
-    (preconditioned for Adam/AdamW; the raw one where that is not resolved, as the service falls back) unless
+    (preconditioned for Adam/AdamW/RMSprop; the raw one where that is not resolved, as the service falls back) unless
     the name says raw."""
     records, target_samples = _records_to_target(task, reference_batch)
     wanted = STATISTIC_FOR_OPTIMIZER[task.optimizer]
@@ -361,7 +361,7 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
         estimates[prefix_name(prefix)] = prefix_read(task, records, target_samples, prefix)
     if any(r.get("precond_grad_sqr") is not None for r in records):
         for statistic in ("raw", "preconditioned"):
-            estimates[f"Adam: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
+            estimates[f"Adam, AdamW, RMSprop: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
     return estimates
 
 
@@ -857,7 +857,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   ""]  # fmt: skip
     lines += ["### The estimator, chosen by measured error", "",
               "The same reference-run records, read by each alternative (raw gradient for SGD, preconditioned for "
-              "Adam/AdamW, unless the name says raw); the service takes the progress-weighted mean over the second half of "
+              "Adam/AdamW/RMSprop, unless the name says raw); the service takes the progress-weighted mean over the second half of "
               "the run, and extrapolates a trend when the records stop early.", ""]  # fmt: skip
     lines += alternatives_table(results)
     lines += ["", "### The training loss's critical batch", "",
@@ -912,7 +912,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   "The same runs with the target at other fractions of the lowest best metric (the table above uses "
                   f"{TARGET_FRACTION_OF_WORST_BEST:g}): the service's error, the best any single B_noise reaches, and the "
                   "reference run's epochs against the curve fitted to every run.", "", *target_sweep_table(sweep)]  # fmt: skip
-    lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam)", "",
+    lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam, AdamW and RMSprop)", "",
               "max_lr = the largest LR that reached the target anywhere in the ground truth's LR sweeps (what a user's sweep finds).", "",
               "| task | reference LR | max_lr | g | median abs epochs err %: without, with | regret: without, with |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:

@@ -91,7 +91,9 @@ def make_optimizer(name: str, params, lr: float, momentum: float | None = None) 
         return torch.optim.Adam(params, lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
-    raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, sgd")
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr)  # PyTorch's defaults: alpha 0.99, eps 1e-8, no momentum, not centered
+    raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, rmsprop, sgd")
 
 
 def apply_threads(request: dict[str, Any]) -> int:

@@ -13,10 +13,10 @@ b = B / k samples (profiling.grad_microbatches, b >= 2), whose mean gradient is 
 (accumulation). Per step, the two-batch estimator (`profiler.gradstats.two_batch_estimates`) gives
 unbiased |G|^2 and tr(Sigma); a record averages them over `pilot_record_every` steps, numerator and
 denominator separately, so B_simple = trace_sigma / grad_sqr of a record is a pooled ratio, never a
-mean of per-step ratios. For Adam and AdamW the same pair is estimated for the preconditioned gradient
-P g, P = diag(1 / (sqrt(v_hat) + eps)) with v_hat the bias-corrected exp_avg_sq *before* the step (so a
-step's own gradient is not in its preconditioner), one P for all micro-batches and the full gradient of
-the step; the first step has no v_hat yet, so its precond estimates are missing from the first record.
+mean of per-step ratios. For Adam, AdamW and RMSprop the same pair is estimated for the preconditioned gradient
+P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment *before* the step (so a step's own
+gradient is not in its preconditioner; profiler.preconditioner), one P for all micro-batches and the full gradient of
+the step; the first step has no v yet, so its precond estimates are missing from the first record.
 
 LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta lambda_max) (profiler.sharpness) on
 one fixed batch of the reference batch's size, in full precision, goes into the last record as
@@ -55,14 +55,15 @@ from profiler.measure import (
     pick_device,
 )
 from profiler.memory import apply_memory_limit
-from profiler.sharpness import adam_preconditioner_sq, stability_headroom
+from profiler.preconditioner import preconditioner_squares
+from profiler.sharpness import stability_headroom
 
 DEFAULT_LR = 0.01  # what the compute points train with when the spec gives no reference_lr
 WARMUP_FRACTION = 0.10
 WARMUP_MAX_STEPS = 50
 SETTLE_RECORDS = 3
 SETTLE_TOLERANCE = 0.10
-PRECOND_OPTIMIZERS = ("adam", "adamw")
+PRECOND_OPTIMIZERS = ("adam", "adamw", "rmsprop")  # adaptive: profiler.preconditioner
 
 
 def warmup_steps_for(pilot_steps: int) -> int:
@@ -189,7 +190,7 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
     gradient is the scaler's business instead (it skips the step and lowers its scale): None."""
     model, optimizer = trainer.model, trainer.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    precond_sq = adam_preconditioner_sq(optimizer, params) if precondition else None
+    precond_sq = preconditioner_squares(optimizer, params) if precondition else None
     scale_sq = trainer.grad_scale**2
     summed: list[torch.Tensor | None] = [None] * len(params)
     micro_sq, micro_precond_sq, losses = [], [], []
@@ -365,7 +366,7 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
             "micro_batches": microbatches,
             "micro_batch": micro_batch,
             "step_batch": step_batch,
-            "preconditioned": "adam v_hat before the step" if precondition else None,
+            "preconditioned": "the optimizer's second moment before the step (profiler.preconditioner)" if precondition else None,
         },
         "stability": stability,
         "options": {"dtype": request.get("dtype", "fp32"), "channels_last": bool(request.get("channels_last", False))},

@@ -84,8 +84,9 @@ no-op if the loop already did, e.g. to clip), so `.grad` is the true gradient an
 by the scale squared. A step whose gradients are inf/nan (the scaler skips it) counts its samples
 but gives no statistics.
 
-Adam/AdamW. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
-P = diag(1 / (sqrt(v_hat) + eps)), v_hat = exp_avg_sq / (1 - beta2^t) (max_exp_avg_sq with amsgrad)
+Adam, AdamW, RMSprop. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
+P = diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (Adam: exp_avg_sq / (1 - beta2^t), max_exp_avg_sq
+with amsgrad; RMSprop: square_avg, less grad_avg^2 when centered: profiler.preconditioner)
 from the optimizer state as it stands between backward() and step(); the same P for every
 micro-batch gradient and for g_B. On the first step the state is empty: null.
 
@@ -140,6 +141,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from profiler import preconditioner
 from profiler.gradstats import two_batch_estimates
 from profiler.sharpness import stability_headroom
 
@@ -180,7 +182,7 @@ class GradientStatsLogger:
 
     path: the JSONL file (rank 0 writes it); None writes none (the records are only returned by step(), as
     TulaRun takes them). model: the module as trained (the DDP wrapper under DDP).
-    optimizer: for the Adam/AdamW precond pair and for grad_scaler's unscaling; optional otherwise.
+    optimizer: for the precond pair of Adam, AdamW or RMSprop and for grad_scaler's unscaling; optional otherwise.
     every: optimizer steps per record. accumulation: micro-batches (backward calls) per optimizer step
     on each rank. device_batch: samples per micro-batch on one rank; None reads it from each forward
     pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's
@@ -311,17 +313,9 @@ class GradientStatsLogger:
         return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
 
     def _adam_denominator(self, index: int) -> torch.Tensor | None:
-        """sqrt(v_hat) + eps, v_hat = exp_avg_sq / (1 - beta2^t): Adam's own denominator for the next step."""
-        param, group = self.parameters[index], self._adam_groups[index]
-        state = self.optimizer.state.get(param)
-        if not state or "exp_avg_sq" not in state:
-            return None
-        second_moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-        step = state["step"]
-        if isinstance(step, torch.Tensor) and step.device.type == "cpu":
-            step = float(step)  # as Adam does: 1 - beta2^t in float32 loses digits at small t
-        bias_correction = 1 - group["betas"][1] ** step
-        return (second_moment / bias_correction).sqrt_().add_(group["eps"])
+        """sqrt(v) + eps of the adaptive optimizer's state before this step (profiler.preconditioner.denominator)."""
+        param = self.parameters[index]
+        return preconditioner.denominator(self.optimizer, self._adam_groups[index], self.optimizer.state.get(param))
 
     def backward(self, losses: torch.Tensor) -> torch.Tensor:
         """The step's backward pass from its per-sample losses (reduction="none"; shape (batch, ...), a sample's
@@ -670,8 +664,9 @@ def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
 
 
 def _adam_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
-    """Parameter index -> its Adam/AdamW param group; empty for other optimizers (no precond pair)."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop: profiler.preconditioner);
+    empty for other optimizers (no precond pair)."""
+    if not preconditioner.is_adaptive(optimizer):
         return {}
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     return {index: group_of[id(p)] for index, p in enumerate(parameters) if id(p) in group_of}

@@ -6,13 +6,15 @@ question about the loss surface, which the gradient noise scale does not answer:
 This module measures the answer from the run itself.
 
 Sharpness. lambda_max, the largest eigenvalue of the Hessian H of the training loss (of P^(1/2) H P^(1/2)
-for Adam/AdamW, P = 1 / (sqrt(v_hat) + eps), the optimizer's own preconditioner), by power iteration on
+for Adam, AdamW and RMSprop, P = 1 / (sqrt(v) + eps), the optimizer's own preconditioner: profiler.preconditioner), by power iteration on
 Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
 
 Stability threshold (on a quadratic, the update diverges along the top eigenvector above it):
 - gradient descent:                       lambda_max < 2 / eta
 - heavy-ball momentum beta (PyTorch's):   lambda_max < (2 + 2 beta) / eta
 - Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta)
+- RMSprop with heavy-ball momentum mu (preconditioned; mu = 0 by default): lambda_max < (2 + 2 mu) / eta, the
+  momentum form on P^(1/2) H P^(1/2), as its update is the heavy ball's on the preconditioned gradient
 (Cohen et al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability";
 Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the momentum and Adam forms.)
 
@@ -30,6 +32,9 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+from profiler.preconditioner import is_adaptive
+from profiler.preconditioner import preconditioner as optimizer_preconditioner
 
 POWER_ITERATIONS = 20
 RELATIVE_TOLERANCE = 1e-3  # stop when lambda moves less than this between iterations
@@ -76,38 +81,13 @@ def top_hessian_eigenvalue(
     return eigenvalue
 
 
-def adam_preconditioner_sq(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """P^2 per parameter, P = 1 / (sqrt(v_hat) + eps), v_hat = exp_avg_sq / (1 - beta2^t), from the
-    optimizer's state as it is now (before this step). None before the first step; a parameter with no
-    state yet (no gradient so far) gets P = 0, leaving it out of the preconditioned norms."""
-    if not any("exp_avg_sq" in (optimizer.state.get(p) or {}) for p in params):
-        return None
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    squares = []
-    for param in params:
-        state = optimizer.state.get(param) or {}
-        if "exp_avg_sq" not in state:
-            squares.append(torch.zeros_like(param))
-            continue
-        group = group_of[id(param)]
-        beta2, eps = group["betas"][1], group["eps"]
-        v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** float(state["step"]))
-        squares.append((v_hat.sqrt() + eps).reciprocal().square())
-    return squares
-
-
-def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """P = 1 / (sqrt(v_hat) + eps) of an Adam/AdamW, flat in the order of params (adam_preconditioner_sq's root);
-    None before its first step (no second moment yet)."""
-    squares = adam_preconditioner_sq(optimizer, [p for p in params if p.requires_grad])
-    return None if squares is None else _flat([square.sqrt() for square in squares])
-
-
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
-    beta for SGD (beta = momentum, 0 for plain SGD), (2 + 2 beta1) / (1 - beta1) for Adam/AdamW. None where no
-    threshold is known here (Nesterov, dampened momentum, other optimizers)."""
+    beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta1) / (1 - beta1) for
+    Adam/AdamW. None where no threshold is known here (Nesterov, dampened momentum, other optimizers)."""
     group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 2.0 + 2.0 * float(group.get("momentum", 0.0))
     if isinstance(optimizer, torch.optim.SGD):
         if group.get("nesterov") or group.get("dampening", 0.0):
             return None
@@ -121,15 +101,15 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
 def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                        iterations: int = POWER_ITERATIONS, tolerance: float = RELATIVE_TOLERANCE) -> dict[str, float] | None:
     """The headroom threshold / lambda_max at the optimizer's current LR (module docstring), with lambda_max
-    and that LR; None where no threshold is known, before Adam's first step, or when lambda_max <= 0 (no
+    and that LR; None where no threshold is known, before an adaptive optimizer's first step, or when lambda_max <= 0 (no
     unstable direction at this point)."""
     threshold_times_lr = stability_threshold_times_lr(optimizer)
     if threshold_times_lr is None:
         return None
     params = [p for p in params if p.requires_grad]
     preconditioner = None
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        preconditioner = adam_preconditioner(optimizer, params)
+    if is_adaptive(optimizer):
+        preconditioner = optimizer_preconditioner(optimizer, params)
         if preconditioner is None:
             return None
     eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance)

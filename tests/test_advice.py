@@ -41,10 +41,12 @@ def test_lr_rule_uses_the_measured_adascale_gain_for_sgd():
     assert rule["lr"]["value"] == pytest.approx(0.1 * rule["multipliers"]["adascale"])
 
 
-def test_lr_rule_for_adam_takes_square_roots():
-    rule = _plan(objective="min_time", training={"optimizer": "adam"})["training_advice"]["lr_rule"]
+@pytest.mark.parametrize(("optimizer", "name"), [("adam", "Adam"), ("rmsprop", "RMSprop")])
+def test_lr_rule_for_adaptive_optimizers_takes_square_roots(optimizer, name):
+    rule = _plan(objective="min_time", training={"optimizer": optimizer})["training_advice"]["lr_rule"]
     k = rule["batch_ratio_k"]
     assert rule["multipliers"]["adascale"] == pytest.approx(math.sqrt(adascale_gain(k, 100.0, 32)))
+    assert f"(square root for {name})" in rule["why"]
 
 
 def test_without_noise_measurement_lr_rule_is_linear_and_assumed():

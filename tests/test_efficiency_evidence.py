@@ -224,6 +224,18 @@ def test_plain_sgd_gets_the_caveat_measured_without_momentum():
     assert PLAIN_SGD_CAVEAT not in efficiency({"momentum": 0.5})["warnings"]  # any momentum: the momentum tasks' evidence
 
 
+def test_rmsprop_reads_the_preconditioned_gradient_and_says_how_little_it_was_measured_on():
+    from tula_service.fit.efficiency_evidence import MOMENTUM_CAVEAT, RMSPROP_CAVEAT
+
+    stats = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in records(lambda s: 500.0)]
+    report = efficiency({"optimizer": "rmsprop", "reference_run": {"gradient_stats": stats}})
+    assert report["noise_scale"]["value"] == pytest.approx(400.0, rel=0.05)  # the preconditioned pair's, not the raw 500
+    assert RMSPROP_CAVEAT in report["warnings"] and MOMENTUM_CAVEAT not in report["warnings"]
+    assert RMSPROP_CAVEAT not in efficiency({"optimizer": "adam", "reference_run": {"gradient_stats": stats}})["warnings"]
+    measured = {"optimizer": "rmsprop", "reference_run": {"gradient_stats": stats}, "other_runs": [{"batch": 256, "epochs": 12.0}]}
+    assert RMSPROP_CAVEAT not in efficiency(measured)["warnings"]
+
+
 def test_the_epochs_say_which_lr_they_are_predicted_for():
     from tula_service.fit.efficiency_evidence import ASSUMED_LR
 

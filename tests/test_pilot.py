@@ -99,6 +99,16 @@ def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_fall
     assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
 
 
+def test_cnn1d_pilot_with_rmsprop_records_its_preconditioned_pair_and_its_headroom():
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-3, pilot_steps=40, pilot_record_every=20)
+    assert pilot["status"] == "ok"
+    records = pilot["trajectory"]
+    _assert_contract(records, 32)
+    assert all(math.isfinite(r["precond_grad_sqr"]) and r["precond_trace_sigma"] > r["trace_sigma"] for r in records)
+    headroom = pilot["stability"]["stability_headroom"]  # RMSprop without momentum: 2 / (eta lambda_max), preconditioned
+    assert headroom == pytest.approx(2.0 / (1e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
+
+
 def test_pilot_stops_at_its_time_budget():
     pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=100_000, pilot_seconds=0.5, pilot_record_every=5)
     assert pilot["stopped_by"] == "seconds" and 0 < pilot["steps"] < 100_000

@@ -102,6 +102,13 @@ def test_adam_keeps_two_state_tensors_per_weight():
     assert breakdown["optimizer_state"] >= 2 * breakdown["weights"]
 
 
+def test_rmsprop_keeps_one_state_tensor_per_weight():
+    point = profile_point(_request(4, optimizer="rmsprop"))
+    breakdown = point["memory"]["static_breakdown_bytes"]
+    assert breakdown["weights"] <= breakdown["optimizer_state"] < 2 * breakdown["weights"]  # square_avg (and a step count)
+    assert point["options"]["optimizer"] == "rmsprop"
+
+
 def test_small_cnn_activation_memory_is_linear_in_batch(small_cnn_points):
     batches = sorted(small_cnn_points)
     act = [small_cnn_points[b]["memory"]["activation_bytes"] for b in batches]

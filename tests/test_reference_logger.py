@@ -346,6 +346,33 @@ def test_a_counts_only_window_of_unequal_plain_steps_counts_every_pass_and_takes
     logger.close()
 
 
+def test_rmsprop_precond_pair_is_the_two_batch_estimate_of_its_preconditioned_gradient(tmp_path):
+    """One window of 3 steps of 2 accumulated halves: precond_grad_sqr and precond_trace_sigma are the two-batch
+    estimates of P g, P = 1 / (sqrt(square_avg) + eps) from RMSprop's state before each step (none on the first)."""
+    model = _tiny_model()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    logger = GradientStatsLogger(None, model, optimizer, every=3, accumulation=2)
+    expected = []
+    for step, (inputs, targets) in enumerate(_batches(steps=3)):
+        optimizer.zero_grad()
+        halves, accumulated = [], 0
+        for piece_in, piece_t in zip(inputs.chunk(2), targets.chunk(2)):
+            loss = F.cross_entropy(model(piece_in), piece_t) / 2
+            loss.backward()
+            summed = _flat([p.grad for p in model.parameters()])
+            halves.append(2 * (summed - accumulated))  # this half's own gradient
+            accumulated = summed
+        if step > 0:
+            scale = _flat([1 / (optimizer.state[p]["square_avg"].sqrt() + 1e-8) for p in model.parameters()])
+            micro = [float(((h * scale) ** 2).sum()) for h in halves]
+            expected.append(two_batch_estimates(micro, float(((sum(halves) / 2 * scale) ** 2).sum()), BATCH // 2, BATCH))
+        record = logger.step(loss=float(loss.detach()))
+        optimizer.step()
+    logger.close()
+    assert record["precond_grad_sqr"] == pytest.approx(sum(g for g, _ in expected) / 2, rel=1e-5)
+    assert record["precond_trace_sigma"] == pytest.approx(sum(t for _, t in expected) / 2, rel=1e-5)
+
+
 def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path):
     model = _tiny_model()
     optimizer = _optimizer("adam", model)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from profiler.sharpness import adam_preconditioner, stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
+from profiler.preconditioner import preconditioner
+from profiler.sharpness import stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
 
 
 def _least_squares(seed=0, samples=64, features=6):
@@ -64,7 +65,7 @@ def test_adam_has_a_threshold_from_beta1_and_no_headroom_before_its_first_step()
     weight, loss_fn, _ = _least_squares(seed=3)
     adam = torch.optim.Adam([weight], lr=1e-2, betas=(0.9, 0.999))
     assert stability_threshold_times_lr(adam) == pytest.approx(38.0)
-    assert adam_preconditioner(adam, [weight]) is None and stability_headroom(loss_fn, [weight], adam) is None
+    assert preconditioner(adam, [weight]) is None and stability_headroom(loss_fn, [weight], adam) is None
     adam.zero_grad()
     loss_fn().backward()
     adam.step()
@@ -72,10 +73,26 @@ def test_adam_has_a_threshold_from_beta1_and_no_headroom_before_its_first_step()
     assert measured is not None and measured["stability_headroom"] == pytest.approx(38.0 / (1e-2 * measured["sharpness"]))
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_rmsprop_has_the_heavy_ball_threshold_on_its_preconditioned_hessian(momentum):
+    weight, loss_fn, hessian = _least_squares(seed=4)
+    rmsprop = torch.optim.RMSprop([weight], lr=1e-2, momentum=momentum)
+    assert stability_threshold_times_lr(rmsprop) == pytest.approx(2.0 + 2.0 * momentum)
+    assert stability_headroom(loss_fn, [weight], rmsprop) is None  # no second moment before its first step
+    rmsprop.zero_grad()
+    loss_fn().backward()
+    rmsprop.step()
+    measured = stability_headroom(loss_fn, [weight], rmsprop, iterations=200, tolerance=0.0)
+    scale = preconditioner(rmsprop, [weight]).sqrt()
+    expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())  # of P^(1/2) H P^(1/2)
+    assert measured["sharpness"] == pytest.approx(expected, rel=1e-3)
+    assert measured["stability_headroom"] == pytest.approx((2.0 + 2.0 * momentum) / (1e-2 * expected), rel=1e-3)
+
+
 def test_optimizers_without_a_known_threshold_get_no_headroom():
     weight, loss_fn, _ = _least_squares()
     assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, nesterov=True)) is None
-    assert stability_headroom(loss_fn, [weight], torch.optim.RMSprop([weight], lr=0.1)) is None
+    assert stability_headroom(loss_fn, [weight], torch.optim.Adagrad([weight], lr=0.1)) is None
 
 
 def test_attention_layers_have_a_second_derivative_here():

@@ -80,7 +80,10 @@ def test_momentum_is_sgds_and_a_fraction_below_one():
     assert JobSpec.model_validate(spec_dict(training={"momentum": 0})).training.sgd_momentum() == {"value": 0.0, "source": "spec"}
     assert JobSpec.model_validate(spec_dict()).training.sgd_momentum() == {"value": 0.9, "source": "assumed"}
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.sgd_momentum() is None
-    assert "keeps its own betas" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
+    assert "keeps its own settings" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
+    assert "rmsprop alpha 0.99 and no momentum" in _errors(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9}))[("training", "momentum")]
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.sgd_momentum() is None
+    assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adagrad"}))
     for bad in (1.0, -0.1):
         assert ("training", "momentum") in _errors(spec_dict(training={"momentum": bad}))
     assert "momentum: give a number" in _errors(spec_dict(training={"momentum": True}))[("training",)]

@@ -22,8 +22,9 @@ to it with their ratio to it, so a disagreement is visible):
 4. "initialization": the compute points' statistics at the initial weights, pooled with equal weights.
    The noise scale grows 10-1000x during training, so this under-predicts the useful batch: weak evidence.
 
-For Adam and AdamW the records may also hold the statistics of the preconditioned gradient P g, P =
-diag(1 / (sqrt(v_hat) + eps)): Adam's update is P g, so its noise-to-signal ratio is the one that sets how
+For Adam, AdamW and RMSprop the records may also hold the statistics of the preconditioned gradient P g, P =
+diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (profiler.preconditioner): the update is P g (Adam's of
+its momentum), so its noise-to-signal ratio is the one that sets how
 far a larger batch helps. STATISTIC_FOR_OPTIMIZER says which one the model reads, chosen by measured error
 in benchmarks/statistical_efficiency.py (docs/validation.md: on the Adam tasks the preconditioned one
 predicted the epochs better); both are reported, and the raw one is used when the other is missing.
@@ -56,7 +57,8 @@ three CPU tasks, and on the digits MLP trained with and without momentum the cri
 while the reference runs read 78 and 29. The other way too: on a ResNet with batch norm the critical batch was 0.10x
 the read with momentum 0.9, and 102 against 69 without it (predicted within 9% without momentum, 48% with). So for SGD a noise scale from gradient statistics carries
 MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); epochs measured at other
-batches (other_runs) hold the optimizer's behaviour and carry none.
+batches (other_runs) hold the optimizer's behaviour and carry none. RMSprop is read as Adam is (the preconditioned
+gradient), on the evidence of one task so far: RMSPROP_CAVEAT says so.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from tula_service.spec.job_spec import GradientStatsRecord, JobSpec
 from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
 
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
-STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned"}
+STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned", "rmsprop": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
 RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
 MOMENTUM_CAVEAT = (
@@ -96,13 +98,20 @@ PLAIN_SGD_CAVEAT = (
     "along the reference run (docs/validation.md, benchmarks/advised_lr.py). Measure the headroom (measure_stability) "
     "so the LR is capped; epochs measured at 8x the reference batch (next_run; training.other_runs) settle the rest"
 )
+RMSPROP_CAVEAT = (
+    "rmsprop: read as Adam's is, from the preconditioned gradient P g, P = 1 / (sqrt(square_avg) + eps) "
+    "(profiler.preconditioner), and the LR advised by the square root of the AdaScale gain. Measured on one CPU task "
+    "only (a small CNN on the digits, PyTorch's RMSprop defaults: docs/validation.md): the noise scale read 1.12x the "
+    "critical batch fitted to its epochs, 10.8% epochs error (the raw gradient's read: 30%); with momentum or "
+    "centered it was not measured. Epochs measured at 8x the reference batch (next_run; training.other_runs) settle it"
+)
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 21 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 22 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 18.1% to 11.0%, 16 of 21 tasks within 15%, the worst 18.7% (from 142% on a GRU "
-    "under SGD); one at 2x helped less (22.6%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 16.7% to 10.8%, 17 of 22 tasks within 15%, the worst 18.8% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (21.6%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
@@ -406,6 +415,8 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     summary["next_run"] = next_run(spec, chosen, epochs)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
         summary["warnings"] = [*summary["warnings"], PLAIN_SGD_CAVEAT if training.sgd_momentum()["value"] == 0 else MOMENTUM_CAVEAT]
+    if training.optimizer == "rmsprop" and chosen is not None and chosen.source != "other_runs":
+        summary["warnings"] = [*summary["warnings"], RMSPROP_CAVEAT]
     return epochs, summary
 
 

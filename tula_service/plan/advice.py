@@ -32,6 +32,8 @@ import numpy as np
 
 from tula_service.fit.perfmodel.efficiency import EfficiencyModel
 
+OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop"}  # as the advice names them
+
 LR_STABILITY_ASSUMED = (
     "assumed: the reference run shows the optimizer stable at the reference LR only, and this rule raises it. Measured "
     "(benchmarks/advised_lr.py): plain SGD read a noise scale 2.5x its critical batch, and the rule's 2.1x LR at 4x the "
@@ -63,10 +65,10 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
         "multiplier": {"value": factor, "source": "fitted" if noise_scale else "assumed"},
         "why": (
             f"AdaScale gain from the efficiency model's B_noise ({noise_scale:.3g})"
-            + (" (square root for Adam)" if spec.training.optimizer != "sgd" else "")
+            + (f" (square root for {OPTIMIZER_NAMES[spec.training.optimizer]})" if spec.training.optimizer != "sgd" else "")
             + (f", capped at the measured stability headroom ({efficiency.lr_headroom:.3g}x the reference LR)" if capped else "")
             if noise_scale
-            else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else "square-root scaling for Adam")
+            else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else f"square-root scaling for {OPTIMIZER_NAMES[spec.training.optimizer]}")
             + "; no noise measurement for AdaScale"
         ),
     }

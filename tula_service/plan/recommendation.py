@@ -119,7 +119,7 @@ class Multipliers(BaseModel):
 
     linear: float = Field(description="k (Goyal et al. 2017)")
     sqrt: float = Field(description="sqrt(k)")
-    adascale: float | None = Field(None, description="the AdaScale gain (square root for Adam), when the noise scale was measured")
+    adascale: float | None = Field(None, description="the AdaScale gain (square root for Adam, AdamW and RMSprop), when the noise scale was measured")
 
 
 class LearningRate(BaseModel):
@@ -139,7 +139,7 @@ class ExplainedSource(BaseModel):
 
 class LrRule(BaseModel):
     batch_ratio_k: float = Field(description="global batch / training.reference_batch")
-    optimizer: Literal["sgd", "adam", "adamw"]
+    optimizer: Literal["sgd", "adam", "adamw", "rmsprop"]
     multipliers: Multipliers
     recommended: Literal["linear", "sqrt", "adascale"]
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")

@@ -347,8 +347,8 @@ class GradientStatsRecord(_Strict):
     variability: MeasuredNumber | None = Field(
         None, ge=0, allow_inf_nan=False, description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS)"
     )
-    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: |P G|^2, P = 1/(sqrt(v_hat)+eps)")
-    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW: tr(P Sigma P) per sample")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
+    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: tr(P Sigma P) per sample")
     stability_headroom: MeasuredNumber | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="the factor by which the LR could grow before the top Hessian direction is unstable, (2 + 2 beta) / (eta "
@@ -389,7 +389,9 @@ class TrainingSpec(_Strict):
         None, gt=0, description="the largest learning rate this model trains stably with (e.g. the edge of an LR "
         "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
     )
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    optimizer: Literal["sgd", "adam", "adamw", "rmsprop"] = Field(
+        "sgd", description="the reference run's optimizer, as PyTorch names it: sgd (with `momentum`), adam, adamw, rmsprop "
+        "(PyTorch's defaults assumed for the others' settings: betas, alpha, eps)")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="SGD's heavy-ball momentum (PyTorch's torch.optim.SGD momentum; 0 for plain SGD); profiling points and "
@@ -413,8 +415,9 @@ class TrainingSpec(_Strict):
     @model_validator(mode="after")
     def _momentum_is_sgds(self) -> TrainingSpec:
         if self.momentum is not None and self.optimizer != "sgd":
-            raise field_errors([(("momentum",), f"momentum is SGD's; optimizer {self.optimizer} keeps its own betas (leave "
-                                 "momentum out)")], "training_field")  # fmt: skip
+            raise field_errors([(("momentum",), f"momentum is SGD's; optimizer {self.optimizer} keeps its own settings, "
+                                 "PyTorch's defaults (betas for adam and adamw; for rmsprop alpha 0.99 and no momentum): "
+                                 "leave momentum out")], "training_field")  # fmt: skip
         return self
 
     def sgd_momentum(self) -> dict[str, Any] | None:

@@ -1,0 +1,70 @@
+"""The preconditioner of an adaptive optimizer, read from its state: the P in its update -eta P g.
+
+An adaptive optimizer divides each coordinate of the gradient by a running root mean square of its past
+gradients, so its noise-to-signal ratio (the noise scale the critical batch follows) is that of P g, not of g
+(tula_service.fit.efficiency_evidence; measured in docs/validation.md), and its stable range is set by the
+preconditioned Hessian P^(1/2) H P^(1/2) (profiler.sharpness). P = diag(1 / (sqrt(v) + eps)), with v:
+
+- Adam and AdamW (Kingma & Ba 2015, alg. 1): v = exp_avg_sq / (1 - beta2^t), the bias-corrected EMA of g^2
+  (max_exp_avg_sq in place of exp_avg_sq with amsgrad);
+- RMSprop (Tieleman & Hinton 2012, lecture 6.5; PyTorch's torch.optim.RMSprop): v = square_avg, the EMA of g^2 with
+  weight alpha, no bias correction; centered (Graves 2013, eq. 38-40): v = square_avg - grad_avg^2.
+
+P is taken from the state as it is before the step (the step's own gradient is not in it yet), for the step the
+statistics describe; an optimizer that has taken no step has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer's update is a preconditioned gradient this module can read (Adam, AdamW, RMSprop)."""
+    return isinstance(optimizer, ADAPTIVE_OPTIMIZERS)
+
+
+def denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | None) -> torch.Tensor | None:
+    """sqrt(v) + eps for one parameter (module docstring), a new tensor; None while its state holds no second
+    moment (no step taken with a gradient for it)."""
+    if not state:
+        return None
+    if isinstance(optimizer, torch.optim.RMSprop):
+        if "square_avg" not in state:
+            return None
+        second_moment = state["square_avg"]
+        if group.get("centered"):
+            second_moment = second_moment.addcmul(state["grad_avg"], state["grad_avg"], value=-1)
+        return second_moment.sqrt().add_(group["eps"])
+    if "exp_avg_sq" not in state:
+        return None
+    second_moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+    step = state["step"]
+    if isinstance(step, torch.Tensor) and step.device.type == "cpu":
+        step = float(step)  # as Adam does: 1 - beta2^t in float32 loses digits at small t
+    return (second_moment / (1 - group["betas"][1] ** step)).sqrt_().add_(group["eps"])
+
+
+def preconditioner_squares(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """P^2 per parameter from the state as it is now (before this step); None before the optimizer's first step. A
+    parameter with no state yet (no gradient so far) gets P = 0, which leaves it out of the preconditioned norms."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    squares, any_state = [], False
+    for param in params:
+        denominator_ = denominator(optimizer, group_of[id(param)], optimizer.state.get(param))
+        if denominator_ is None:
+            squares.append(torch.zeros_like(param))
+            continue
+        any_state = True
+        squares.append(denominator_.reciprocal_().square_())
+    return squares if any_state else None
+
+
+def preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+    """P, flat in the order of the params that require a gradient; None before the optimizer's first step."""
+    squares = preconditioner_squares(optimizer, [p for p in params if p.requires_grad])
+    return None if squares is None else torch.cat([square.sqrt().reshape(-1) for square in squares])
