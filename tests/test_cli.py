@@ -355,7 +355,9 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
                 if line.startswith("  noise scale B_noise"))  # fmt: skip
-    assert "from reference run; 80% interval " in line and " [" in line and ", " in line
+    assert "from reference run; 80% interval " in line
+    low, high = (human_number(v) for v in plan(spec, [measurement(b) for b in (8, 16, 32, 64)])["models"]["efficiency"]["noise_scale"]["interval"])
+    assert f" [{low}-{high}] from reference run" in line  # one separator: a thousands' comma must not read as a third number
 
 
 def test_a_raised_lr_capped_by_a_measured_headroom_says_so():

@@ -120,7 +120,7 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
         return ([f"  epochs: {efficiency['note']}"] if efficiency.get("note") else []) + _next_run_lines(efficiency)
     interval = noise.get("interval")
     line = (f"  noise scale B_noise {human_number(noise['value'])}"
-            + (f" [{human_number(interval[0])}, {human_number(interval[1])}]" if interval else "")
+            + (f" [{_range(interval)}]" if interval else "")  # not "[36, 405,414]": the thousands' comma reads as a third number
             + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
     calibrated = noise.get("calibrated_interval")
     if calibrated:

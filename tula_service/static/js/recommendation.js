@@ -91,7 +91,8 @@ function withCalibrated(quantity, format) {
 // B_noise with its interval and the evidence it was read from (efficiency_evidence.py), and why it may be weak.
 function noiseScaleItem(efficiency) {
   const noise = efficiency.noise_scale;
-  const range = noise.interval ? ` [${significant(noise.interval[0])}, ${significant(noise.interval[1])}]` : "";
+  // an en dash, not ", ": "[36, 405,000]" reads as three numbers
+  const range = noise.interval ? ` [${significant(noise.interval[0])} – ${significant(noise.interval[1])}]` : "";
   const calibrated = noise.calibrated_interval
     ? `; 80% interval ${significant(noise.calibrated_interval.value[0])}-${significant(noise.calibrated_interval.value[1])} (the model's error across tasks)`
     : "";
