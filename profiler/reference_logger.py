@@ -233,7 +233,7 @@ class GradientStatsLogger:
         self.last_record: dict[str, Any] | None = None
         self._device = self.parameters[0].device
         self._dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        self._adam_groups = _adam_groups(optimizer, self.parameters)
+        self._adaptive_groups = _adaptive_groups(optimizer, self.parameters)
         self._rows_device: list[torch.Tensor] = []
         self._rows_host: list[list[float]] = []
         self._losses_device: list[tuple[int, torch.Tensor]] = []  # (row, loss) of the steps given a tensor loss
@@ -266,8 +266,8 @@ class GradientStatsLogger:
         grad, tally = grad.detach(), self._tally
         tally.backward_counts[index] += 1
         tally.micro_sq.append(self._sq_norm(grad))
-        if index in self._adam_groups:
-            denominator = self._adam_denominator(index)
+        if index in self._adaptive_groups:
+            denominator = self._adaptive_denominator(index)
             if denominator is None:
                 tally.precond_missing = True
             else:
@@ -312,10 +312,10 @@ class GradientStatsLogger:
     def _sq_norm(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
 
-    def _adam_denominator(self, index: int) -> torch.Tensor | None:
+    def _adaptive_denominator(self, index: int) -> torch.Tensor | None:
         """sqrt(v) + eps of the adaptive optimizer's state before this step (profiler.preconditioner.denominator)."""
         param = self.parameters[index]
-        return preconditioner.denominator(self.optimizer, self._adam_groups[index], self.optimizer.state.get(param))
+        return preconditioner.denominator(self.optimizer, self._adaptive_groups[index], self.optimizer.state.get(param))
 
     def backward(self, losses: torch.Tensor) -> torch.Tensor:
         """The step's backward pass from its per-sample losses (reduction="none"; shape (batch, ...), a sample's
@@ -440,12 +440,12 @@ class GradientStatsLogger:
         with_grad = [(i, p.grad) for i, p in enumerate(self.parameters) if p.grad is not None]
         micro_sq = torch.stack(tally.micro_sq).sum() * micro_factor
         full_sq = torch.stack([self._sq_norm(g) for _, g in with_grad]).sum() * full_factor
-        precond_ok = bool(self._adam_groups) and bool(tally.precond_micro_sq) and not tally.precond_missing
+        precond_ok = bool(self._adaptive_groups) and bool(tally.precond_micro_sq) and not tally.precond_missing
         if not precond_ok:
             zero = torch.zeros((), device=self._device, dtype=self._dtype)
             return torch.stack([micro_sq, full_sq, zero, zero]), False
         pre_micro_sq = torch.stack(tally.precond_micro_sq).sum() * micro_factor
-        pre_full = [self._sq_norm(g / self._adam_denominator(i)) for i, g in with_grad if i in self._adam_groups]
+        pre_full = [self._sq_norm(g / self._adaptive_denominator(i)) for i, g in with_grad if i in self._adaptive_groups]
         return torch.stack([micro_sq, full_sq, pre_micro_sq, torch.stack(pre_full).sum() * full_factor]), True
 
     def _unsampled_sizes(self, sizes: list[int | None]) -> list[int]:
@@ -663,7 +663,7 @@ def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
     return None, 1, 0
 
 
-def _adam_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
+def _adaptive_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
     """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop: profiler.preconditioner);
     empty for other optimizers (no precond pair)."""
     if not preconditioner.is_adaptive(optimizer):
