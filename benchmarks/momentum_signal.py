@@ -208,7 +208,7 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     hessian = et.TASKS[name].model in DOUBLE_BACKWARD_MODELS
     steps = reference_run_statistics(name, truth, hessian)
     batch = task.reference_batch
-    prefix = "precond_" if task.optimizer in ("adam", "adamw", "rmsprop") else ""
+    prefix = "precond_" if se.STATISTIC_FOR_OPTIMIZER[task.optimizer] == "preconditioned" else ""
     simple, smoothed = (second_half_noise_scale(steps, batch, signal, prefix) for signal in ("raw", "ema"))
     hessian_scale = second_half_noise_scale(steps, batch, "hessian") if hessian else None
     stationary = second_half_noise_scale(steps, batch, "stationary") if hessian and task.optimizer == "sgd" else None

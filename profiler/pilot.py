@@ -55,7 +55,7 @@ from profiler.measure import (
     pick_device,
 )
 from profiler.memory import apply_memory_limit
-from profiler.preconditioner import preconditioner_squares
+from profiler.preconditioner import is_adaptive, preconditioner_squares
 from profiler.sharpness import stability_headroom
 
 DEFAULT_LR = 0.01  # what the compute points train with when the spec gives no reference_lr
@@ -63,7 +63,6 @@ WARMUP_FRACTION = 0.10
 WARMUP_MAX_STEPS = 50
 SETTLE_RECORDS = 3
 SETTLE_TOLERANCE = 0.10
-PRECOND_OPTIMIZERS = ("adam", "adamw", "rmsprop")  # adaptive: profiler.preconditioner
 
 
 def warmup_steps_for(pilot_steps: int) -> int:
@@ -310,7 +309,7 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
     trainer.model.train()
     limit = apply_memory_limit(request.get("memory_limit_bytes"), device)
     data_gen = torch.Generator().manual_seed(seed)
-    precondition = request.get("optimizer", "sgd") in PRECOND_OPTIMIZERS
+    precondition = is_adaptive(trainer.optimizer)  # the optimizer built, not a second list of names
 
     trajectory = run["trajectory"]
     record_steps: list[list[StepStats]] = []  # the steps each record pools, for the settle rule
