@@ -344,7 +344,23 @@ def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[
     result["decisions"] = [{"step": d["step"], "from": d["from"]["global_batch"], "to": d["to"]["global_batch"]} for d in view.get("decisions", [])]
     result["records_sent"], result["failed_posts"] = client.sent, client.failed_posts
     result["client_overhead"] = client.overhead
+    result["last_advice"] = advice_summary(client.advice)
     return result
+
+
+def advice_summary(advice: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the run's last answer from GET /v1/runs/{id}/plan (the one the client held at the end) said and rested on:
+    why it kept or moved the batch, where its noise scale came from, and how many of the run's records carried
+    gradient statistics; None when no answer came during the run."""
+    if not advice:
+        return None
+    evidence, predicted = advice.get("evidence") or {}, advice.get("predicted") or {}
+    noise = evidence.get("noise_scale") or {}
+    return {"step": advice.get("step"), "why": advice.get("why"), "moved": advice.get("change") is not None,
+            "telemetry_records": evidence.get("telemetry_records"), "gradient_records": evidence.get("gradient_records"),
+            "noise_scale": noise.get("value"), "noise_scale_from": evidence.get("noise_scale_from"),
+            "noise_scale_why": evidence.get("noise_scale_why"), "gain": predicted.get("gain"), "saving": predicted.get("saving"),
+            "best_global_batch": (predicted.get("best") or {}).get("global_batch")}  # fmt: skip
 
 
 def task_reference_lr(rec: dict[str, Any]) -> float:
@@ -461,6 +477,25 @@ def paired_ratio(runs: list[dict[str, Any]], static_runs: list[dict[str, Any]], 
     return ratio if math.isfinite(ratio) else None
 
 
+def truth_batches(truth: dict[str, Any]) -> list[int]:
+    """The batches the ground truth reached the target at on every seed it trained."""
+    return sorted(int(b) for b, row in truth["batches"].items() if row.get("epochs") and row.get("reached_seeds") == row.get("seeds"))
+
+
+def attainable(truth: dict[str, Any], clock: dict[int, float], static_batch: int) -> dict[str, Any] | None:
+    """What choosing the batch can buy at all: the ground truth's fastest constant batch against the static pick's
+    batch, each trained at its tuned LR, seconds to the target E(B) D / B x T_step(B) (E the truth's median epochs over
+    seeds, T_step the common clock); None when the truth has no run at the static batch. A ratio near 1 says that no
+    re-planning of a constant batch could beat the static run by much on this task; a schedule (a batch changed
+    within the run) is not bounded by it."""
+    seconds = {b: truth["batches"][str(b)]["epochs"] * truth["dataset_size"] / b * clock[b] for b in truth_batches(truth) if b in clock}
+    if static_batch not in seconds:
+        return None
+    best = min(seconds, key=seconds.get)
+    return {"best_batch": best, "ratio_vs_static_batch": seconds[best] / seconds[static_batch],
+            "seconds_by_batch": {str(b): s for b, s in seconds.items()}}  # fmt: skip
+
+
 def applied_changes(run: dict[str, Any]) -> list[str]:
     """The batch changes a run made, "from->to@step" (its stages; the server's decisions may come after the run ended)."""
     stages = run["batches"]
@@ -502,7 +537,7 @@ def run_task(name: str, truth: dict[str, Any], server: str, seeds: int, evidence
     chosen = rec["chosen"]
     static_lr = reference_lr * static_stages(rec)[0]["lr_multiplier"]
     cost = overhead(task, data, server, job_id, chosen["global_batch"], static_lr)
-    clock = step_clock(task, data, batches_trained(arms), static_lr)
+    clock = step_clock(task, data, batches_trained(arms) | set(truth_batches(truth)), static_lr)
     client_s = max(0.0, cost["overhead_ms_per_step"] / 1e3)  # a negative measurement is the A/A noise: counted as zero
     clock_ratios = {arm: paired_ratio(runs, arms["static"], clock, client_s if arm == "online" else 0.0) for arm, runs in arms.items()}
     return {
@@ -514,7 +549,7 @@ def run_task(name: str, truth: dict[str, Any], server: str, seeds: int, evidence
         "wall_ratio_vs_static": {arm: (m / medians["static"] if math.isfinite(m) and math.isfinite(medians["static"]) else None)
                                  for arm, m in medians.items()},
         "ratio_vs_static": clock_ratios, "clock_s_per_step": {str(b): s for b, s in sorted(clock.items())},
-        "runs": arms, "overhead": cost,
+        "runs": arms, "overhead": cost, "attainable": attainable(truth, clock, chosen["global_batch"]),
     }  # fmt: skip
 
 
@@ -559,6 +594,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         estimate = f"{100 * own['fraction']:.2f}, {own['sample_every']}" + ("" if own["within_budget"] else " (over budget)") if own else "-"
         lines.append(f"| {r['task']} | {r['recommended_schedule']} | {r['schedule_why']} | {1e3 * cost['plain_step_s']:.2f} | "
                      f"{cost['overhead_pct']:.2f} ({cost['overhead_ms_per_step']:.3f}) | {cost['offline_pct']:.2f} | {cost['a_a_pct']:+.2f} | {cost['split_cost_pct']:.1f} | {estimate} |")  # fmt: skip
+    lines += attainable_lines(results) + last_advice_lines(results)
     replayed = [r["ratio_vs_static"]["online_replayed"] for r in results]
     online_ratios = [r["ratio_vs_static"]["online"] for r in results]
     lines += ["", f"Online decisions replayed without telemetry, median ratio over tasks: {_fmt(statistics.median(x if x is not None else math.inf for x in replayed))}.",
@@ -570,6 +606,44 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                   + " (not_modified: the client's ETag was current, nothing re-planned; tula_service/runs/plan_cache.py)."]  # fmt: skip
     lines += ["", summary_line(results)]
     return "\n".join(lines) + "\n"
+
+
+def attainable_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The table of attainable(): what a constant batch chosen with the ground truth's epochs would give."""
+    rows = [r for r in results if r.get("attainable")]
+    if not rows:
+        return []
+    lines = ["", "What choosing a constant batch can buy (`attainable`): the ground truth's fastest batch, each batch at its tuned "
+             "LR, against the static pick's batch, seconds to the target = the truth's median epochs x D / B x the common "
+             "clock's step (batches every seed reached the target at). The online arm can only change the batch, so a "
+             "ratio near 1 bounds what it can win by a constant batch; its runs train at the service's LR, not the tuned one.", "",
+             "| task | static batch | truth's fastest batch | its time / the static batch's | online arm / static |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        a = r["attainable"]
+        lines.append(f"| {r['task']} | {r['chosen_batch']} | {a['best_batch']} | {a['ratio_vs_static_batch']:.3f} | {_fmt(r['ratio_vs_static']['online'])} |")
+    median = statistics.median(r["attainable"]["ratio_vs_static_batch"] for r in rows)
+    lines += ["", f"Attainable by the batch alone, median over {len(rows)} tasks: {median:.3f} (the issue's target for the online arm: 0.85)."]
+    return lines
+
+
+def last_advice_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The table of the online runs' last advice (advice_summary): why the runs moved or stayed."""
+    rows = [(r, [run["last_advice"] for run in r["runs"]["online"] if run.get("last_advice")]) for r in results]
+    rows = [(r, advice) for r, advice in rows if advice]
+    if not rows:
+        return []
+    lines = ["", "The online runs' last answer from GET /v1/runs/{id}/plan (the one each client held when its run ended): records "
+             "with gradient statistics of all records sent, median over seeds; the noise scale's evidence (seeds); B_noise; "
+             "and why, for the first seed.", "",
+             "| task | records with statistics / all | noise scale from | B_noise (median) | why (first seed) |", "|---|---|---|---|---|"]  # fmt: skip
+    for r, advice in rows:
+        sources = collections.Counter(a["noise_scale_from"] for a in advice)
+        noise = [a["noise_scale"] for a in advice if a["noise_scale"] is not None]
+        lines.append(f"| {r['task']} | {statistics.median(a['gradient_records'] or 0 for a in advice):g} / "
+                     f"{statistics.median(a['telemetry_records'] or 0 for a in advice):g} | "
+                     + ", ".join(f"{source} ({n})" for source, n in sources.most_common())
+                     + f" | {_fmt(statistics.median(noise) if noise else None)} | {advice[0]['why']} |")  # fmt: skip
+    return lines
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -591,6 +665,27 @@ def on_cpu(cpu: int):
         os.sched_setaffinity(0, before)
 
 
+def add_attainable(folder: Path, truth: dict[str, Any]) -> int:
+    """--attainable-into: the common clock at each task's ground-truth batches, timed now (its own interleaved rounds, so
+    the ratio is on one clock), and attainable() from it, written into the folder's online.json and online.md."""
+    saved = json.loads((folder / "online.json").read_text())
+    torch.set_num_threads(1)
+    with on_cpu(TRAINING_CPU):
+        for result in saved["results"]:
+            name, task = result["task"], TASKS[result["task"]]
+            clock = step_clock(task, task_data(task), truth_batches(truth[name]), result["lr"])
+            result["attainable"] = attainable(truth[name], clock, result["chosen_batch"])
+            if result["attainable"] is not None:
+                result["attainable"]["clock_timed"] = dt.date.today().isoformat()
+                print(f"{name}: static {result['chosen_batch']}, fastest {result['attainable']['best_batch']}, "
+                      f"ratio {result['attainable']['ratio_vs_static_batch']:.3f}", flush=True)  # fmt: skip
+    (folder / "online.json").write_text(json.dumps(saved, indent=1, default=str))
+    (folder / "online.md").write_text(markdown(saved["results"], saved["meta"]))
+    rows = [r["attainable"]["ratio_vs_static_batch"] for r in saved["results"] if r.get("attainable")]
+    print(f"online_attainable: tasks={len(rows)} median_ratio={statistics.median(rows):.3f} min_ratio={min(rows):.3f}" if rows else "no task has a truth run at its static batch")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SEEDS} seeds, output in a temporary folder")
@@ -600,7 +695,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the static plan's noise-scale evidence: a pilot over PILOT_SHARE of the run, or the reference run's trajectory")
     parser.add_argument("--out", type=Path, default=None, help="folder for online.md and online.json")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the runs train and the server profiles")
+    parser.add_argument("--attainable-into", type=Path, default=None, metavar="DIR",
+                        help="time only the common clock at the ground truth's batches for the tasks of DIR/online.json, and add "
+                             "what a constant batch can buy (attainable) to it and to DIR/online.md; trains nothing")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.attainable_into is not None:
+        return add_attainable(args.attainable_into, json.loads(GROUND_TRUTH.read_text())["tasks"])
     seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
     out = args.out or (Path(tempfile.mkdtemp(prefix="tula-online-")) if args.quick else REPO / "docs" / "validation")
     out.mkdir(parents=True, exist_ok=True)

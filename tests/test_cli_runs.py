@@ -55,6 +55,7 @@ def test_a_run_is_started_fed_from_a_file_once_and_moved_by_its_advice(server_an
     assert first.startswith(f"run {run['id']} at step 2500: CHANGED, train with global batch {moved_to['global_batch']} ")
     assert moved_to["global_batch"] > batch and why.startswith(f"  why: global batch {batch} -> {moved_to['global_batch']}")
     assert noise.startswith("  noise scale ") and 4750 <= float(noise.split()[2]) <= 5250, noise
+    assert "from live trajectory: the live trajectory covers " in noise  # why this evidence
     shown = tula("run", "show", run["id"], "--server", server.url)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines()[0] == f"run {run['id']} of job {job_id}: 2500 telemetry records, last step 2500"

@@ -556,3 +556,4 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     assert "kept" in advice or "Changed" in advice
     assert "B_noise " in advice and "from the live trajectory" in advice and "LR at most 2x the reference (stability headroom; " in advice
     assert re.search(r"B_noise [\d.,]+ \(80%: [\d.,]+-[\d.,]+\) from the live trajectory", advice), advice  # its calibrated interval
+    assert "from the live trajectory (the live trajectory covers " in advice, advice  # and why that evidence

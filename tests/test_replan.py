@@ -165,3 +165,15 @@ def test_a_run_at_a_larger_batch_caps_the_lr_with_the_headroom_of_the_second_hal
     advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
     headroom = advice["evidence"]["lr_headroom"]
     assert headroom["value"] == pytest.approx(2.5) and headroom["evidence"].startswith("reference_run, second half: 1 records")
+
+
+def test_a_live_trajectory_kept_short_by_sparse_statistics_says_so():
+    """A client under an overhead budget on short steps sends most records without gradient statistics (TulaRun
+    samples 2 steps in up to 1024); the answer that keeps the job's noise scale names how many records had them."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0)})
+    records = _live(config, 0.1 * TARGET_SAMPLES, 5000.0)
+    sparse = [r if i < 3 else {k: v for k, v in r.items() if k not in ("grad_sqr", "trace_sigma")} for i, r in enumerate(records)]
+    why = advise(spec, points, [], OPTIONS, config, sparse, sparse[-1]["step"])["evidence"]["noise_scale_why"]
+    assert f"3 of the run's {len(sparse)} records carry gradient statistics" in why and "overhead budget" in why
+    dense = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])["evidence"]["noise_scale_why"]
+    assert "less than" in dense and "carry gradient statistics" not in dense

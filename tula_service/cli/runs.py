@@ -95,7 +95,9 @@ def describe_plan(plan: dict[str, Any]) -> str:
              + f"train with {describe_config(plan['config'])}", f"  why: {plan['why']}"]  # fmt: skip
     noise = (plan.get("evidence") or {}).get("noise_scale")
     if isinstance(noise, dict) and noise.get("value") is not None:
-        lines.append(f"  noise scale {noise['value']:.4g} ({noise.get('source', 'fitted')}) from {plan['evidence'].get('noise_scale_from', '-')}")
+        why = plan["evidence"].get("noise_scale_why")
+        lines.append(f"  noise scale {noise['value']:.4g} ({noise.get('source', 'fitted')}) from {plan['evidence'].get('noise_scale_from', '-')}"
+                     + (f": {why}" if why else ""))  # fmt: skip
     return "\n".join(lines)
 
 

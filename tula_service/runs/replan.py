@@ -233,7 +233,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
                                 f"{job_coverage:.0%} of the job's {job_source.replace('_', ' ')}") if use_live else
                                (f"the live trajectory covers {live_coverage:.0%} of the run to the target, less than the job's "
                                 f"{job_source.replace('_', ' ')} ({'measured epochs' if job_coverage == float('inf') else f'{job_coverage:.0%}'}): "
-                                "the job's noise scale is kept"),
+                                "the job's noise scale is kept" + _sparse_statistics(len(gradients), len(records))),
             "noise_scale_evidence": (efficiency.get("evidence") or {}).get("used"),
             "lr_headroom": efficiency.get("lr_headroom"),
             "efficiency_warnings": efficiency.get("warnings", []),
@@ -244,6 +244,16 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
             "step_time_model": planned["models"]["step_time"]["model"],
         },
     }  # fmt: skip
+
+
+def _sparse_statistics(with_statistics: int, records: int) -> str:
+    """Why a live trajectory may stay short: when fewer than half the run's records carry gradient statistics, how many
+    do, and the usual cause (TulaRun's overhead budget), so that the user knows where to look; "" otherwise."""
+    if records == 0 or with_statistics >= records / 2:
+        return ""
+    return (f"; {with_statistics} of the run's {records} records carry gradient statistics: a client under an overhead budget "
+            "takes them on fewer steps when its steps are short (TulaRun.overhead says its sampling period and whether the "
+            "budget is met), and its statistics may then never reach the second half of the run")  # fmt: skip
 
 
 def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, spec: JobSpec) -> float:

@@ -62,7 +62,8 @@ function adviceText(plan) {
   if (evidence.noise_scale) {
     const calibrated = evidence.noise_scale.calibrated_interval?.value; // the model's error across tasks (epochs_calibration.py)
     const range = calibrated ? ` (80%: ${significant(calibrated[0])}-${significant(calibrated[1])})` : "";
-    parts.push(`B_noise ${significant(evidence.noise_scale.value)}${range} from the ${evidence.noise_scale_from.replace(/^the /, "")}`);
+    const why = evidence.noise_scale_why ? ` (${evidence.noise_scale_why})` : ""; // why this evidence, and not the other
+    parts.push(`B_noise ${significant(evidence.noise_scale.value)}${range} from the ${evidence.noise_scale_from.replace(/^the /, "")}${why}`);
   }
   if (evidence.lr_headroom) {
     parts.push(`LR at most ${significant(evidence.lr_headroom.value)}x the reference (stability headroom; ${evidence.lr_headroom.evidence})`);
