@@ -163,6 +163,13 @@ _OWN_MODELS = (
         options={"hidden": 32, "layers": 1},
     ),
     ModelInfo(
+        "transformer1d",
+        "Transformer encoder for 1D signals: the signal in patches of `patch` values as tokens, `layers` pre-LayerNorm"
+        " encoder layers of `width` with `heads` heads, mean-pooled -> classes (a vision transformer in 1D).",
+        "signal1d",
+        options={"patch": 4, "width": 32, "heads": 4, "layers": 2},
+    ),
+    ModelInfo(
         "lstm_lm",
         "LSTM language model: token embedding, `layers` LSTM layers of `width` units, linear head over the vocabulary;"
         " seq_len and vocab_size come from the dataset; batch counted in sequences.",

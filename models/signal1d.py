@@ -1,5 +1,6 @@
 """Classifiers for 1D signals of shape (batch, length), the MNIST-1D baselines (Greydanus 2020, sec. 3: an MLP, a
-CNN and a GRU), and multinomial logistic regression (a linear model: a convex loss).
+CNN and a GRU), multinomial logistic regression (a linear model: a convex loss), and a transformer encoder over
+patches of the signal (the vision transformer's recipe, Dosovitskiy et al. 2021, in one dimension).
 
 Every factory takes `length` and `num_classes` (the shape a dataset gives) plus its own options.
 """
@@ -82,3 +83,33 @@ class GRU1d(nn.Module):
     def forward(self, signals: torch.Tensor) -> torch.Tensor:
         _, last = self.gru(signals.unsqueeze(-1))  # last: (layers, batch, hidden)
         return self.head(last[-1])
+
+
+class Transformer1d(nn.Module):
+    """A transformer encoder over the signal cut into patches (Dosovitskiy et al. 2021, sec. 3.1, in one dimension):
+    the signal, zero-padded to a multiple of `patch`, as ceil(length / patch) tokens of `patch` values, each mapped
+    to `width` by one linear layer, plus a learned position embedding; `layers` pre-LayerNorm encoder layers (`heads`
+    attention heads, a 4 x width ReLU feed-forward, no dropout); the tokens' mean, a LayerNorm and a linear head to the
+    classes (mean pooling in place of a class token)."""
+
+    def __init__(self, length: int, num_classes: int, patch: int = 4, width: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        if length < 1 or patch < 1:
+            raise ValueError(f"transformer1d needs length >= 1 and patch >= 1 (got {length}, {patch})")
+        if width % heads:
+            raise ValueError(f"transformer1d: width ({width}) must be a multiple of heads ({heads})")
+        self.patch, self.tokens = patch, -(-length // patch)
+        self.embed = nn.Linear(patch, width)
+        self.position = nn.Parameter(torch.zeros(1, self.tokens, width))
+        nn.init.normal_(self.position, std=0.02)
+        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        padding = self.tokens * self.patch - signals.shape[1]
+        if padding:
+            signals = nn.functional.pad(signals, (0, padding))
+        tokens = self.embed(signals.reshape(signals.shape[0], self.tokens, self.patch)) + self.position
+        return self.head(self.norm(self.encoder(tokens).mean(dim=1)))

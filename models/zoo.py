@@ -26,7 +26,7 @@ from models.registry import (
     unknown_name_message,
     user_model_allowed,
 )
-from models.signal1d import CNN1d, GRU1d, Linear1d, MLP1d
+from models.signal1d import CNN1d, GRU1d, Linear1d, MLP1d, Transformer1d
 from models.vision import ResNetCifar, SmallCNN, VGG11Cifar, resnet18_cifar, torchvision_classifier
 
 ModelFactory = Callable[..., nn.Module]
@@ -40,6 +40,7 @@ _FACTORIES: dict[str, ModelFactory] = {
     "mlp1d": MLP1d,
     "cnn1d": CNN1d,
     "gru1d": GRU1d,
+    "transformer1d": Transformer1d,
     "gpt": GPT,
     "lstm_lm": LSTMLanguageModel,
     **{name: functools.partial(torchvision_classifier, name) for name in TORCHVISION_CLASSIFIERS},

@@ -133,7 +133,8 @@ def test_resnet_cifar_is_resnet_6n_plus_2_with_batch_norm_and_takes_small_images
 
 
 @pytest.mark.parametrize(("name", "options"), [("linear1d", {}), ("mlp1d", {}), ("cnn1d", {}), ("cnn1d", {"channels": 8}), ("gru1d", {}),
-                                              ("gru1d", {"hidden": 8, "layers": 2})])
+                                              ("gru1d", {"hidden": 8, "layers": 2}), ("transformer1d", {}),
+                                              ("transformer1d", {"patch": 3, "width": 16, "heads": 2, "layers": 1})])
 def test_1d_models_take_batch_by_length_signals(name, options):
     model = build_model(name, options=options, length=40, num_classes=10)
     assert model(torch.randn(3, 40)).shape == (3, 10)
@@ -159,6 +160,17 @@ def test_gru1d_reads_the_signal_in_order_and_classifies_from_its_last_state():
     reversed_order = signals.flip(1)
     assert not torch.allclose(model(signals), model(reversed_order))  # a recurrence, not a bag of values
     assert model(torch.randn(2, 1)).shape == (2, 10)  # any length
+
+
+def test_transformer1d_reads_patches_of_the_signal_as_positioned_tokens():
+    model = build_model("transformer1d", options={"patch": 3, "width": 16, "heads": 2, "layers": 1}, length=40, num_classes=10).eval()
+    assert model.tokens == 14 and model.embed.in_features == 3 and model.position.shape == (1, 14, 16)  # 40 padded to 42
+    assert len(model.encoder.layers) == 1 and model.encoder.layers[0].norm_first
+    signals = torch.randn(2, 40)
+    swapped = torch.cat([signals[:, 3:6], signals[:, :3], signals[:, 6:]], dim=1)  # two patches exchanged
+    assert not torch.allclose(model(signals), model(swapped), atol=1e-6)  # positions count: not a bag of patches
+    with pytest.raises(ValueError, match="multiple of heads"):
+        build_model("transformer1d", options={"width": 30, "heads": 4}, length=40, num_classes=10)
 
 
 def test_gpt_gives_next_token_logits_with_a_tied_head():
