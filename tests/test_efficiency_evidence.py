@@ -421,3 +421,52 @@ def test_records_at_another_batch_are_read_over_the_second_half_of_their_own_run
     assert read > efficiency({"reference_run": {"gradient_stats": at_reference_target}})["noise_scale"]["value"] * 1.5
     same = efficiency({"reference_run": {"gradient_stats": records(grows, batch=32)}})["evidence"]["candidates"][0]["detail"]
     assert same["target_samples"] == TARGET_SAMPLES  # at the reference batch, the reference run's T
+
+
+def _pilot_with_loss(loss_at):
+    """A pilot over 6% of the run reading B_noise 2 000 (a large read: the AdaScale gain raises the LR far), its
+    training loss loss_at(i) at record i."""
+    trajectory = records(lambda s: 2000.0, count=20, last=32_000)
+    return {"kind": "pilot", "status": "ok", "batch_size": 32, "trajectory": [{**r, "loss": loss_at(i)} for i, r in enumerate(trajectory)]}
+
+
+def test_a_pilot_whose_loss_did_not_fall_does_not_raise_the_lr():
+    """A plateau (the loss of chance, flat: the GRU under SGD's pilot, docs/validation.md) says nothing about the rest
+    of training: the LR stays at the reference LR, and the answer says why; the same pilot with a falling loss raises
+    it by the AdaScale gain."""
+    flat = _pilot_with_loss(lambda i: 2.303 + 0.004 * (-1) ** i)
+    learning = _pilot_with_loss(lambda i: 2.303 - 0.02 * i)
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={"reference_lr": 0.1}))
+    kept, raised = plan(spec, [*POINTS, flat]), plan(spec, [*POINTS, learning])
+    headroom = kept["models"]["efficiency"]["lr_headroom"]
+    assert headroom["value"] == 1.0 and headroom["source"] == "assumed" and "a plateau" in headroom["evidence"]
+    assert any("had not begun to learn" in w for w in kept["models"]["efficiency"]["warnings"])
+    assert kept["training_advice"]["lr_rule"]["lr"]["value"] <= 0.1 + 1e-12
+    at_128 = next(c for c in kept["candidates"] if c["global_batch"] == 128 and c["devices"] == 1)["epochs"]
+    assert at_128["why"].startswith("the LR is capped at the reference LR: the pilot's records are a plateau")
+    assert raised["models"]["efficiency"]["lr_headroom"] is None
+    assert raised["training_advice"]["lr_rule"]["lr"]["value"] > 0.1 or raised["chosen"]["global_batch"] <= 32
+    at = lambda rec, b: next(c for c in rec["candidates"] if c["global_batch"] == b and c["devices"] == 1)["epochs"]["value"]  # noqa: E731
+    assert at(kept, 128) > at(raised, 128)  # a step at the reference LR is worth less at a larger batch
+
+
+def test_the_loss_fall_compares_the_first_and_last_quarters_of_the_records():
+    from tula_service.fit.efficiency_evidence import loss_fall
+    from tula_service.spec.job_spec import GradientStatsRecord
+
+    made = lambda losses: [GradientStatsRecord(samples=100 * (i + 1), batch=32, grad_sqr=1.0, trace_sigma=1.0, loss=v) for i, v in enumerate(losses)]  # noqa: E731
+    fall = loss_fall(made([4.0, 4.0, 3.0, 3.0, 2.0, 2.0, 1.0, 1.0]))  # quarters: (4, 4) and (1, 1)
+    assert fall == {"fall": pytest.approx(0.75), "first": 4.0, "last": 1.0}
+    assert loss_fall(made([2.0, 2.0, 2.0])) is None  # too few to tell
+    assert loss_fall(made([1.0, 2.0, 3.0, 4.0]))["fall"] == pytest.approx(-3.0)  # a loss that rose
+
+
+def test_an_lr_rule_capped_at_a_plateau_says_so_not_a_measured_headroom():
+    from tula_service.fit.perfmodel import EpochModel
+    from tula_service.plan.advice import lr_rule
+
+    spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, training={"reference_lr": 0.1}))
+    capped = lr_rule(spec, 128, EpochModel(32, 10.0, 2000.0, lr_headroom=1.0, lr_cap_why="the reference LR: the pilot's records are a plateau"))
+    assert capped["lr"]["value"] == pytest.approx(0.1) and "capped at the reference LR: the pilot's records are a plateau" in capped["why"]
+    measured = lr_rule(spec, 128, EpochModel(32, 10.0, 2000.0, lr_headroom=2.0))
+    assert "capped at the measured stability headroom (2x the reference LR)" in measured["why"]

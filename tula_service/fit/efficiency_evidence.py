@@ -108,9 +108,9 @@ RMSPROP_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 22 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 23 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 16.7% to 10.8%, 17 of 22 tasks within 15%, the worst 18.8% (from 142% on a GRU "
+    "took the median epochs error from 18.1% to 10.6%, 18 of 23 tasks within 15%, the worst 18.7% (from 142% on a GRU "
     "under SGD); one at 2x helped less (21.6%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
@@ -119,7 +119,7 @@ ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
     "advised_rule": "the LR at each batch follows the advised rule (lr_rule: the AdaScale gain of B_noise, its square "
     "root for Adam, AdamW and RMSprop). Trained that way, the CPU tasks of benchmarks/advised_lr.py matched the predicted epochs "
-    "within 2.7-7.8% (median per task) on 7 of 18 tasks and 10-67% on the others; with the LR tuned at every batch instead, "
+    "within 2.7-7.8% (median per task) on 7 of 19 tasks and 10-67% on the others; with the LR tuned at every batch instead, "
     "they needed 1.1-2.8x fewer epochs above B_noise, so there a tuned LR can beat this prediction",
 }
 
@@ -390,6 +390,46 @@ def measured_lr_headroom(spec: JobSpec, pilot: PilotMeasurement | None, earlier:
     return None
 
 
+PLATEAU_FALL = 0.01  # a loss that fell by less than 1% over the records has not moved (assumed; see plateau_cap)
+PLATEAU_MIN_RECORDS = 4  # records with a loss needed to tell: a quarter of them at each end
+
+
+def loss_fall(records: list[Any]) -> dict[str, float] | None:
+    """How far the training loss fell over the records: (mean of the first quarter - mean of the last quarter) / |the
+    first|, with both means; None with fewer than PLATEAU_MIN_RECORDS losses (or a first mean of 0)."""
+    losses = [float(r.loss) for r in sorted(records, key=lambda r: r.samples) if getattr(r, "loss", None) is not None]
+    if len(losses) < PLATEAU_MIN_RECORDS:
+        return None
+    quarter = len(losses) // 4
+    first, last = float(np.mean(losses[:quarter])), float(np.mean(losses[-quarter:]))
+    return {"fall": (first - last) / abs(first), "first": first, "last": last} if first else None
+
+
+def plateau_cap(spec: JobSpec, chosen: NoiseEvidence | None, pilot: PilotMeasurement | None) -> dict[str, Any] | None:
+    """The LR cap when the records the noise scale was read from are a plateau: their training loss fell by less than
+    PLATEAU_FALL. Then the model had not begun to learn, and neither the gradient statistics nor a stability headroom
+    measured there describe the rest of training, nor show that a higher LR trains: the LR stays at the reference
+    (a cap of 1, through the headroom cap's epochs model), and the answer says so. Measured: on the GRU under SGD with
+    momentum (benchmarks/online.py, docs/validation.md) a pilot over the first 10% of the run sat at the loss of chance
+    (2.30-2.32, a fall of 0.01%; every other suite task fell 2.5-77% over its first 10%); it read B_noise 9 922
+    against a critical batch of 533 fitted to the epochs, and a headroom of 144 where the run's second half measured
+    10-21; the plan took batch 1024 at 29x the reference LR, and no seed trained to the target. None otherwise (the
+    loss fell, too few losses, or evidence that is not a trajectory: measured runs, the initial weights)."""
+    records = {"pilot": list(pilot.trajectory) if pilot else [],
+               "reference_run": list(spec.training.reference_run.gradient_stats) if spec.training.reference_run else []}.get(chosen.source if chosen else "", [])  # fmt: skip
+    fall = loss_fall(records)
+    if fall is None or fall["fall"] >= PLATEAU_FALL:
+        return None
+    source = chosen.source.replace("_", " ")
+    return {"value": 1.0, "source": "assumed", "cap_why": f"the reference LR: the {source}'s records are a plateau",
+            "evidence": (f"{source}: a plateau: its training loss fell by {fall['fall']:.2%} over its {len(records)} records "
+                         f"({fall['first']:.4g} -> {fall['last']:.4g}, the first and last quarters' means), under {PLATEAU_FALL:.0%}"),
+            "why": ("the model had not begun to learn where the records were taken: their noise scale and any headroom "
+                    "measured there need not hold for the rest of the run, and nothing shows that a higher LR trains, so "
+                    "the LR is not raised above the reference LR (a pilot that stops before the loss moves: give more "
+                    "pilot_steps or pilot_seconds, or the reference run's own statistics)")}  # fmt: skip
+
+
 def choose(evidence: list[NoiseEvidence]) -> NoiseEvidence | None:
     return next((e for e in evidence if e.noise_scale), None)
 
@@ -401,6 +441,9 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     chosen = choose(evidence)
     training = spec.training
     headroom = measured_lr_headroom(spec, pilot, earlier_headroom)
+    plateau = plateau_cap(spec, chosen, pilot)
+    if plateau is not None and (headroom is None or headroom["value"] > plateau["value"]):
+        headroom = plateau
     calibrated = calibrated_interval(chosen.source, chosen.noise_scale, chosen.interval, coverage=chosen.detail.get("coverage")) if chosen else None
     epochs = EpochModel(
         training.reference_batch, training.reference_epochs, chosen.noise_scale if chosen else None,
@@ -410,8 +453,11 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
         noise_scale_range=tuple(calibrated["value"]) if calibrated else None,
         log_covariance=chosen.detail.get("log_covariance") if chosen and chosen.source == "other_runs" else None,
         run_scatter_log=chosen.detail["prior"]["run_scatter_log"] if chosen and chosen.detail.get("prior") else None,
+        lr_cap_why=(headroom or {}).get("cap_why"),
     )  # fmt: skip
     summary = report(chosen, evidence, epochs, headroom, calibrated)
+    if headroom is plateau and plateau is not None:
+        summary["warnings"] = [*summary["warnings"], f"{plateau['evidence']}: {plateau['why']}"]
     summary["next_run"] = next_run(spec, chosen, epochs)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":
         summary["warnings"] = [*summary["warnings"], PLAIN_SGD_CAVEAT if training.sgd_momentum()["value"] == 0 else MOMENTUM_CAVEAT]

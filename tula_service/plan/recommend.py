@@ -390,7 +390,8 @@ def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhe
     for row in rows:
         interval = epochs.cap_interval(row["global_batch"])
         if interval is not None:
-            row["epochs"].update(interval=list(interval), why=CAP_INTERVAL_WHY)
+            cap = f"the LR is capped at {epochs.lr_cap_why}" if epochs.lr_cap_why else "the LR is capped at the measured stability headroom"
+            row["epochs"].update(interval=list(interval), why=cap + CAP_INTERVAL_WHY.removeprefix("the LR is capped at the measured stability headroom"))
         if not getattr(epochs, "banded", False):
             continue
         calibrated = epochs.interval(row["global_batch"])

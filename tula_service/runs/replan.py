@@ -307,4 +307,5 @@ def _epoch_model_at(spec: JobSpec, noise_scale: float | None, efficiency: dict[s
     headroom = efficiency.get("lr_headroom")
     return EpochModel(training.reference_batch, training.reference_epochs, noise_scale,
                       max_step_gain(training.optimizer, training.reference_lr, training.max_lr), optimizer=training.optimizer,
-                      lr_headroom=headroom["value"] if headroom else None)  # fmt: skip
+                      lr_headroom=headroom["value"] if headroom else None,
+                      lr_cap_why=(headroom or {}).get("cap_why"))  # fmt: skip

@@ -111,6 +111,7 @@ class EfficiencyModel(Protocol):
     noise_scale: float | None
     reference_batch: int
     lr_headroom: float | None  # the measured stability headroom that caps the LR (None: not measured)
+    lr_cap_why: str | None  # what the cap is when it is not a measured headroom (a plateau's reference LR)
 
     def predict(self, global_batch: np.ndarray | float) -> np.ndarray:
         """Epochs to the target at each global batch."""
@@ -160,14 +161,16 @@ class EpochModel:
         self, reference_batch: int, reference_epochs: float, noise_scale: float | None, max_step_gain: float | None = None,
         min_epochs: float | None = None, optimizer: str = "sgd", lr_headroom: float | None = None,
         noise_scale_range: tuple[float, float] | None = None, log_covariance: list[list[float]] | None = None,
-        run_scatter_log: float | None = None,
+        run_scatter_log: float | None = None, lr_cap_why: str | None = None,
     ):  # fmt: skip
         """min_epochs: E_min fitted to measured runs (`fit_epochs_to_runs`); default: from the reference run.
         optimizer: how the LR buys a step gain (lr_multiplier_of_gain). lr_headroom: the measured stability
         headroom h (>= 1 caps the LR there; below 1 the reference LR is already past it, and the cap is 1).
         noise_scale_range: the calibrated interval of B_noise (tula_service.fit.epochs_calibration), for interval().
         log_covariance, run_scatter_log: the covariance of (ln E_min, ln B_noise) of a fit to measured runs with a
-        prior (`fit_epochs_to_runs`) and a run's scatter in ln epochs that it assumed, for interval() of such a fit."""
+        prior (`fit_epochs_to_runs`) and a run's scatter in ln epochs that it assumed, for interval() of such a fit.
+        lr_cap_why: what the LR cap is, when it is not a measured headroom (the LR rule's words; None: the headroom)."""
+        self.lr_cap_why = lr_cap_why
         self.log_covariance = None if log_covariance is None else np.asarray(log_covariance, dtype=float)
         self.run_scatter_log = run_scatter_log
         if noise_scale_range is not None and not (0 <= noise_scale_range[0] <= noise_scale_range[1]):
@@ -251,7 +254,7 @@ class EpochModel:
 
     def _with_noise_scale(self, noise_scale: float) -> "EpochModel":
         return EpochModel(self.reference_batch, self.reference_epochs, noise_scale, self.max_step_gain,
-                          optimizer=self.optimizer, lr_headroom=self.lr_headroom)  # fmt: skip
+                          optimizer=self.optimizer, lr_headroom=self.lr_headroom, lr_cap_why=self.lr_cap_why)  # fmt: skip
 
     def capped_step_factor(self, global_batch: np.ndarray | float) -> np.ndarray:
         """q(B): how many more steps the LR cap costs at B by the quadratic model, [1 / (1 + B_noise / B)] /
