@@ -478,8 +478,8 @@ def paired_ratio(runs: list[dict[str, Any]], static_runs: list[dict[str, Any]], 
 
 
 def truth_batches(truth: dict[str, Any]) -> list[int]:
-    """The batches the ground truth reached the target at on every seed it trained."""
-    return sorted(int(b) for b, row in truth["batches"].items() if row.get("epochs") and row.get("reached_seeds") == row.get("seeds"))
+    """The batches the ground truth reached the target at on most of the seeds it trained (their median epochs)."""
+    return sorted(int(b) for b, row in truth["batches"].items() if row.get("epochs") and 2 * row.get("reached_seeds", 0) > row.get("seeds", 0))
 
 
 def attainable(truth: dict[str, Any], clock: dict[int, float], static_batch: int) -> dict[str, Any] | None:
@@ -615,7 +615,7 @@ def attainable_lines(results: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "What choosing a constant batch can buy (`attainable`): the ground truth's fastest batch, each batch at its tuned "
              "LR, against the static pick's batch, seconds to the target = the truth's median epochs x D / B x the common "
-             "clock's step (batches every seed reached the target at). The online arm can only change the batch, so a "
+             "clock's step (batches most seeds reached the target at). The online arm can only change the batch, so a "
              "ratio near 1 bounds what it can win by a constant batch; its runs train at the service's LR, not the tuned one.", "",
              "| task | static batch | truth's fastest batch | its time / the static batch's | online arm / static |", "|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

@@ -150,8 +150,8 @@ def _truth(rows):
 
 def test_what_a_constant_batch_can_buy_is_the_truths_fastest_batch_against_the_static_one_on_one_clock():
     # seconds to the target: 16: 2 x 1000/16 x 1 ms = 0.125; 64: 3 x 1000/64 x 2 ms = 0.094; 256: 8 x 1000/256 x 5 ms = 0.156;
-    # 1024 is faster still (0.010 s) but one seed missed the target there: left out
-    truth = _truth({16: (2.0, 4, 4), 64: (3.0, 4, 4), 256: (8.0, 4, 4), 1024: (10.0, 3, 4)})
+    # 1024 is faster still (0.010 s) but most seeds missed the target there: left out
+    truth = _truth({16: (2.0, 4, 4), 64: (3.0, 4, 4), 256: (8.0, 3, 4), 1024: (10.0, 2, 4)})
     clock = {16: 0.001, 64: 0.002, 256: 0.005, 1024: 0.001}
     assert online.truth_batches(truth) == [16, 64, 256]
     found = online.attainable(truth, clock, static_batch=16)

@@ -411,7 +411,8 @@ def plateau_cap(spec: JobSpec, chosen: NoiseEvidence | None, pilot: PilotMeasure
     measured there describe the rest of training, nor show that a higher LR trains: the LR stays at the reference
     (a cap of 1, through the headroom cap's epochs model), and the answer says so. Measured: on the GRU under SGD with
     momentum (benchmarks/online.py, docs/validation.md) a pilot over the first 10% of the run sat at the loss of chance
-    (2.30-2.32, a fall of 0.01%; every other suite task fell 2.5-77% over its first 10%); it read B_noise 9 922
+    (2.30-2.32; over the first 10% of the reference runs its loss fell 0.01%, every other suite task's with 4 or more
+    records there 2.5-77%); it read B_noise 9 922
     against a critical batch of 533 fitted to the epochs, and a headroom of 144 where the run's second half measured
     10-21; the plan took batch 1024 at 29x the reference LR, and no seed trained to the target. None otherwise (the
     loss fell, too few losses, or evidence that is not a trajectory: measured runs, the initial weights)."""
