@@ -45,7 +45,10 @@ The schedules, each evaluated by that integral:
 A stage whose LR follows the batch gets the AdaScale gain at the stage's own noise scale, r = (1 + B_noise(u) /
 B_ref) / (1 + B_noise(u) / B): the ratio of the best LRs for B and for B_ref at that point of the run
 (epsilon_opt(B) = epsilon_max / (1 + B_noise / B)), not at the run's mean noise scale; square-rooted for
-Adam and capped at training.max_lr, as the plan's LR rule does.
+Adam and capped at training.max_lr, as the plan's LR rule does. Where the plan's LR is capped (a measured stability
+headroom, or a plateau's reference LR: EpochModel.lr_headroom), every bin's LR is held at the cap's fraction x_c of
+epsilon_max and its progress predicted as the plan's capped epochs are (bin_progress): a schedule that climbs to
+batches far above the noise scale at the capped LR is predicted as slow as it is.
 - "staged_doubling": start at the largest configuration not above B_noise(0) and double the batch whenever
   the noise scale passes twice the current batch (the dynamic-batch rule of the seeds), AdaScale LR.
 The recommendation is the fastest predicted, when at least MIN_GAIN faster than "constant", and when the
@@ -184,12 +187,45 @@ def progress_per_step(lr_fraction: float | None, batch: float, noise_scale: floa
     return 2.0 * lr_fraction - lr_fraction**2 * (1.0 + noise_scale / batch)
 
 
-def evaluate(profile: NoiseProfile, plan: list[Config], lr_fractions: list[float | None], min_steps: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class LRCap:
+    """The plan's LR cap (a measured stability headroom, or a plateau's reference LR): a step gain of at most
+    `step_gain` reference steps (EpochModel.cap_gain: h for SGD, h^2 for Adam), at reference batch `reference_batch`."""
+
+    step_gain: float
+    reference_batch: int
+
+    def fraction(self, noise_scale: float) -> float:
+        """x_c: the capped step over epsilon_max where the noise scale is B_noise, step_gain / (1 + B_noise / B_ref)
+        (the reference LR is the best step at the reference batch, x_ref = 1 / (1 + B_noise / B_ref): as
+        EpochModel.capped_step_factor)."""
+        return self.step_gain / (1.0 + noise_scale / self.reference_batch)
+
+
+def bin_progress(lr_fraction: float | None, batch: float, noise_scale: float, cap: LRCap | None = None) -> float:
+    """Progress per step of a bin, g(x, B) (progress_per_step), where the LR cap holds x at x_c when it asks for more:
+    then the geometric middle of no cost and the capped step's, sqrt(g(x, B) g(x_c, B)), as the plan's epochs take
+    the middle of the capped step's interval (EpochModel.predict), so that a capped constant batch is predicted as
+    the plan predicts it."""
+    gain = progress_per_step(lr_fraction, batch, noise_scale)
+    if cap is None:
+        return gain
+    x = lr_fraction if lr_fraction is not None else 1.0 / (1.0 + noise_scale / batch)
+    x_cap = cap.fraction(noise_scale)
+    if x <= x_cap:
+        return gain
+    capped = progress_per_step(x_cap, batch, noise_scale)
+    return math.sqrt(gain * capped) if gain > 0 and capped > 0 else min(gain, capped)
+
+
+def evaluate(profile: NoiseProfile, plan: list[Config], lr_fractions: list[float | None], min_steps: float,
+             cap: LRCap | None = None) -> dict[str, float]:  # fmt: skip
     """Predicted seconds, samples and steps of a schedule (one configuration and LR fraction per bin); min_steps:
-    S_min. Infinite when a bin makes no progress (the LR too high for the batch's noise)."""
+    S_min; cap: the plan's LR cap, if any (bin_progress). Infinite when a bin makes no progress (the LR too high for
+    the batch's noise)."""
     seconds = samples = steps = 0.0
     for k, (config, x) in enumerate(zip(plan, lr_fractions)):
-        gain = progress_per_step(x, config.batch, float(profile.values[k]))
+        gain = bin_progress(x, config.batch, float(profile.values[k]), cap)
         if gain <= 0:
             return {"seconds": math.inf, "samples": math.inf, "steps": math.inf}
         bin_steps = min_steps * float(profile.edges[k + 1] - profile.edges[k]) / gain
@@ -201,15 +237,16 @@ def _nearest(configs: list[Config], batch: float) -> Config:
     return min(configs, key=lambda c: abs(math.log(c.batch / batch)))
 
 
-def plans(profile: NoiseProfile, configs: list[Config], chosen: Config) -> dict[str, tuple[list[Config], list[float | None], str]]:
-    """Each schedule's configuration and LR fraction per bin (None: the AdaScale LR of the bin's batch), and how."""
+def plans(profile: NoiseProfile, configs: list[Config], chosen: Config, cap: LRCap | None = None) -> dict[str, tuple[list[Config], list[float | None], str]]:
+    """Each schedule's configuration and LR fraction per bin (None: the AdaScale LR of the bin's batch), and how; the
+    fastest configurations are chosen with the LR cap's progress (bin_progress)."""
     bins = profile.values.size
     prescribed = [1.0 / (1.0 + float(bn) / chosen.batch) for bn in profile.values]  # the plan's LR (module docstring)
     alpha, beta = step_time_line(configs)
-    optimal = [min(configs, key=lambda c: c.step_s / max(progress_per_step(x, c.batch, float(bn)), 1e-12))
+    optimal = [min(configs, key=lambda c: c.step_s / max(bin_progress(x, c.batch, float(bn), cap), 1e-12))
                for x, bn in zip(prescribed, profile.values)]  # fmt: skip
     closed = [closed_form_batch(x, float(bn), alpha, beta) for x, bn in zip(prescribed, profile.values)]
-    fastest = [min(configs, key=lambda c: c.step_s / progress_per_step(None, c.batch, float(bn))) for bn in profile.values]
+    fastest = [min(configs, key=lambda c: c.step_s / max(bin_progress(None, c.batch, float(bn), cap), 1e-12)) for bn in profile.values]
     doubling, current = [], max([c for c in configs if c.batch <= profile.values[0]] or [configs[0]], key=lambda c: c.batch)
     for bn in profile.values:
         while bn >= 2 * current.batch and any(c.batch >= 2 * current.batch for c in configs):
@@ -237,20 +274,24 @@ def _span(values: list[float]) -> str:
 
 
 def batch_schedule(profile: NoiseProfile | None, rows: list[dict[str, Any]], chosen_row: dict[str, Any], noise_scale: float | None,
-                   reference_epochs: float, reference_batch: int, num_samples: int, lr_of_batch: Any) -> dict[str, Any]:  # fmt: skip
+                   reference_epochs: float, reference_batch: int, num_samples: int, lr_of_batch: Any,
+                   cap_step_gain: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The schedules, their predicted time to the target, and the recommended one. lr_of_batch(B, B_noise): the
-    multiplier of the reference LR at global batch B where the noise scale is B_noise (None: the plan's)."""
+    multiplier of the reference LR at global batch B where the noise scale is B_noise (None: the plan's).
+    cap_step_gain: the plan's LR cap as a step gain (EpochModel.cap_gain), None without one: every schedule's
+    progress is predicted at the LR the cap allows (bin_progress), as its stages' LRs are capped."""
     chosen_batch = chosen_row["global_batch"]
     if not noise_scale or profile is None:
         return _constant_only(chosen_row, "no noise scale was measured: nothing to schedule the batch by")
     configs = configs_on_placement(rows, chosen_row)
     chosen = Config(chosen_row)
     min_steps = reference_epochs * num_samples / (reference_batch + noise_scale)
+    cap = LRCap(cap_step_gain, reference_batch) if cap_step_gain is not None else None
     results = {}
-    for name, (plan, fractions, how) in plans(profile, configs, chosen).items():
-        predicted = evaluate(profile, plan, fractions, min_steps)
+    for name, (plan, fractions, how) in plans(profile, configs, chosen, cap).items():
+        predicted = evaluate(profile, plan, fractions, min_steps, cap)
         results[name] = {
-            "stages": _stages(profile, plan, fractions, min_steps, num_samples, lr_of_batch, chosen_batch, plan_lr=name in PLAN_LR),
+            "stages": _stages(profile, plan, fractions, min_steps, num_samples, lr_of_batch, chosen_batch, plan_lr=name in PLAN_LR, cap=cap),
             "total_time_s": _predicted(predicted["seconds"]),
             "epochs": _predicted(predicted["samples"] / num_samples),
             "steps": _predicted(predicted["steps"]),
@@ -287,7 +328,7 @@ def _predicted(value: float) -> dict[str, Any]:
 
 
 def _stages(profile: NoiseProfile, plan: list[Config], fractions: list[float | None], min_steps: float, num_samples: int,
-            lr_of_batch: Any, chosen_batch: int, plan_lr: bool) -> list[dict[str, Any]]:  # fmt: skip
+            lr_of_batch: Any, chosen_batch: int, plan_lr: bool, cap: LRCap | None = None) -> list[dict[str, Any]]:  # fmt: skip
     """Consecutive bins with the same configuration merged; from_epoch: the predicted epochs done when a stage starts."""
     stages, samples = [], 0.0
     for k, (config, x) in enumerate(zip(plan, fractions)):
@@ -300,7 +341,7 @@ def _stages(profile: NoiseProfile, plan: list[Config], fractions: list[float | N
                 "accumulation": config.row["accumulation"], "lr_multiplier": multiplier,
                 "noise_scale": float(profile.values[k]),
             })  # fmt: skip
-        gain = progress_per_step(x, config.batch, float(profile.values[k]))
+        gain = bin_progress(x, config.batch, float(profile.values[k]), cap)
         if gain > 0:
             samples += min_steps * float(profile.edges[k + 1] - profile.edges[k]) / gain * config.batch
     return stages

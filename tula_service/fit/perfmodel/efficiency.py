@@ -119,6 +119,9 @@ class EfficiencyModel(Protocol):
     def step_gain(self, global_batch: float) -> float | None:
         """How many reference-batch steps one step at global_batch is worth (None: not measured)."""
 
+    def cap_gain(self) -> float:
+        """The step gain the LR cap allows (read only with lr_headroom set)."""
+
     def lr_multiplier(self, global_batch: float) -> float | None:
         """The LR at global_batch over the reference LR that realizes step_gain (None: not measured)."""
 
