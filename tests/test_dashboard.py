@@ -537,7 +537,7 @@ def test_the_job_page_polls_until_one_of_the_servers_terminal_states(server):
 def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(tab, server):
     run = server.api.post("/v1/runs", {"job_id": server.handmade_id}).json()
     batch = run["config"]["global_batch"]
-    records = [{"step": s, "samples": s * batch, "wall_time_s": 0.06 * s, "step_time_s": 0.06, "lr": 0.1, "loss": 2.0,
+    records = [{"step": s, "samples": s * batch, "wall_time_s": 0.06 * s, "step_time_s": 0.06, "lr": 0.1, "loss": 2.0 / (1 + s / 10),
                 "grad_sqr": 1.0, "trace_sigma": 100.0 + s} for s in range(1, 31)]  # fmt: skip
     records[-1].update(stability_headroom=2.0, stability_lr=0.1)  # TulaRun.measure_stability: the LR cap the advice shows
     assert server.api.post(f"/v1/runs/{run['id']}/telemetry", {"records": records}).status_code == 200

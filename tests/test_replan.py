@@ -177,3 +177,18 @@ def test_a_live_trajectory_kept_short_by_sparse_statistics_says_so():
     assert f"3 of the run's {len(sparse)} records carry gradient statistics" in why and "overhead budget" in why
     dense = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])["evidence"]["noise_scale_why"]
     assert "less than" in dense and "carry gradient statistics" not in dense
+
+
+def test_a_live_run_whose_loss_has_not_fallen_is_not_moved_by_its_plateau_noise_scale():
+    """The live trajectory read where the loss is flat (a plateau: efficiency_evidence.plateau_cap) keeps the LR at
+    the reference, and a larger batch at that LR is no faster: the run is kept, and says why; the same records with a
+    falling loss move it."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0, last=0.5 * TARGET_SAMPLES)})
+    records = _live(config, 0.6 * TARGET_SAMPLES, 5000.0)
+    flat = [{**r, "loss": 2.303} for r in records]
+    falling = [{**r, "loss": 2.303 / (1 + i / 10)} for i, r in enumerate(records)]
+    kept = advise(spec, points, [], OPTIONS, config, flat, flat[-1]["step"])
+    moved = advise(spec, points, [], OPTIONS, config, falling, falling[-1]["step"])
+    assert kept["evidence"]["noise_scale_from"] == "live trajectory" and kept["change"] is None
+    assert kept["evidence"]["lr_headroom"]["value"] == 1.0 and "a plateau" in kept["evidence"]["lr_headroom"]["evidence"]
+    assert moved["change"] is not None and moved["change"]["global_batch"] > config["global_batch"]
