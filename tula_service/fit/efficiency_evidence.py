@@ -409,13 +409,17 @@ def plateau_cap(spec: JobSpec, chosen: NoiseEvidence | None, pilot: PilotMeasure
     """The LR cap when the records the noise scale was read from are a plateau: their training loss fell by less than
     PLATEAU_FALL. Then the model had not begun to learn, and neither the gradient statistics nor a stability headroom
     measured there describe the rest of training, nor show that a higher LR trains: the LR stays at the reference
-    (a cap of 1, through the headroom cap's epochs model), and the answer says so. Measured: on the GRU under SGD with
-    momentum (benchmarks/online.py, docs/validation.md) a pilot over the first 10% of the run sat at the loss of chance
-    (2.30-2.32; over the first 10% of the reference runs its loss fell 0.01%, every other suite task's with 4 or more
-    records there 2.5-77%); it read B_noise 9 922
-    against a critical batch of 533 fitted to the epochs, and a headroom of 144 where the run's second half measured
-    10-21; the plan took batch 1024 at 29x the reference LR, and no seed trained to the target. None otherwise (the
-    loss fell, too few losses, or evidence that is not a trajectory: measured runs, the initial weights)."""
+    (a cap of 1, through the headroom cap's epochs model), and the answer says so. A live run's records are read the
+    same way (tula_service.runs.replan puts them in the reference run's place).
+
+    Measured: on the GRU under SGD with momentum (benchmarks/online.py, docs/validation.md) a pilot over the first 10%
+    of the run sat at the loss of chance (2.30-2.32). Over the first 10% of the reference runs its loss fell 0.01%,
+    every other suite task's with 4 or more records there 2.5-77%. The pilot read B_noise 9 922 against a critical
+    batch of 533 fitted to the epochs, and a headroom of 144 where the run's second half measured 10-21; the plan
+    took batch 1024 at 29x the reference LR, and no seed trained to the target.
+
+    None otherwise (the loss fell, too few losses, or evidence that is not a trajectory: measured runs, the initial
+    weights)."""
     records = {"pilot": list(pilot.trajectory) if pilot else [],
                "reference_run": list(spec.training.reference_run.gradient_stats) if spec.training.reference_run else []}.get(chosen.source if chosen else "", [])  # fmt: skip
     fall = loss_fall(records)
