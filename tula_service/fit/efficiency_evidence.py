@@ -447,7 +447,8 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
     training = spec.training
     headroom = measured_lr_headroom(spec, pilot, earlier_headroom)
     plateau = plateau_cap(spec, chosen, pilot)
-    if plateau is not None and (headroom is None or headroom["value"] > plateau["value"]):
+    plateau_caps = plateau is not None and (headroom is None or headroom["value"] > plateau["value"])
+    if plateau_caps:
         headroom = plateau
     calibrated = calibrated_interval(chosen.source, chosen.noise_scale, chosen.interval, coverage=chosen.detail.get("coverage")) if chosen else None
     epochs = EpochModel(
@@ -461,7 +462,7 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
         lr_cap_why=(headroom or {}).get("cap_why"),
     )  # fmt: skip
     summary = report(chosen, evidence, epochs, headroom, calibrated)
-    if headroom is plateau and plateau is not None:
+    if plateau_caps:
         summary["warnings"] = [*summary["warnings"], f"{plateau['evidence']}: {plateau['why']}"]
     summary["next_run"] = next_run(spec, chosen, epochs)
     if training.optimizer == "sgd" and chosen is not None and chosen.source != "other_runs":

@@ -66,8 +66,7 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
         "why": (
             f"AdaScale gain from the efficiency model's B_noise ({noise_scale:.3g})"
             + (f" (square root for {OPTIMIZER_NAMES[spec.training.optimizer]})" if spec.training.optimizer != "sgd" else "")
-            + ((f", capped at {efficiency.lr_cap_why}" if efficiency.lr_cap_why else
-                f", capped at the measured stability headroom ({efficiency.lr_headroom:.3g}x the reference LR)") if capped else "")
+            + (f", capped at {efficiency.cap_description()}" if capped else "")
             if noise_scale
             else ("linear scaling (Goyal et al. 2017) for SGD" if spec.training.optimizer == "sgd" else f"square-root scaling for {OPTIMIZER_NAMES[spec.training.optimizer]}")
             + "; no noise measurement for AdaScale"

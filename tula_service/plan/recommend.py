@@ -371,8 +371,8 @@ def _point_summary(point: ComputeMeasurement) -> dict[str, Any]:
     }
 
 
-CAP_INTERVAL_WHY = (
-    "the LR is capped at the measured stability headroom at this batch: the epochs lie between no cost from the cap "
+CAP_INTERVAL_WHY = (  # after "the LR is capped at <what caps it>" (EpochModel.lr_cap_why, else the measured headroom)
+    " at this batch: the epochs lie between no cost from the cap "
     "and the quadratic model's cost of the capped step (which assumes the reference LR was the best step at the "
     "reference batch); the value is their geometric middle. Trained at the capped LR, three plain-SGD tasks landed "
     "inside at 12 of 14 capped batches, the quadratic model's end over-predicting them by 7-45%; on a GPT under SGD "
@@ -391,8 +391,8 @@ def _mark_epochs_intervals(rows: list[dict[str, Any]], epochs: Any, fixed_overhe
     for row in rows:
         interval = epochs.cap_interval(row["global_batch"])
         if interval is not None:
-            cap = f"the LR is capped at {epochs.lr_cap_why}" if epochs.lr_cap_why else "the LR is capped at the measured stability headroom"
-            row["epochs"].update(interval=list(interval), why=cap + CAP_INTERVAL_WHY.removeprefix("the LR is capped at the measured stability headroom"))
+            capped_at = epochs.lr_cap_why or "the measured stability headroom"
+            row["epochs"].update(interval=list(interval), why=f"the LR is capped at {capped_at}{CAP_INTERVAL_WHY}")
         if not getattr(epochs, "banded", False):
             continue
         calibrated = epochs.interval(row["global_batch"])

@@ -67,6 +67,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tula_service.fit.efficiency_evidence import WEAK_COVERAGE
+from tula_service.fit.perfmodel.efficiency import capped_step_fraction
 from tula_service.fit.perfmodel.noise_trajectory import bins_of, read_trend, record_arrays
 
 MIN_GAIN = 0.05  # a schedule is recommended over the constant batch only when predicted this much faster
@@ -196,10 +197,8 @@ class LRCap:
     reference_batch: int
 
     def fraction(self, noise_scale: float) -> float:
-        """x_c: the capped step over epsilon_max where the noise scale is B_noise, step_gain / (1 + B_noise / B_ref)
-        (the reference LR is the best step at the reference batch, x_ref = 1 / (1 + B_noise / B_ref): as
-        EpochModel.capped_step_factor)."""
-        return self.step_gain / (1.0 + noise_scale / self.reference_batch)
+        """x_c where the noise scale is B_noise (capped_step_fraction, as EpochModel.capped_step_factor reads it)."""
+        return capped_step_fraction(self.step_gain, noise_scale, self.reference_batch)
 
 
 def bin_progress(lr_fraction: float | None, batch: float, noise_scale: float, cap: LRCap | None = None) -> float:

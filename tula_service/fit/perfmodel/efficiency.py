@@ -95,6 +95,13 @@ def lr_multiplier_of_gain(gain: float, optimizer: str) -> float:
     return float(np.sqrt(gain)) if optimizer in OPTIMIZERS_WITH_SQRT_LR else gain
 
 
+def capped_step_fraction(cap_gain: float, noise_scale: float, reference_batch: int) -> float:
+    """x_c: the capped step over epsilon_max, the best step at infinite batch, where the noise scale is B_noise:
+    cap_gain / (1 + B_noise / B_ref), the reference LR being the best step at the reference batch, x_ref =
+    1 / (1 + B_noise / B_ref) (McCandlish et al. 2018, sec. 2), and the cap cap_gain reference steps."""
+    return cap_gain / (1.0 + noise_scale / reference_batch)
+
+
 def max_step_gain(optimizer: str, reference_lr: float | None, max_lr: float | None) -> float | None:
     """The most reference-run steps one step at a larger batch can be worth when the LR can grow by at most
     max_lr / reference_lr: that ratio for SGD, its square for Adam, AdamW and RMSprop (the inverse of
@@ -121,6 +128,9 @@ class EfficiencyModel(Protocol):
 
     def cap_gain(self) -> float:
         """The step gain the LR cap allows (read only with lr_headroom set)."""
+
+    def cap_description(self) -> str:
+        """What caps the LR, in the answer's words (read only with lr_headroom set)."""
 
     def lr_multiplier(self, global_batch: float) -> float | None:
         """The LR at global_batch over the reference LR that realizes step_gain (None: not measured)."""
@@ -267,9 +277,12 @@ class EpochModel:
         if not self.noise_scale or self.lr_headroom is None:
             return np.ones_like(batch)
         noise_over_batch = 1.0 + self.noise_scale / batch
-        cap = self.cap_gain() / (1.0 + self.noise_scale / self.reference_batch)
-        capped = np.minimum(cap, 1.0 / noise_over_batch)
+        capped = np.minimum(capped_step_fraction(self.cap_gain(), self.noise_scale, self.reference_batch), 1.0 / noise_over_batch)
         return (1.0 / noise_over_batch) / (2.0 * capped - capped**2 * noise_over_batch)
+
+    def cap_description(self) -> str:
+        """What caps the LR, in the answer's words: lr_cap_why, else the measured stability headroom."""
+        return self.lr_cap_why or f"the measured stability headroom ({self.lr_headroom:.3g}x the reference LR)"
 
     def cap_gain(self) -> float:
         """The step gain the LR headroom allows: h for SGD, h^2 for Adam/AdamW (as max_step_gain)."""
