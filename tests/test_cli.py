@@ -246,6 +246,28 @@ def test_plan_with_a_run_measured_where_the_answer_said_fits_the_runs(done_job):
         assert refused.returncode == 2 and "is not BATCH:EPOCHS" in refused.stderr, (bad, refused.stderr)
 
 
+def test_plan_with_a_reference_runs_statistics_reads_the_noise_scale_from_them(done_job, tmp_path):
+    """`tula plan JOB --reference-stats FILE`: the records replace training.reference_run.gradient_stats in the
+    what-if, and the noise scale comes from them (falling loss, |G|^2 falling along the run: a run that learns)."""
+    server, job_id, _ = done_job
+    stats = tmp_path / "stats.jsonl"
+    records = [{"samples": 32 * 100 * i, "batch": 32, "grad_sqr": 1.0 / i, "trace_sigma": 40.0, "loss": 2.3 / (1 + 0.1 * i)}
+               for i in range(1, 41)]  # fmt: skip
+    stats.write_text("".join(json.dumps(r) + "\n" for r in records))
+    planned = tula("plan", job_id, "--reference-stats", str(stats), "--json", "--server", server.url)
+    assert planned.returncode == 0, planned.stderr
+    body = json.loads(planned.stdout)
+    assert body["what_if"]["training"]["reference_run"]["gradient_stats"][0]["samples"] == 3200
+    assert body["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
+    human = tula("plan", job_id, "--reference-stats", str(stats), "--server", server.url)
+    assert human.returncode == 0, human.stderr
+    assert f"training.reference_run.gradient_stats 0 records -> 40 from {stats}" in human.stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"samples": 1, "batch": 32}) + "\n")
+    refused = tula("plan", job_id, "--reference-stats", str(bad), "--server", server.url)
+    assert refused.returncode == 2 and f"{bad} line 1: 'grad_sqr' is missing" in refused.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

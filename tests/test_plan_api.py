@@ -132,6 +132,13 @@ def test_tula_plan_sends_a_spec_and_measurement_files_and_prints_the_plan(api_on
     assert refused.returncode != 0 and "row 2, column 'local_bsz'" in refused.stderr
     mixed = tula("plan", "job-1", "--measurements", str(steps))
     assert mixed.returncode == 2 and "--spec FILE and no job id" in mixed.stderr
+    stats = tmp_path / "stats.jsonl"  # the reference run's statistics beside the spec, as for tula submit
+    stats.write_text("".join(json.dumps({"samples": 3200 * i, "batch": 32, "grad_sqr": 1.0 / i, "trace_sigma": 40.0,
+                                         "loss": 2.3 / (1 + 0.1 * i)}) + "\n" for i in range(1, 41)))  # fmt: skip
+    result = tula("plan", "--server", api_only.url, "--spec", str(spec_path), "--measurements", str(compute),
+                  "--measurements", str(steps), "--reference-stats", str(stats), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["models"]["efficiency"]["noise_scale"]["evidence"] == "reference_run"
 
 
 TRACES = REPO / ".." / "shared" / "data" / "pollux-traces"

@@ -264,6 +264,11 @@ def build_what_if(args: argparse.Namespace, spec: dict[str, Any]) -> tuple[dict[
             devices_before, devices_after = before["nodes"] * before["gpus_per_node"], after["nodes"] * after["gpus_per_node"]
             if devices_before != devices_after:
                 changes.append(f"devices {devices_before} -> {devices_after}")
+    if args.reference_stats is not None:  # a list of records: named by its count, not compared field by field
+        records = _reference_stats(args.reference_stats)
+        stored = len(((spec.get("training") or {}).get("reference_run") or {}).get("gradient_stats") or [])
+        what_if.setdefault("training", {})["reference_run"] = {"gradient_stats": records}
+        changes.append(f"training.reference_run.gradient_stats {stored} records -> {len(records)} from {args.reference_stats}")
     for key, value in (("objective", objective), ("deadline_h", args.deadline_h), ("budget_usd", args.budget)):
         if value is not None:
             what_if[key] = value
@@ -407,7 +412,7 @@ def _plan_measurements(args: argparse.Namespace) -> int:
     if args.job_id or not args.spec or given:
         raise CliError("tula plan --measurements plans a spec file: give --spec FILE and no job id"
                        + (f" (and edit the spec rather than --{given[0].replace('_', '-')})" if given else ""))  # fmt: skip
-    spec = _validated_spec(args.spec)
+    spec = _validated_spec(args.spec, args.reference_stats)
     records, csv_text = _measurement_files(args.measurements)
     with _client(args) as client:
         result = client.plan_measurements(spec, records, csv_text)
@@ -541,6 +546,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--reference-epochs", type=positive_float, help="epochs the reference run needs (re-anchors E(B))")
     plan.add_argument("--reference-lr", type=positive_float, help="learning rate of the reference run")
     plan.add_argument("--max-lr", type=positive_float, help="largest learning rate the model trains stably with")
+    plan.add_argument("--reference-stats", metavar="FILE",
+                      help="gradient statistics of the reference run (JSONL of profiler.reference_logger, or a JSON list): "
+                      "they replace training.reference_run.gradient_stats, of the job or of --spec")
     plan.add_argument("--other-run", dest="other_runs", action="append", type=run_result, metavar="BATCH:EPOCHS",
                       help="epochs to the same target measured at another global batch (repeatable; replaces "
                       "training.other_runs): E_min and B_noise are fitted to the runs, the noise scale read as their prior")
