@@ -77,6 +77,12 @@ def _noisy_finished_job(database_url: str) -> str:
     return job.id
 
 
+# A reference run at batch 32 logged past its target (10 epochs of 50 000 samples): |G|^2 falls as the loss does, so its
+# noise scale grows along the run
+REFERENCE_RUN = [{"samples": 16_000 * i, "batch": 32, "grad_sqr": 4.0 / i, "trace_sigma": 200.0, "loss": 2.3 / (1 + 0.1 * i)}
+                 for i in range(1, 41)]  # fmt: skip
+
+
 def _job_planned_before_curves(database_url: str) -> str:
     """A finished job whose stored recommendation has no `curves` (and no knee index): planned by an older server."""
     store = store_for(database_url)
@@ -96,6 +102,7 @@ def server(tmp_path_factory):
     handmade_id = finished_job(store_for(database_url))
     noisy_id = _noisy_finished_job(database_url)  # before the server starts, so its executor never sees the points
     older_id = _job_planned_before_curves(database_url)
+    trajectory_id = finished_job(store_for(database_url), training={"reference_run": {"gradient_stats": REFERENCE_RUN}})
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
     # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
     live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
@@ -104,6 +111,7 @@ def server(tmp_path_factory):
     live.handmade_id = handmade_id
     live.noisy_id = noisy_id
     live.older_id = older_id
+    live.trajectory_id = trajectory_id
     yield live
     live.stop()
 
@@ -516,6 +524,31 @@ def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):
     chosen_epochs = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["chosen"]["epochs"]
     assert chosen_epochs["calibrated_interval"] == [chosen_epochs["value"]] * 2  # chosen at the reference batch: closed,
     assert page.locator("dl.facts .calibrated").count() == 0  # so not shown (the run to measure next has its own range)
+
+
+def test_the_noise_scale_is_drawn_along_the_reference_run_it_was_read_from(tab, server):
+    rec = server.api.get(f"/v1/jobs/{server.trajectory_id}/recommendation")
+    efficiency = rec["models"]["efficiency"]
+    assert efficiency["evidence"]["used"] == "reference_run"
+    read = next(c for c in efficiency["evidence"]["candidates"] if c["source"] == "reference_run")
+    bins = read["detail"]["bins"]
+    page = tab.open(f"/jobs/{server.trajectory_id}")
+    wait_for_plan(page, "stored")
+    traces = tab.plot_data("plot-noise-trajectory")
+    [measured] = [t for t in traces if t["name"].startswith("reference run: B_simple, records pooled in")]
+    assert measured["x"] == pytest.approx([samples / 50_000 for samples in bins["samples"]]) and measured["y"] == bins["noise_scale"]
+    assert max(measured["x"]) <= 10  # the records up to the target (10 epochs): the run logged past it
+    [value] = [t for t in traces if t["name"].startswith("read: ")]
+    assert value["y"] == pytest.approx([read["noise_scale"]] * 2)
+    assert value["x"] == pytest.approx([5.0, 10.0])  # over the second half of the run to the target, in epochs
+    assert "(fitted; over the shaded part of the run)" in value["name"]
+    [target] = [t for t in traces if t["name"].startswith("the run reaches the target")]
+    assert target["x"] == [10, 10]
+    assert "read from the reference run's records" in page.locator("#noise-trajectory-note").inner_text()
+    assert not tab.errors
+    without = tab.open(f"/jobs/{server.handmade_id}")  # read at the initial weights: no run to draw
+    wait_for_plan(without, "stored")
+    assert without.locator("#noise-trajectory-card").is_hidden()
 
 
 def test_a_plan_stored_before_curves_were_served_draws_its_measurements(tab, server):

@@ -100,6 +100,19 @@ def test_records_past_the_target_are_not_used():
         TrajectoryNoiseScale().fit(power_law_records(30, 1e5), target).noise_scale_)
 
 
+def test_the_report_carries_the_binned_trajectory_up_to_the_target_for_a_plot():
+    target = 1e5
+    records = power_law_records(30, 1e5, slope=0.5) + [{"samples": 10**7, "batch": 32, "grad_sqr": 1e-6, "trace_sigma": 1.0}]
+    described = TrajectoryNoiseScale().fit(records, target).describe()
+    bins = described["bins"]
+    assert len(bins["samples"]) == len(bins["noise_scale"]) == 15  # 30 records within the target, 2 a bin
+    assert max(bins["samples"]) < target and described["covered_samples"] == pytest.approx(1e5, rel=1e-4)
+    first = records[:2]  # a bin: numerator and denominator pooled over its records, at their geometric mean
+    assert bins["noise_scale"][0] == pytest.approx(sum(r["trace_sigma"] for r in first) / sum(r["grad_sqr"] for r in first))
+    assert bins["samples"][0] == pytest.approx(math.sqrt(first[0]["samples"] * first[1]["samples"]))
+    assert np.all(np.diff(bins["noise_scale"]) > 0)  # the noise scale grows along this run, as the bins show
+
+
 def test_a_short_run_is_extrapolated_with_the_later_trend_and_says_so():
     target = 1e7
     estimate = TrajectoryNoiseScale().fit(power_law_records(30, 1e5, slope=0.5), target)

@@ -305,4 +305,8 @@ class TrajectoryNoiseScale:
             "slope": self.slope_,
             "interval": list(self.interval_) if self.interval_ else None,
             "interval_quantiles": list(INTERVAL_QUANTILES),
+            # the trajectory it was read from, for a plot: the pooled noise scale of each bin of records up to the target
+            # (bins_of: at most MAX_BINS, each at the geometric mean of its records' samples; unresolved bins left out)
+            "bins": {"samples": [b.samples for b in self.bins_], "noise_scale": [b.noise_scale for b in self.bins_]},
+            "covered_samples": self.covered_samples_,
         }

@@ -4,7 +4,7 @@
 import { api } from "./api.js";
 import { clusterText } from "./format.js";
 import { clearErrors, showFieldError, showProblem } from "./forms.js";
-import { draw, efficiencyFigure, iterTimeFigure, memoryFigure, paretoFigure, throughputFigure } from "./plots.js";
+import { draw, efficiencyFigure, iterTimeFigure, memoryFigure, noiseTrajectoryFigure, paretoFigure, throughputFigure } from "./plots.js";
 import { renderFailedPoints, renderPoints } from "./points.js";
 import { renderErrorTable, renderRecommendation, renderRunnerUps } from "./recommendation.js";
 import { FieldError, WHAT_IF_ALIASES, fillWhatIf, whatIfRequest } from "./whatif.js";
@@ -45,6 +45,21 @@ function renderReliability(reliability) {
   $("job-unreliable-reasons").replaceChildren(...reliability.reasons.map((reason) => Object.assign(document.createElement("li"), { textContent: reason })));
 }
 
+// The run the noise scale was read from (plots.noiseTrajectoryFigure); hidden when none was.
+function renderNoiseTrajectory(rec) {
+  const figure = noiseTrajectoryFigure(rec, page.job.spec);
+  $("noise-trajectory-card").hidden = !figure;
+  if (!figure) return;
+  draw($("plot-noise-trajectory"), figure);
+  const from = figure.source.replace("_", " ");
+  const used = rec.models.efficiency.evidence.used;
+  $("noise-trajectory-note").textContent = (figure.used ? `The epochs model's B_noise was read from the ${from}'s records.`
+    : used === "other_runs" ? `The ${from}'s records: their noise scale is the prior of the fit to your other runs.`
+      : `The ${from}'s records did not give the noise scale used (${(used || "none").replace("_", " ")}): see the warnings.`)
+    + " The noise scale grows as the loss falls, so one value is read for the run to the target: over the shaded part of it,"
+    + " or, where the records stop short of it, the trend of the last bins extended (weak evidence).";
+}
+
 function renderResult(rec, whatIf) {
   const context = {
     jobId,
@@ -62,6 +77,7 @@ function renderResult(rec, whatIf) {
   draw($("plot-memory"), memoryFigure(rec));
   draw($("plot-efficiency"), efficiencyFigure(rec, page.job.spec));
   $("efficiency-note").textContent = rec.models.efficiency.note;
+  renderNoiseTrajectory(rec);
   $("job-result").dataset.plan = whatIf ? "what-if" : "stored";
 }
 

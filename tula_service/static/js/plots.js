@@ -317,3 +317,53 @@ export function efficiencyFigure(rec, spec) {
   Object.assign(layout.xaxis, logTicks(low, high));
   return { data, layout };
 }
+
+// The noise scale along the run it was read from: the reference run's or the pilot's records, binned and pooled by
+// the service (models.efficiency.evidence.candidates[].detail.bins, measured), the part of the run read (the window,
+// as fractions of the run to the target), the value read (fitted: the window's progress-weighted mean, or the bins'
+// trend extended when the records stop short of the window: dashed) and where the run reaches the target. null when
+// no evidence came from a trajectory (the initial weights alone, or a plan stored before the bins were reported).
+export function noiseTrajectoryFigure(rec, spec) {
+  const efficiency = rec.models.efficiency;
+  const read = (efficiency.evidence?.candidates || []).find((candidate) => candidate.detail?.bins?.samples?.length);
+  if (!read) return null;
+  const detail = read.detail;
+  const perEpoch = spec.dataset.num_samples;
+  const epochs = (samples) => samples / perEpoch;
+  const from = read.source.replace("_", " ");
+  const x = detail.bins.samples.map(epochs);
+  const y = detail.bins.noise_scale;
+  const target = epochs(detail.target_samples);
+  const data = [{
+    type: "scatter", mode: "lines+markers", x, y,
+    name: `${from}: B_simple${detail.statistic === "preconditioned" ? " of the preconditioned gradient" : ""}, records pooled in ${x.length} bins (measured)`,
+    hovertemplate: "epoch %{x:.3g}: B_simple %{y:.4g} (measured)<extra></extra>",
+    line: { color: COLORS.measured, width: 1 }, marker: { color: COLORS.measured, size: 7 },
+  }];
+  const shapes = [];
+  const span = detail.window; // fractions of the run to the target
+  if (span) {
+    shapes.push({
+      type: "rect", xref: "x", yref: "paper", x0: span[0] * target, x1: span[1] * target, y0: 0, y1: 1,
+      fillcolor: "rgba(255,127,14,0.10)", line: { width: 0 },
+    });
+  }
+  const value = read.noise_scale;
+  if (value) {
+    const how = detail.extrapolated ? `the bins' trend extended, slope ${significant(detail.slope)}`
+      : span ? "over the shaded part of the run" : detail.method;
+    const name = `read: ${significant(value)} (fitted; ${how})`;
+    const style = { line: { color: COLORS.fitted, width: 2, dash: detail.extrapolated ? "dash" : "solid" }, hoverinfo: "name" };
+    data.push(detail.extrapolated || !span
+      ? line(name, [x[x.length - 1], epochs(detail.read_at_samples)], [y[y.length - 1], value], style)
+      : line(name, [span[0] * target, span[1] * target], [value, value], style));
+  }
+  data.push(line(`the run reaches the target (${significant(target)} epochs)`, [target, target], [Math.min(...y, value || Infinity) * 0.8, Math.max(...y, value || 0) * 1.25],
+    { line: { color: COLORS.spec, width: 2, dash: "dot" }, hoverinfo: "name" }));
+  const layout = baseLayout("epochs of the run", "noise scale B (samples)", { shapes });
+  const reach = [...y, ...(value ? [value] : [])];
+  Object.assign(layout.xaxis, logTicks(Math.min(...x), Math.max(...x, target)));
+  layout.yaxis = { ...layout.yaxis, ...LOG_AXIS, ...logTicks(Math.min(...reach), Math.max(...reach)) };
+  const used = read.source === efficiency.evidence.used;
+  return { data, layout, used, source: read.source };
+}
