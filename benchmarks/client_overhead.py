@@ -15,10 +15,13 @@ batch online.py trains it at (its static pick, docs/validation/online.json):
     once): the sender thread's posts run beside the loop and are not what is measured here; the loop's side is
     (hooks, step() calls, window ends, the sampled steps under the budget);
   - client_plain_steps: the same client with sampling off (sample_every 2^20: the statistics never run after the
-    first pair), the fixed cost every step pays.
+    first pair), the fixed cost every step pays;
+  - client_every_step: the same client sampling every step (sample_every 1: every step in two micro-batches, the
+    statistics' hooks and norms on each), the cost of a sampled step, which the overhead budget weighs against the
+    sampling period (Adam, AdamW and RMSprop add the preconditioned pair).
 - the cost of an arm: its block's seconds per step minus plain's in the same round (paired, so that the machine's
   drift, which moves both, cancels), in microseconds and in % of plain's median step: the median over rounds for
-  plain_again and client_plain_steps (every step alike: the median resists the machine's outliers), the mean for
+  plain_again, client_plain_steps and client_every_step (every step alike: the median resists the machine's outliers), the mean for
   client, whose rare sampled steps (a pair in every 160-1024 under the budget) must count in proportion, as
   online.py's ratio of totals counts them; each figure comes with its standard error (standard_error), so that
   the resolution is stated with it;
@@ -29,8 +32,8 @@ batch online.py trains it at (its static pick, docs/validation/online.json):
   second it spends inside its calls (the rest is the forward pre-hook and the Python work's toll on the steps
   around it); the overhead budget assumes profiler.tula_run.COST_PER_CALL_SECOND for it.
 
-Last line: `client_overhead: tasks=N overhead_pct=X fixed_us=Y a_a_pct=Z cost_per_call=C` (medians over tasks of the
-client arm's %, client_plain_steps' microseconds, |A/A| % and the cost per call second).
+Last line: `client_overhead: tasks=N overhead_pct=X fixed_us=Y a_a_pct=Z cost_per_call=C sampled_step_pct=S` (medians over tasks of the
+client arm's %, client_plain_steps' microseconds, |A/A| %, the cost per call second and a sampled step's % of a plain one).
 
 On a GPU (--device cuda; benchmarks/gpu_check.py runs it): the data and models there, every block ending in a
 device synchronization; the batches are still the CPU's picks from online.json.
@@ -68,7 +71,8 @@ from profiler.tula_run import COST_PER_CALL_SECOND, TulaRun  # noqa: E402
 ONLINE_RESULTS = REPO / "docs" / "validation" / "online.json"
 BLOCK_STEPS = 50
 ROUNDS, QUICK_ROUNDS = 80, 16
-ARMS = ("plain", "plain_again", "client", "client_plain_steps")
+ARMS = ("plain", "plain_again", "client", "client_plain_steps", "client_every_step")
+MEDIAN_ARMS = ("plain_again", "client_plain_steps", "client_every_step")  # every step alike: the median over rounds
 NEVER = 1 << 20  # sample_every that leaves every step after the first pair plain
 
 
@@ -104,6 +108,8 @@ def measure(name: str, rounds: int, device: str = "cpu") -> dict[str, Any]:
                           overhead_budget=online.OVERHEAD_BUDGET, **options),
         "client_plain_steps": TulaRun(server, "overhead", models["client_plain_steps"], optimizers["client_plain_steps"],
                                       sample_every=NEVER, **options),
+        "client_every_step": TulaRun(server, "overhead", models["client_every_step"], optimizers["client_every_step"],
+                                     sample_every=1, **options),
     }  # fmt: skip
     seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
     inside: dict[str, list[float]] = {arm: [] for arm in clients}
@@ -152,10 +158,10 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {"task": measured["task"], "batch": measured["batch"], "plain_step_us": 1e6 * plain_s}
     for arm in ARMS[1:]:
         paired = [b - a for a, b in zip(seconds["plain"], seconds[arm])]
-        extra_s = statistics.fmean(paired) if arm == "client" else statistics.median(paired)
+        extra_s = statistics.median(paired) if arm in MEDIAN_ARMS else statistics.fmean(paired)
         row[f"{arm}_us"] = 1e6 * extra_s
         row[f"{arm}_pct"] = 100 * extra_s / plain_s
-        row[f"{arm}_stderr_us"] = 1e6 * standard_error(paired, of_mean=arm == "client")
+        row[f"{arm}_stderr_us"] = 1e6 * standard_error(paired, of_mean=arm not in MEDIAN_ARMS)
     for arm, values in measured["inside"].items():
         row[f"{arm}_inside_step_us"] = 1e6 * statistics.median(values)
     # what the client costs the loop per second inside its calls (profiler.tula_run.COST_PER_CALL_SECOND measures this)
@@ -169,7 +175,8 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
     return (f"client_overhead: tasks={len(rows)} overhead_pct={statistics.median(r['client_pct'] for r in rows):.2f} "
             f"fixed_us={statistics.median(r['client_plain_steps_us'] for r in rows):.1f} "
             f"a_a_pct={statistics.median(abs(r['plain_again_pct']) for r in rows):.2f} "
-            f"cost_per_call={statistics.median(r['cost_per_call_second'] for r in rows):.2f}")  # fmt: skip
+            f"cost_per_call={statistics.median(r['cost_per_call_second'] for r in rows):.2f} "
+            f"sampled_step_pct={statistics.median(r['client_every_step_pct'] for r in rows):.1f}")  # fmt: skip
 
 
 def _cost(row: dict[str, Any], arm: str) -> str:
@@ -188,17 +195,19 @@ def markdown(rows: list[dict[str, Any]], rounds: int) -> str:
         "(client: its rare sampled steps count in proportion), +- its standard error. The step() calls: the client's own "
         "timing of its calls on plain steps, window ends included. Cost per call second: sampling off, its cost over its "
         f"calls' seconds, which the overhead budget cannot time and assumes (profiler.tula_run.COST_PER_CALL_SECOND = "
-        f"{COST_PER_CALL_SECOND}).",
+        f"{COST_PER_CALL_SECOND}). A sampled step: every step sampled (sample_every 1, so every step in two micro-batches "
+        "with the statistics' hooks and norms), its cost over a plain step: what the overhead budget weighs against the "
+        "sampling period.",
         "",
         "| task | batch | plain step (us) | A/A (us, %) | client: +us (%) | its step() calls (us) | sampling period | "
-        "client, sampling off: +us (%) | its step() calls (us) | cost per call second |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "client, sampling off: +us (%) | its step() calls (us) | cost per call second | a sampled step: +us (%) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['task']} | {r['batch']} | {r['plain_step_us']:.0f} | {_cost(r, 'plain_again')} | {_cost(r, 'client')} | "
             f"{r['client_inside_step_us']:.1f} | {r['sample_every']} | {_cost(r, 'client_plain_steps')} | "
-            f"{r['client_plain_steps_inside_step_us']:.1f} | {r['cost_per_call_second']:.2f} |"
+            f"{r['client_plain_steps_inside_step_us']:.1f} | {r['cost_per_call_second']:.2f} | {_cost(r, 'client_every_step')} |"
         )  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{row['task']:20s} batch {row['batch']:5d} plain {row['plain_step_us']:7.0f} us  A/A {_cost(row, 'plain_again')}  "
               f"client {_cost(row, 'client')} (step() {row['client_inside_step_us']:.1f} us, period {row['sample_every']})  "
-              f"sampling off {_cost(row, 'client_plain_steps')} (step() {row['client_plain_steps_inside_step_us']:.1f} us)", flush=True)  # fmt: skip
+              f"sampling off {_cost(row, 'client_plain_steps')} (step() {row['client_plain_steps_inside_step_us']:.1f} us)  "
+              f"a sampled step {_cost(row, 'client_every_step')}", flush=True)  # fmt: skip
     folder = Path(tempfile.mkdtemp(prefix="tula-client-overhead-")) if args.quick else args.out
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "client_overhead.md").write_text(markdown(rows, rounds))

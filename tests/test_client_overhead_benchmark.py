@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import client_overhead  # noqa: E402
 
-SUMMARY = re.compile(r"^client_overhead: tasks=(\d+) overhead_pct=(-?[\d.]+) fixed_us=(-?[\d.]+) a_a_pct=([\d.]+) cost_per_call=(-?[\d.]+)$")
+SUMMARY = re.compile(r"^client_overhead: tasks=(\d+) overhead_pct=(-?[\d.]+) fixed_us=(-?[\d.]+) a_a_pct=([\d.]+) cost_per_call=(-?[\d.]+) sampled_step_pct=(-?[\d.]+)$")
 
 
 def test_an_arms_cost_is_paired_with_plains_round_and_the_clients_is_a_mean_so_its_rare_sampled_steps_count():
@@ -26,7 +26,8 @@ def test_an_arms_cost_is_paired_with_plains_round_and_the_clients_is_a_mean_so_i
     plain = [1.0e-3, 1.0e-3, 2.0e-3, 1.0e-3]
     measured = {"task": "t", "batch": 64, "client_estimate": {"sample_every": 160},
                 "seconds": {"plain": plain, "plain_again": [p + 1e-6 for p in plain], "client": [p + extra for p, extra in zip(plain, (30e-6, 30e-6, 30e-6, 150e-6))],
-                            "client_plain_steps": [1.020e-3, 1.025e-3, 2.010e-3, 1.020e-3]},
+                            "client_plain_steps": [1.020e-3, 1.025e-3, 2.010e-3, 1.020e-3],
+                            "client_every_step": [1.5e-3, 1.6e-3, 2.5e-3, 1.5e-3]},
                 "inside": {"client": [12e-6, 14e-6, 13e-6, 40e-6], "client_plain_steps": [10e-6] * 4}}  # fmt: skip
     row = client_overhead.summarize(measured)
     assert row["plain_step_us"] == pytest.approx(1000.0)
@@ -36,9 +37,11 @@ def test_an_arms_cost_is_paired_with_plains_round_and_the_clients_is_a_mean_so_i
     assert row["client_inside_step_us"] == pytest.approx(13.5) and row["sample_every"] == 160
     assert row["client_stderr_us"] == pytest.approx(statistics.stdev([30, 30, 30, 150]) / 2)
     assert row["plain_again_stderr_us"] == pytest.approx(0.0, abs=1e-6) and row["client_plain_steps_stderr_us"] > 0
-    line = client_overhead.summary_line([row, {**row, "client_pct": 5.0, "client_plain_steps_us": 40.0, "plain_again_pct": -0.5}])
+    assert row["client_every_step_us"] == pytest.approx(500.0) and row["client_every_step_pct"] == pytest.approx(50.0)  # paired median
+    line = client_overhead.summary_line([row, {**row, "client_pct": 5.0, "client_plain_steps_us": 40.0, "plain_again_pct": -0.5,
+                                               "client_every_step_pct": 70.0}])  # fmt: skip
     assert row["cost_per_call_second"] == pytest.approx(20.0 / 10.0)  # sampling off: its cost over its calls' seconds
-    assert SUMMARY.match(line).groups() == ("2", "5.50", "30.0", "0.30", "2.00")
+    assert SUMMARY.match(line).groups() == ("2", "5.50", "30.0", "0.30", "2.00", "60.0")
 
 
 def test_the_standard_error_of_a_mean_is_the_stdevs_and_of_a_median_the_interquartile_ranges():

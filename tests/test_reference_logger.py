@@ -386,6 +386,30 @@ def test_adam_precond_pair_is_null_only_before_the_optimizer_has_state(tmp_path)
     assert records[1]["precond_trace_sigma"] > 10 * records[1]["trace_sigma"]
 
 
+def test_a_steps_preconditioner_is_read_once_per_parameter_and_no_more_than_the_cache_bound_holds(monkeypatch):
+    """Each sampled step reads sqrt(v) + eps once per parameter for its micro-batches and its full gradient (the state
+    does not change between them); with no room to keep them (DENOMINATOR_CACHE_BYTES 0, a large model) it reads them
+    again each time. The statistics are the same either way."""
+    import profiler.reference_logger as reference_logger
+
+    real, calls = reference_logger.preconditioner.denominator, []
+    monkeypatch.setattr(reference_logger.preconditioner, "denominator", lambda *args: calls.append(1) or real(*args))
+    records, reads, kept = {}, {}, reference_logger.DENOMINATOR_CACHE_BYTES
+    for bound in (kept, 0):
+        monkeypatch.setattr(reference_logger, "DENOMINATOR_CACHE_BYTES", bound)
+        model = _tiny_model()
+        optimizer = _optimizer("adam", model)
+        calls.clear()
+        with GradientStatsLogger(None, model, optimizer, every=3, accumulation=2) as logger:
+            records[bound] = _train(model, optimizer, logger, _batches(), micro_batches=2)
+        reads[bound] = len(calls)
+    parameters, steps = len(list(_tiny_model().parameters())), len(_batches())
+    first = 2 * parameters  # the first step: no state yet, asked by each micro-batch, nothing to keep
+    assert reads[kept] == first + (steps - 1) * parameters
+    assert reads[0] == first + (steps - 1) * 3 * parameters  # two micro-batches and the full gradient
+    assert records[0] == records[kept]
+
+
 # -- a problem whose answer is known ---------------------------------------------------------------
 
 
