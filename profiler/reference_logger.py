@@ -161,7 +161,10 @@ LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_CO
 # 1.7 (2.6) on the digits CNN under Adam, and 2.4 (3.0) on the GPT under SGD, the foreach call alone
 # (benchmarks/client_overhead.py --rounds 30 --tasks ..., a sampled step's column; one CPU thread, batch 32). Fewer
 # seconds a sampled step let the overhead budget sample more steps. A model past this size reads them again each time
-# and holds no more memory than before: memory before time, where a step's own cost dwarfs the extra kernels.
+# and holds no more memory than before: memory before time, where a step's own cost dwarfs the extra kernels. Within it,
+# the full gradient's P g norms are one foreach call too, and the hooks keep float32 norms, squared in one call at step()
+# (one kernel a norm in the hook, not three): a sampled step's extra cost, medians of three paired runs each way
+# (client_overhead.py --quick --rounds 30-40), 4.51 -> 3.80 ms on the transformer and 4.84 -> 3.93 ms on the GPT, AdamW.
 DENOMINATOR_CACHE_BYTES = 64 * 2**20
 
 ONE_GRADIENT = "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare."
@@ -180,8 +183,8 @@ class _StepTally:
 
     backward_counts: Counter[int] = field(default_factory=Counter)
     forward_sizes: list[int | None] = field(default_factory=list)
-    micro_sq: list[torch.Tensor] = field(default_factory=list)
-    precond_micro_sq: list[torch.Tensor] = field(default_factory=list)
+    micro_norms: list[torch.Tensor] = field(default_factory=list)  # float32 norms, squared in one call at step()
+    precond_micro_norms: list[torch.Tensor] = field(default_factory=list)
     precond_missing: bool = False
     split_sizes: list[int] | None = None  # the halves backward() backpropagated one by one, on a sampled step
     # sqrt(v) + eps per parameter, read once a step (the state does not change between a step's backward passes) and
@@ -279,13 +282,13 @@ class GradientStatsLogger:
         accumulated into .grad and before DDP all-reduces it)."""
         grad, tally = grad.detach(), self._tally
         tally.backward_counts[index] += 1
-        tally.micro_sq.append(self._sq_norm(grad))
+        tally.micro_norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         if index in self._adaptive_groups:
             denominator = self._adaptive_denominator(index, tally)
             if denominator is None:
                 tally.precond_missing = True
             else:
-                tally.precond_micro_sq.append(self._sq_norm(grad / denominator))
+                tally.precond_micro_norms.append(torch.linalg.vector_norm(grad / denominator, dtype=torch.float32))
 
     def _hook_gradients(self, wanted: bool) -> None:
         """Registers the per-parameter hooks for a step that takes statistics, removes them for one that does not."""
@@ -323,8 +326,12 @@ class GradientStatsLogger:
         self.sample_every = sample_every
         self._hook_gradients(self.sampling)
 
-    def _sq_norm(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(tensor, dtype=torch.float32).to(self._device, self._dtype).square()
+    def _sum_of_squares(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """sum |x|^2 over float32 norms, squared in the rows' dtype where the rows are kept: in one call on one device (the
+        hooks keep the norms, not their squares, so that each costs them one kernel), else norm by norm."""
+        if self._one_device:
+            return torch.stack(norms).to(self._device, self._dtype).square().sum()
+        return torch.stack([norm.to(self._device, self._dtype) for norm in norms]).square().sum()
 
     def _adaptive_denominator(self, index: int, tally: _StepTally) -> torch.Tensor | None:
         """sqrt(v) + eps of the adaptive optimizer's state before this step (profiler.preconditioner.denominator), computed
@@ -464,19 +471,26 @@ class GradientStatsLogger:
         micro_factor = (micro_batches**2 if divided else 1.0) / scale**2  # hooks saw scale * g_b / k (or scale * g_b)
         full_factor = 1.0 if divided else 1.0 / micro_batches**2  # .grad holds g_B (or k g_B), unscaled
         with_grad = [(i, p.grad) for i, p in enumerate(self.parameters) if p.grad is not None]
-        micro_sq = torch.stack(tally.micro_sq).sum() * micro_factor
-        if self._one_device:  # one call for every parameter's norm (norms only, no copies of the gradients)
-            norms = torch._foreach_norm([g for _, g in with_grad], 2, dtype=torch.float32)
-            full_sq = torch.stack(norms).to(self._device, self._dtype).square().sum() * full_factor
-        else:  # parameters over several devices: each norm moved to where the rows are kept
-            full_sq = torch.stack([self._sq_norm(g) for _, g in with_grad]).sum() * full_factor
-        precond_ok = bool(self._adaptive_groups) and bool(tally.precond_micro_sq) and not tally.precond_missing
+        micro_sq = self._sum_of_squares(tally.micro_norms) * micro_factor
+        full_sq = self._sum_of_squares(self._norms([g for _, g in with_grad])) * full_factor
+        precond_ok = bool(self._adaptive_groups) and bool(tally.precond_micro_norms) and not tally.precond_missing
         if not precond_ok:
             zero = torch.zeros((), device=self._device, dtype=self._dtype)
             return torch.stack([micro_sq, full_sq, zero, zero]), False
-        pre_micro_sq = torch.stack(tally.precond_micro_sq).sum() * micro_factor
-        pre_full = [self._sq_norm(g / self._adaptive_denominator(i, tally)) for i, g in with_grad if i in self._adaptive_groups]
-        return torch.stack([micro_sq, full_sq, pre_micro_sq, torch.stack(pre_full).sum() * full_factor]), True
+        pre_micro_sq = self._sum_of_squares(tally.precond_micro_norms) * micro_factor
+        adaptive = [(i, g) for i, g in with_grad if i in self._adaptive_groups]
+        denominators = [self._adaptive_denominator(i, tally) for i, _ in adaptive]
+        if all(i in tally.denominators for i, _ in adaptive):  # all kept: a model within DENOMINATOR_CACHE_BYTES, so is P g
+            pre_full = self._norms(torch._foreach_div([g for _, g in adaptive], denominators))
+        else:  # one P g at a time: no copy of the whole gradient
+            pre_full = [torch.linalg.vector_norm(g / d, dtype=torch.float32) for (_, g), d in zip(adaptive, denominators)]
+        return torch.stack([micro_sq, full_sq, pre_micro_sq, self._sum_of_squares(pre_full) * full_factor]), True
+
+    def _norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Their float32 norms: one torch._foreach_norm call on one device (norms only, no copies), else one by one."""
+        if self._one_device:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
 
     def _unsampled_sizes(self, sizes: list[int | None]) -> list[int]:
         """A step without statistics may run as any number of forward passes (one pass of the whole batch, say)."""

@@ -606,7 +606,7 @@ def test_an_error_inside_the_context_keeps_the_written_records_and_removes_the_h
         raise KeyboardInterrupt
     assert len(path.read_text().splitlines()) == 1  # the partial window is dropped
     F.cross_entropy(model(_batches(1)[0][0]), _batches(1)[0][1]).backward()  # no hook left to record it
-    assert logger._tally.micro_sq == []
+    assert logger._tally.micro_norms == []
 
 
 # -- DDP: two gloo processes against one process on the same data ------------------------------------------
