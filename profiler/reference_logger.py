@@ -479,11 +479,10 @@ class GradientStatsLogger:
             return torch.stack([micro_sq, full_sq, zero, zero]), False
         pre_micro_sq = self._sum_of_squares(tally.precond_micro_norms) * micro_factor
         adaptive = [(i, g) for i, g in with_grad if i in self._adaptive_groups]
-        denominators = [self._adaptive_denominator(i, tally) for i, _ in adaptive]
         if all(i in tally.denominators for i, _ in adaptive):  # all kept: a model within DENOMINATOR_CACHE_BYTES, so is P g
-            pre_full = self._norms(torch._foreach_div([g for _, g in adaptive], denominators))
-        else:  # one P g at a time: no copy of the whole gradient
-            pre_full = [torch.linalg.vector_norm(g / d, dtype=torch.float32) for (_, g), d in zip(adaptive, denominators)]
+            pre_full = self._norms(torch._foreach_div([g for _, g in adaptive], [tally.denominators[i] for i, _ in adaptive]))
+        else:  # one denominator and one P g at a time: no copy of the whole gradient or of the optimizer's state
+            pre_full = [torch.linalg.vector_norm(g / self._adaptive_denominator(i, tally), dtype=torch.float32) for i, g in adaptive]
         return torch.stack([micro_sq, full_sq, pre_micro_sq, self._sum_of_squares(pre_full) * full_factor]), True
 
     def _norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
