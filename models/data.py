@@ -48,6 +48,7 @@ def build_dataset(
     num_samples: int | None = None,
     allowed_modules: list[str] | None = None,
     data_roots: list[str] | None = None,
+    loss: str | None = None,
     **fields: object,
 ) -> BatchSource:
     """A dataset by catalog name, e.g. `build_dataset("synthetic_images", channels=3, image_size=32, num_classes=10)`,
@@ -56,12 +57,13 @@ def build_dataset(
     `seed` fixes generated structure (teachers, Markov chains); `num_samples` is how many samples mnist1d
     generates; a user factory receives both when its signature names them. With `data_roots` (the
     profiling worker always gives them), a file dataset's path must resolve under one of them
-    (`models.data_roots`); None is a direct call on one's own machine, not confined.
+    (`models.data_roots`); None is a direct call on one's own machine, not confined. `loss` (the spec's): the
+    targets a user dataset's first batch is checked for (models.user_contract.batch_problem).
     """
     if data_roots is not None and fields.get("path") is not None:
         fields["path"] = str(resolve_confined(str(fields["path"]), data_roots))
     if is_user_ref(name):
-        return build_user_dataset(name, allowed_prefixes=list(allowed_modules or []), num_samples=num_samples, seed=seed, **fields)
+        return build_user_dataset(name, allowed_prefixes=list(allowed_modules or []), num_samples=num_samples, seed=seed, loss=loss, **fields)
     if name not in DATASETS:
         raise KeyError(unknown_name_message("dataset", name, DATASETS))
     fields = dataset_fields(name, fields)

@@ -9,8 +9,12 @@ Input kinds (what a dataset gives and a model consumes):
 - "signal1d": float tensors (batch, length), integer class labels (batch,)
 - "tokens":   integer token ids (batch, seq_len), next-token targets (batch, seq_len)
 
-User code ("package.module:factory" models and datasets, allowlisted by TULA_ALLOWED_MODEL_MODULES) follows
-the contract of `models.user_contract` (docs/user_models.md).
+Losses (a job spec's `loss`, LOSSES): cross-entropy by default (next-token cross-entropy on tokens); "mse", "l1"
+and "bce_with_logits" take float targets of the model output's shape (batch, num_classes), num_classes then being
+the model's number of outputs; or an allowlisted "package.module:function" loss of the user's own.
+
+User code ("package.module:factory" models, datasets and losses, allowlisted by TULA_ALLOWED_MODEL_MODULES)
+follows the contract of `models.user_contract` (docs/user_models.md).
 """
 
 from __future__ import annotations
@@ -246,6 +250,43 @@ DATASETS: dict[str, DatasetInfo] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class LossInfo:
+    name: str
+    description: str
+    targets: str  # what the dataset's targets must be for it ("labels": int64 class indices; "float": the output's shape)
+    formula: str
+
+
+DEFAULT_LOSS = "cross_entropy"
+
+# The training losses a job spec may name (`loss`); models.losses holds their torch side. Each is a mean over the
+# batch's samples, as the two-batch noise estimator needs (the mean over a split batch is the mean of its halves'
+# means): a sum would scale |g_B| with B.
+LOSSES: dict[str, LossInfo] = {
+    info.name: info
+    for info in (
+        LossInfo("cross_entropy", "Classification (the default); on token data next-token cross-entropy over every position.",
+                 "labels", "(1/B) sum_i -log softmax(z_i)[y_i]  (tokens: mean over the B x T positions)"),
+        LossInfo("mse", "Regression: mean squared error over every output.", "float", "(1/(B k)) sum_i |z_i - y_i|^2"),
+        LossInfo("l1", "Regression: mean absolute error over every output.", "float", "(1/(B k)) sum_i |z_i - y_i|_1"),
+        LossInfo("bce_with_logits", "Multi-label classification: binary cross-entropy of each output's logit, targets in [0, 1].",
+                 "float", "(1/(B k)) sum_ij -[y_ij log s(z_ij) + (1 - y_ij) log(1 - s(z_ij))], s the logistic sigmoid"),
+    )
+}
+
+
+def loss_problem(loss: str | None, dataset_name: str) -> str | None:
+    """Why a spec's loss cannot train on its dataset (a catalog dataset gives class labels or tokens, which only
+    cross-entropy or a user loss takes), or None. Unknown names are loss_name_problem's."""
+    if loss is None or is_user_ref(loss) or loss not in LOSSES or LOSSES[loss].targets == "labels" or is_user_ref(dataset_name):
+        return None
+    kind = DATASETS[dataset_name].input_kind if dataset_name in DATASETS else None
+    gives = "token ids" if kind == "tokens" else "class labels"
+    return (f"loss '{loss}' takes float targets of the model output's shape; catalog dataset '{dataset_name}' gives {gives}: "
+            f"use {DEFAULT_LOSS} (or leave loss out), or a user dataset (package.module:factory) with float targets")
 
 
 def unknown_name_message(kind: str, name: str, known: dict[str, object]) -> str:

@@ -9,7 +9,13 @@ working directory first on sys.path). A Ray worker imports it the same way on it
 Model factory: called as `factory(**shape, **model_options)` and returns a torch.nn.Module. `shape` is the
 dataset's (registry.SHAPE_KEYS): image -> in_channels, image_size, num_classes; signal1d -> length,
 num_classes; tokens -> vocab_size, seq_len. `model(inputs)` gives logits (batch, num_classes), or
-(batch, seq_len, vocab_size) for tokens; the loss is the mean cross-entropy (models.workload).
+(batch, seq_len, vocab_size) for tokens, for the catalog losses (models.losses: cross-entropy by default; mse, l1 and
+bce_with_logits give num_classes outputs against float targets); with a user loss it may give anything that loss takes.
+
+Loss function ("package.module:function", the spec's `loss`): called as function(outputs, targets) with what the
+model returns and the dataset's targets; returns the batch's mean loss, a scalar tensor with a gradient. The mean,
+not the sum: the check compares the loss of a batch of 2 with the mean of its two halves' losses (the noise
+estimator averages micro-batch losses, and a summed loss would scale the gradient with the batch).
 
 Dataset factory: called with keyword arguments: every dataset field the spec gives (channels, image_size,
 num_classes, seq_len, vocab_size, path, scaling, split) and every entry of dataset.options, plus num_samples
@@ -23,10 +29,13 @@ A batch of B samples (`batch_problem` checks it):
 - image:    inputs float (B, in_channels, image_size, image_size), targets int64 (B,) in [0, num_classes)
 - signal1d: inputs float (B, length), targets int64 (B,) in [0, num_classes)
 - tokens:   inputs int64 (B, seq_len) and next-token targets int64 (B, seq_len), both in [0, vocab_size)
+With loss mse, l1 or bce_with_logits (image and signal1d data): targets float (B, num_classes), num_classes being
+the model's outputs (bce_with_logits: in [0, 1]). With a user loss: any targets tensor of B samples (dim 0).
+A tensor pair's float targets (N,) are served as (N, 1); float targets (N, k) give num_classes = k.
 
 `python -m models.user_contract --check JSON | --check-file FILE [--out FILE]` builds a profiling request's dataset and model on
 a batch of CHECK_BATCH samples, runs forward, loss and backward, and writes what breaks the contract as JSON
-(`check`); tula_service.spec.user_code_check runs it when a spec names user code.
+(`check`); tula_service.spec.user_code_check runs it when a spec names user code or a loss other than cross-entropy.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import torch
 from models.registry import (
     DATASET_SPEC_FIELDS,
     DATASETS,
+    LOSSES,
     MODELS,
     SHAPE_KEYS,
     image_size_problem,
@@ -53,6 +63,7 @@ from models.registry import (
 )
 
 CHECK_BATCH = 2
+MEAN_LOSS_RTOL = 1e-4  # a batch's loss against the mean of its halves' losses: float32 rounding, not a sum (2x)
 CHECK_CATALOG_SAMPLES = 10  # a catalog dataset's shape does not depend on num_samples: mnist1d generates 10
 Loc = tuple[str, ...]  # the spec field a problem is about, e.g. ("dataset", "name"), ("model_options", "hidden")
 
@@ -67,7 +78,7 @@ class ContractError(ValueError):
 
 
 def import_user_factory(ref: str, allowed_prefixes: list[str], kind: str) -> Callable[..., Any]:
-    """The callable of a "package.module:factory" reference of a user `kind` ("model" or "dataset"),
+    """The callable of a "package.module:factory" reference of a user `kind` ("model", "dataset" or "loss"),
     imported only when its module is allowlisted."""
     module_name, _, factory_name = ref.partition(":")
     if not user_model_allowed(ref, allowed_prefixes):
@@ -150,26 +161,35 @@ class TensorPairSource:
 
     Kind and shape come from the tensors: integer inputs (N, T) with targets (N, T) are tokens (vocab_size =
     largest id + 1, seq_len = T); float inputs (N, C, S, S) are images and float (N, L) signals, with int64
-    targets (N,) and num_classes = largest label + 1 (return a batch source to state more classes)."""
+    targets (N,) and num_classes = largest label + 1 (return a batch source to state more classes), or float
+    targets (regression, multi-label: num_classes = the outputs, k of (N, k), 1 of (N,), served as (N, 1))."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, *, ref: str = "a user dataset"):
-        self.inputs, self.targets = inputs, targets
         if len(inputs) != len(targets) or len(inputs) == 0:
             raise ContractError(("dataset", "name"), f"dataset '{ref}' returned {len(inputs)} inputs and {len(targets)} targets: "
                                 "the pair must hold the same number (> 0) of samples")
+        if targets.is_floating_point() and targets.dim() == 1:
+            targets = targets.unsqueeze(1)  # one output per sample, as a model of num_classes = 1 gives it
+        self.inputs, self.targets = inputs, targets
+        if targets.is_floating_point() and targets.dim() == 2:
+            outputs = targets.shape[1]  # the model's outputs (num_classes) for a float loss
+        elif targets.dim() == 1 and not targets.is_floating_point():
+            outputs = int(targets.max()) + 1  # class labels
+        else:
+            outputs = None
         if not inputs.is_floating_point() and inputs.dim() == 2 and targets.shape == inputs.shape:
             vocab_size = int(max(inputs.max(), targets.max())) + 1
             self.input_kind, self.shape = "tokens", {"vocab_size": vocab_size, "seq_len": inputs.shape[1]}
-        elif inputs.is_floating_point() and inputs.dim() == 4 and inputs.shape[2] == inputs.shape[3] and targets.dim() == 1:
+        elif inputs.is_floating_point() and inputs.dim() == 4 and inputs.shape[2] == inputs.shape[3] and outputs is not None:
             self.input_kind = "image"
-            self.shape = {"in_channels": inputs.shape[1], "image_size": inputs.shape[2], "num_classes": int(targets.max()) + 1}
-        elif inputs.is_floating_point() and inputs.dim() == 2 and targets.dim() == 1:
-            self.input_kind, self.shape = "signal1d", {"length": inputs.shape[1], "num_classes": int(targets.max()) + 1}
+            self.shape = {"in_channels": inputs.shape[1], "image_size": inputs.shape[2], "num_classes": outputs}
+        elif inputs.is_floating_point() and inputs.dim() == 2 and outputs is not None:
+            self.input_kind, self.shape = "signal1d", {"length": inputs.shape[1], "num_classes": outputs}
         else:
             raise ContractError(("dataset", "name"), (
                 f"dataset '{ref}' returned inputs {inputs.dtype} {list(inputs.shape)} and targets {targets.dtype} "
-                f"{list(targets.shape)}: a pair is float (N, C, S, S) images or float (N, L) signals with int64 labels (N,), "
-                "or int64 tokens (N, T) with next-token targets (N, T)"
+                f"{list(targets.shape)}: a pair is float (N, C, S, S) images or float (N, L) signals with int64 labels (N,) "
+                "or float targets (N,) or (N, k), or int64 tokens (N, T) with next-token targets (N, T)"
             ))
 
     def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,10 +197,21 @@ class TensorPairSource:
         return self.inputs[index], self.targets[index]
 
 
-def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, targets: object, batch_size: int) -> str | None:
-    """What is wrong with a batch of `batch_size` samples from a dataset of this kind and shape, or None."""
+def loss_targets(loss: str | None) -> str:
+    """What a loss takes as targets: "labels" (cross-entropy: int64 class indices or next tokens), "float" (mse, l1,
+    bce_with_logits: the outputs' shape) or "any" (a user loss: a tensor of B samples)."""
+    if loss is None:
+        return "labels"
+    return "any" if is_user_ref(loss) else LOSSES[loss].targets
+
+
+def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, targets: object, batch_size: int,
+                  loss: str | None = None) -> str | None:  # fmt: skip
+    """What is wrong with a batch of `batch_size` samples from a dataset of this kind and shape, for this loss
+    (None: cross-entropy), or None."""
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         return f"gave ({type(inputs).__name__}, {type(targets).__name__}); it must give a pair of tensors (inputs, targets)"
+    wants = loss_targets(loss)
     if input_kind == "image":
         expected_inputs = (batch_size, shape["in_channels"], shape["image_size"], shape["image_size"])
         expected_targets, classes, what = (batch_size,), shape["num_classes"], "num_classes"
@@ -188,15 +219,37 @@ def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, target
         expected_inputs, expected_targets = (batch_size, shape["length"]), (batch_size,)
         classes, what = shape["num_classes"], "num_classes"
     else:
+        if wants == "float":
+            return f"is token data, which loss '{loss}' does not take: next tokens are class indices (cross_entropy, or a user loss)"
         expected_inputs = expected_targets = (batch_size, shape["seq_len"])
         classes, what = shape["vocab_size"], "vocab_size"
-    for name, tensor, expected in (("inputs", inputs, expected_inputs), ("targets", targets, expected_targets)):
+    if wants == "float":
+        expected_targets = (batch_size, shape["num_classes"])
+    if wants == "labels" and targets.is_floating_point():
+        return (f"gave targets of dtype {targets.dtype}; class indices and next tokens are int64 (torch.long), "
+                "and float targets need the spec's loss (mse, l1 or bce_with_logits, or a user loss)")
+    if wants == "float" and not targets.is_floating_point():
+        return (f"gave targets of dtype {targets.dtype}; loss '{loss}' takes float targets of the model output's shape "
+                "(class indices are cross_entropy's)")
+    checked = (("inputs", inputs, expected_inputs),) if wants == "any" else (("inputs", inputs, expected_inputs), ("targets", targets, expected_targets))
+    for name, tensor, expected in checked:
         if tuple(tensor.shape) != expected:
-            return f"gave {name} of shape {list(tensor.shape)} where its shape {shape} means {list(expected)}"
+            why = f" (loss '{loss}': float targets of the model output's shape (batch, num_classes))" if name == "targets" and wants == "float" else ""
+            return f"gave {name} of shape {list(tensor.shape)} where its shape {shape} means {list(expected)}{why}"
     if input_kind == "tokens" and inputs.dtype != torch.int64:
         return f"gave token inputs of dtype {inputs.dtype}; token ids are int64 (torch.long)"
     if input_kind != "tokens" and not inputs.is_floating_point():
         return f"gave {input_kind} inputs of dtype {inputs.dtype}; they must be floating point"
+    if wants == "any":
+        if targets.dim() == 0 or targets.shape[0] != batch_size:
+            return f"gave targets of shape {list(targets.shape)}: a batch of {batch_size} samples has them along dim 0"
+        return None
+    if wants == "float":
+        if not bool(torch.isfinite(targets).all()):
+            return "gave targets that are not all finite"
+        if loss == "bce_with_logits" and (float(targets.min()) < 0 or float(targets.max()) > 1):
+            return f"gave targets in [{float(targets.min()):g}, {float(targets.max()):g}]; loss 'bce_with_logits' takes targets in [0, 1]"
+        return None
     if targets.dtype != torch.int64:
         return f"gave targets of dtype {targets.dtype}; class indices and next tokens are int64 (torch.long)"
     for name, tensor in (("targets", targets), *((("inputs", inputs),) if input_kind == "tokens" else ())):
@@ -205,8 +258,9 @@ def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, target
     return None
 
 
-def as_batch_source(made: object, ref: str) -> Any:
-    """A dataset factory's result as a batch source, once its kind, shape and a batch of CHECK_BATCH pass."""
+def as_batch_source(made: object, ref: str, loss: str | None = None) -> Any:
+    """A dataset factory's result as a batch source, once its kind, shape and a batch of CHECK_BATCH pass (for the
+    spec's loss: its targets)."""
     if isinstance(made, (tuple, list)) and len(made) == 2 and all(isinstance(t, torch.Tensor) for t in made):
         source: Any = TensorPairSource(made[0], made[1], ref=ref)
     elif all(hasattr(made, attribute) for attribute in ("input_kind", "shape", "batch")):
@@ -227,27 +281,28 @@ def as_batch_source(made: object, ref: str) -> Any:
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ContractError(("dataset", "name"), f"dataset '{ref}': batch({CHECK_BATCH}, generator) gave {type(result).__name__}, "
                             "not a pair (inputs, targets)")
-    problem = batch_problem(kind, shape, result[0], result[1], CHECK_BATCH)
+    problem = batch_problem(kind, shape, result[0], result[1], CHECK_BATCH, loss)
     if problem:
         raise ContractError(("dataset", "name"), f"dataset '{ref}': batch({CHECK_BATCH}, generator) {problem}")
     return source
 
 
 def build_user_dataset(ref: str, *, allowed_prefixes: list[str], num_samples: int | None = None, seed: int = 0,
-                       options: dict[str, Any] | None = None, **fields: Any) -> Any:
-    """A user dataset ("package.module:factory") built as the contract says, its first batch checked."""
+                       options: dict[str, Any] | None = None, loss: str | None = None, **fields: Any) -> Any:
+    """A user dataset ("package.module:factory") built as the contract says, its first batch checked (for `loss`)."""
     factory = import_user_factory(ref, allowed_prefixes, "dataset")
     arguments, errors = dataset_call(ref, factory, fields, dict(options or {}), num_samples, seed)
     if errors:
         raise errors[0]
-    return as_batch_source(factory(**arguments), ref)
+    return as_batch_source(factory(**arguments), ref, loss)
 
 
 def _raised(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: list[str], roots: list[str], notes: list[str]) -> Any:
+def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: list[str], roots: list[str], notes: list[str],
+                     loss: str | None = None) -> Any:  # fmt: skip
     """The dataset of a check request, or None when it cannot be built on this machine (a note says why).
     Raises ContractError, or an ExceptionGroup of them for several signature problems."""
     from models.data import build_dataset
@@ -271,7 +326,7 @@ def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: lis
         notes.append(f"dataset.path '{path}' is not on this machine: the dataset factory's signature was checked, not its batches")
         return None
     try:
-        return as_batch_source(factory(**arguments), name)
+        return as_batch_source(factory(**arguments), name, loss)
     except ContractError:
         raise
     except (Exception, SystemExit) as error:  # noqa: BLE001
@@ -279,9 +334,8 @@ def _checked_dataset(name: str, dataset: dict[str, Any], seed: int, allowed: lis
 
 
 def _checked_model(name: str, options: dict[str, Any], dataset_name: str, input_kind: str | None, source: Any,
-                   seed: int, allowed: list[str], notes: list[str]) -> dict[str, Any] | None:
-    """Build the model for the dataset's shape, run forward, loss and backward on CHECK_BATCH samples."""
-    from models.workload import classification_loss, next_token_loss
+                   seed: int, allowed: list[str], notes: list[str], loss: str | None = None) -> dict[str, Any] | None:
+    """Build the model for the dataset's shape, run forward, the loss and backward on CHECK_BATCH samples."""
     from models.zoo import build_model
 
     if is_user_ref(name):
@@ -314,22 +368,69 @@ def _checked_model(name: str, options: dict[str, Any], dataset_name: str, input_
     except (Exception, SystemExit) as error:  # noqa: BLE001
         raise ContractError(("model",), f"building and running {what} raised {_raised(error)}") from None
     expected = [CHECK_BATCH, source.shape["seq_len"], source.shape["vocab_size"]] if input_kind == "tokens" else [CHECK_BATCH, source.shape["num_classes"]]
-    if not isinstance(logits, torch.Tensor) or list(logits.shape) != expected:
+    if loss_targets(loss) != "any" and (not isinstance(logits, torch.Tensor) or list(logits.shape) != expected):
         got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         rule = "(batch, seq_len, vocab_size)" if input_kind == "tokens" else "(batch, num_classes)"
         raise ContractError(("model",), f"{what} gave {got}; on {input_kind} data a model gives {rule} = {expected}")
+    loss_fn = _checked_loss_function(loss, input_kind, allowed)
+    value = _checked_loss_value(loss, loss_fn, logits, targets, what, notes)
     try:
-        loss = (next_token_loss if input_kind == "tokens" else classification_loss)(logits, targets)
-        loss.backward()
+        value.backward()
     except Exception as error:  # noqa: BLE001
         raise ContractError(("model",), f"the loss of {what} has no gradient ({_raised(error)})") from None
     if not any(p.grad is not None for p in model.parameters()):
         raise ContractError(("model",), f"no parameter of model '{name}' gets a gradient from the loss: there is nothing to train")
-    return {"output_shape": expected, "parameters": sum(p.numel() for p in model.parameters())}
+    shape = list(logits.shape) if isinstance(logits, torch.Tensor) else None
+    return {"output_shape": shape, "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _checked_loss_function(loss: str | None, input_kind: str, allowed: list[str]) -> Callable[..., Any]:
+    """The loss's function (models.losses); a user loss that cannot be imported is a ContractError at `loss`."""
+    from models.losses import loss_function
+
+    try:
+        return loss_function(loss, input_kind, allowed)
+    except Exception as error:  # noqa: BLE001 - importing user code: whatever it raises is the answer
+        raise ContractError(("loss",), _raised(error)) from None
+
+
+def _checked_loss_value(loss: str | None, loss_fn: Callable[..., Any], outputs: Any, targets: torch.Tensor, what: str,
+                        notes: list[str]) -> torch.Tensor:  # fmt: skip
+    """The batch's loss, checked to be a finite scalar with a gradient and (for a user loss) the mean over the batch's
+    samples: loss(batch) against the mean of loss(each half), on the same outputs (a model's batch norm does not enter)."""
+    where, name = (("loss",), f"loss '{loss}'") if is_user_ref(loss or "") else (("model",), "the loss")
+    try:
+        value = loss_fn(outputs, targets)
+    except Exception as error:  # noqa: BLE001
+        raise ContractError(where, f"{name} of {what} raised {_raised(error)}") from None
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ContractError(where, f"{name} of {what} gave {got}; a loss gives the batch's mean, a scalar tensor")
+    if not value.requires_grad:
+        raise ContractError(where, f"{name} of {what} has no gradient (it was computed outside autograd, or detached)")
+    if not bool(torch.isfinite(value)):
+        raise ContractError(where, f"{name} of {what} is {float(value)} at the initial weights")
+    if not is_user_ref(loss or ""):
+        return value
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() == 0 or outputs.shape[0] != CHECK_BATCH:
+        notes.append(f"loss '{loss}': the model's outputs are not one tensor of {CHECK_BATCH} samples, so its mean over the "
+                     "batch was not checked (a loss summed over the batch reads the noise scale wrong)")
+        return value
+    with torch.no_grad():
+        halves = [float(loss_fn(outputs[i : i + 1].detach(), targets[i : i + 1])) for i in range(CHECK_BATCH)]
+    mean = sum(halves) / CHECK_BATCH
+    whole = float(value.detach())
+    if abs(whole - mean) > MEAN_LOSS_RTOL * max(abs(mean), abs(whole), 1e-12):
+        raise ContractError(where, (
+            f"{name} gave {whole:.6g} on a batch of {CHECK_BATCH}, where the mean of its samples' losses is {mean:.6g}: "
+            "it must be the mean over the batch's samples (reduction='mean'), not their sum; the noise estimator "
+            "averages the losses of micro-batches"
+        ))
+    return value
 
 
 def check(request: dict[str, Any]) -> dict[str, Any]:
-    """Check a profiling request's user code (keys as models.workload: model, model_options, dataset, seed,
+    """Check a profiling request's user code (keys as models.workload: model, model_options, dataset, loss, seed,
     allowed_model_modules). Returns {"errors": [{"loc", "message"}], "notes": [what was not checked],
     "dataset": {"input_kind", "shape"} | None, "model": {"output_shape", "parameters"} | None}."""
     torch.set_num_threads(1)
@@ -339,15 +440,16 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     errors: list[ContractError] = []
     notes: list[str] = []
     source = model_report = None
+    loss = request.get("loss")
     try:
-        source = _checked_dataset(dataset_name, dataset, seed, allowed, list(request.get("data_roots") or []), notes)
+        source = _checked_dataset(dataset_name, dataset, seed, allowed, list(request.get("data_roots") or []), notes, loss)
     except* ContractError as group:
         errors.extend(group.exceptions)
     input_kind = source.input_kind if source is not None else (DATASETS[dataset_name].input_kind if dataset_name in DATASETS else None)
     if not errors:
         try:
             model_report = _checked_model(
-                request["model"], dict(request.get("model_options") or {}), dataset_name, input_kind, source, seed, allowed, notes
+                request["model"], dict(request.get("model_options") or {}), dataset_name, input_kind, source, seed, allowed, notes, loss
             )
         except* ContractError as group:
             errors.extend(group.exceptions)
@@ -362,7 +464,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models.user_contract", description=__doc__.split("\n")[0])
     request = parser.add_mutually_exclusive_group(required=True)
-    request.add_argument("--check", metavar="JSON", help="a profiling request: model, model_options, dataset, seed, allowed_model_modules, data_roots")
+    request.add_argument("--check", metavar="JSON", help="a profiling request: model, model_options, dataset, loss, seed, allowed_model_modules, data_roots")
     request.add_argument("--check-file", metavar="FILE", help="the same request, read from a file")
     parser.add_argument("--out", help="write the result (JSON) here instead of stdout (user code may print)")
     args = parser.parse_args(argv)

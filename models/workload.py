@@ -2,8 +2,9 @@
 
 Request keys: `model` (catalog name or allowlisted "package.module:factory"), `model_options` (dict),
 `dataset` (dict: `name`, a catalog name or allowlisted "package.module:factory", `num_samples` and the
-dataset's own fields), `seed` (default 0), `allowed_model_modules` (module prefixes user models and
-datasets may come from; default none). User code follows models.user_contract.
+dataset's own fields), `loss` (models.losses: a catalog name or an allowlisted "package.module:function";
+default cross-entropy), `seed` (default 0), `allowed_model_modules` (module prefixes user models, datasets
+and losses may come from; default none). User code follows models.user_contract.
 
 Same seed => the same initial weights; the batch sequence is a function of the generator passed to
 `data.batch` (and, for generated data, of the seed). The global torch RNG is left as it was.
@@ -15,29 +16,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from models.data import BatchSource, build_dataset
-from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref
+from models.losses import loss_function
+from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref, loss_problem
 from models.zoo import build_model
-
-
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the batch: (1/B) sum_i -log softmax(logits_i)[y_i]."""
-    return F.cross_entropy(logits, labels)
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all B * T tokens of logits (B, T, V) against targets (B, T). Every sequence
-    has T tokens, so the mean over a split batch is the mean of its parts' means (the noise estimator's need)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 @dataclass
 class Workload:
     model: torch.nn.Module  # random init, on CPU
     data: BatchSource  # .batch(batch_size, generator) -> (inputs, targets), CPU tensors
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar mean loss
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar mean loss (models.losses)
     input_kind: str  # "image" | "signal1d" | "tokens"
     tokens_per_sample: int | None  # sequence length for token workloads, else None
 
@@ -63,8 +53,12 @@ def build_workload(request: dict[str, Any]) -> Workload:
             f"model '{model_name}' takes {MODELS[model_name].input_kind} inputs but dataset "
             f"'{dataset_name}' gives {DATASETS[dataset_name].input_kind}"
         )
+    problem = loss_problem(request.get("loss"), dataset_name)
+    if problem:
+        raise ValueError(problem)
     data_roots = list(request.get("data_roots") or [])  # file datasets only under these (models.data_roots)
-    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, data_roots=data_roots, **dataset)
+    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, data_roots=data_roots, loss=request.get("loss"),
+                         **dataset)  # fmt: skip
     if is_user_ref(dataset_name) and model_name in MODELS:
         _catalog_model_fits(model_name, dataset_name, data)
     with torch.random.fork_rng(devices=[]):
@@ -73,10 +67,11 @@ def build_workload(request: dict[str, Any]) -> Workload:
             model_name, options=request.get("model_options") or {}, allowed_model_modules=allowed_modules, **data.shape
         )
     is_tokens = data.input_kind == "tokens"
+    loss_fn = loss_function(request.get("loss"), data.input_kind, allowed_modules)
     return Workload(
         model=model,
         data=data,
-        loss_fn=next_token_loss if is_tokens else classification_loss,
+        loss_fn=loss_fn,
         input_kind=data.input_kind,
         tokens_per_sample=data.shape["seq_len"] if is_tokens else None,
     )

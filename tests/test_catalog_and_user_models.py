@@ -145,3 +145,35 @@ def test_allowlisted_user_dataset_is_profiled_and_planned(make_server):
         job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
         assert job.state == "done", job.error
         assert client.recommendation(job.id)["chosen"]["total_time_s"]["value"] > 0
+
+
+def test_catalog_lists_the_losses_and_the_cli_prints_them(live_server):
+    listing = httpx.get(f"{live_server.url}/v1/catalog/losses").json()
+    assert listing["default"] == "cross_entropy" and listing["user_losses"]["env"] == "TULA_ALLOWED_MODEL_MODULES"
+    assert {loss["name"]: loss["targets"] for loss in listing["losses"]} == {
+        "cross_entropy": "labels", "mse": "float", "l1": "float", "bce_with_logits": "float"}  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "tula_service", "catalog", "losses", "--server", live_server.url],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "cross_entropy" in result.stdout and "(default)" in result.stdout and "user losses 'module:function'" in result.stdout
+
+
+@pytest.mark.e2e
+def test_a_regression_job_trains_its_pilot_and_profiles_under_its_loss(make_server):
+    """A user's regression data (float targets) with loss mse: the points and the pilot train under it, and the noise
+    scale comes from the pilot's trajectory of that loss."""
+    server = make_server(env=ALLOWLISTED)
+    dataset = {"name": "tests.user_models_fixture:regression_signals", "num_samples": 2048}
+    spec = spec_dict(model="mlp1d", dataset=dataset, loss="mse", batch_sizes=[8, 16, 32],
+                     training={"reference_batch": 16, "reference_epochs": 2.0, "reference_lr": 0.01},
+                     profiling={**FAST, "pilot": True, "pilot_steps": 60, "pilot_seconds": 10, "pilot_record_every": 5})  # fmt: skip
+    refused = httpx.post(f"{server.url}/v1/jobs", json={**spec, "loss": None}, timeout=60)
+    assert refused.status_code == 422 and "float targets need the spec's loss" in refused.json()["errors"][0]["message"]
+    with TulaClient(server.url) as client:
+        job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
+        assert job.state == "done", job.error
+        assert job.spec["loss"] == "mse"
+        rec = client.recommendation(job.id)
+    noise = rec["models"]["efficiency"]["noise_scale"]
+    assert noise["evidence"] == "pilot" and noise["value"] > 0
+    assert all(point["noise_scale"] is not None for point in rec["profiled"]["points"])

@@ -98,6 +98,9 @@ def test_the_schema_lists_the_rules_it_cannot_state(document):
         ("neither device memory nor a gpu_type", {"cluster": {"device_memory_gib": None}}),
         ("an unknown GPU", {"cluster": {"gpu_type": "tpu_v5", "device_memory_gib": 16}}),
         ("an unknown interconnect", {"cluster": {"intra_node_link": "carrier_pigeon"}}),
+        ("an unknown loss", {"loss": "rmse"}),
+        ("a loss of float targets on a catalog dataset", {"loss": "mse"}),
+        ("a user loss without an allowlist", {"loss": "acme.losses:focal"}),
     ],
 )
 def test_a_spec_the_validators_refuse_for_a_rule_the_schema_states_is_schema_invalid(schema, why, change):
@@ -155,6 +158,22 @@ def test_an_allowlisted_user_model_matches_the_schema_and_another_module_does_no
     assert schema.is_valid(allowed)
     for ref in ("acme_evil:build", "other.models:build", "acme.models"):
         assert not schema.is_valid(spec_dict(model=ref, model_options={})), ref
+
+
+def test_an_allowlisted_loss_and_a_loss_of_float_targets_on_a_user_dataset_match_the_schema(tmp_path, monkeypatch):
+    """JobSpec's loss rules as the schema states them (the user code's own check aside): a user loss with any dataset,
+    mse, l1 and bce_with_logits only with a user dataset, cross-entropy anywhere."""
+    monkeypatch.delenv(DATA_ROOTS_ENV, raising=False)
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "acme")
+    schema = submission_validator(published_document(tmp_path))
+    user_data = {"name": "acme.data:regression", "num_samples": 1000}
+    for loss, dataset, valid in (("acme.losses:focal", None, True), ("mse", user_data, True), ("bce_with_logits", user_data, True),
+                                 ("cross_entropy", None, True), (None, user_data, True), ("l1", None, False),
+                                 ("other.losses:focal", None, False)):  # fmt: skip
+        spec = spec_dict(loss=loss) if dataset is None else spec_dict(loss=loss, dataset=dataset)
+        if dataset is not None:
+            spec["dataset"] = dataset
+        assert schema.is_valid(spec) is valid, (loss, dataset)
 
 
 def test_server_set_sources_in_a_submission_are_ignored_not_refused(api):

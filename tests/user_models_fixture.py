@@ -108,3 +108,34 @@ def sleepy_dataset(*, num_samples: int) -> Blobs:
     """Takes 3 s to build: the submit-time check is busy that long."""
     time.sleep(3)
     return Blobs(num_samples=num_samples)
+
+
+def regression_signals(*, num_samples: int, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """A regression pair: float signals of `length` and a float target (N,) per signal, a fixed linear function of it
+    plus noise (served as (N, 1): one output)."""
+    generator = torch.Generator().manual_seed(3)
+    signals = torch.randn(num_samples, length, generator=generator)
+    weights = torch.randn(length, generator=generator)
+    return signals, signals @ weights + 0.1 * torch.randn(num_samples, generator=generator)
+
+
+def multi_label_signals(*, num_samples: int, length: int = 12, labels: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """A multi-label pair: float signals and (N, labels) targets in {0, 1} (the sign of a fixed projection each)."""
+    generator = torch.Generator().manual_seed(4)
+    signals = torch.randn(num_samples, length, generator=generator)
+    return signals, (signals @ torch.randn(length, labels, generator=generator) > 0).float()
+
+
+def huber_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user loss: Huber (smooth L1 with delta 1), the mean over the batch."""
+    return torch.nn.functional.huber_loss(outputs, targets)
+
+
+def summed_squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Breaks the contract: the squared error summed over the batch, not its mean."""
+    return ((outputs - targets) ** 2).sum()
+
+
+def per_sample_squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Breaks the contract: one loss per sample (reduction='none'), not the batch's mean."""
+    return ((outputs - targets) ** 2).mean(dim=1)

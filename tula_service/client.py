@@ -36,7 +36,7 @@ from tula_service.store.states import TERMINAL_JOB_STATES
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_BACKOFF_S = 10.0
-CATALOG_KINDS = ("models", "datasets", "gpus")
+CATALOG_KINDS = ("models", "datasets", "losses", "gpus")
 
 
 class TulaError(RuntimeError):
@@ -281,7 +281,7 @@ class TulaClient:
     # --- the rest --------------------------------------------------------------------------------
 
     def catalog(self, kind: str) -> dict[str, Any]:
-        """kind: models, datasets or gpus."""
+        """kind: models, datasets, losses or gpus."""
         if kind not in CATALOG_KINDS:
             raise ValueError(f"catalog '{kind}' does not exist; known: {', '.join(CATALOG_KINDS)}")
         return self._json("GET", f"/v1/catalog/{kind}")

@@ -1,4 +1,4 @@
-"""The catalogs a spec names: models, datasets and GPU types."""
+"""The catalogs a spec names: models, datasets, losses and GPU types."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
+from models.registry import ALLOWED_MODULES_ENV, DATASETS, DEFAULT_LOSS, LOSSES, MODELS
 from tula_service.catalogs import gpu_catalog_listing
 from tula_service.spec.job_spec import allowed_model_modules
 
@@ -22,6 +22,13 @@ def catalog_models() -> dict[str, Any]:
 @router.get("/datasets")
 def catalog_datasets() -> dict[str, Any]:
     return {"datasets": [asdict(info) for info in sorted(DATASETS.values(), key=lambda i: i.name)]}
+
+@router.get("/losses")
+def catalog_losses() -> dict[str, Any]:
+    """The training losses a spec's `loss` names (models.losses), each with what its targets are; a user loss is an
+    allowlisted "package.module:function", as user models are."""
+    return {"losses": [asdict(info) for info in LOSSES.values()], "default": DEFAULT_LOSS,
+            "user_losses": {"allowed_module_prefixes": allowed_model_modules(), "env": ALLOWED_MODULES_ENV}}
 
 @router.get("/gpus")
 def catalog_gpus() -> dict[str, Any]:

@@ -470,6 +470,13 @@ def _catalog(args: argparse.Namespace) -> int:
     if args.kind == "gpus":
         print(format_gpu_catalog(listing["gpus"]))
         return 0
+    if args.kind == "losses":
+        for entry in listing["losses"]:
+            default = " (default)" if entry["name"] == listing.get("default") else ""
+            print(f"{entry['name']:<16} targets {entry['targets']:<7} {entry['description']}{default}")
+        allowed = listing["user_losses"]["allowed_module_prefixes"]
+        print(f"\nuser losses 'module:function': allowed prefixes {allowed or 'none'} (server env {listing['user_losses']['env']})")
+        return 0
     for entry in listing[args.kind]:
         extras = entry.get("options") or entry.get("fields") or {}
         settings = ", ".join(f"{k}={human_number(v) if isinstance(v, float) else v}" for k, v in extras.items())
@@ -561,7 +568,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         command.add_argument("job_id")
         command.set_defaults(func=func)
 
-    catalog = sub.add_parser("catalog", parents=[client_options], help="list the models, datasets or GPUs the server knows")
+    catalog = sub.add_parser("catalog", parents=[client_options], help="list the models, datasets, losses or GPUs the server knows")
     catalog.add_argument("kind", choices=CATALOG_KINDS)
     catalog.add_argument("--json", action="store_true")
     catalog.set_defaults(func=_catalog)

@@ -34,6 +34,7 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
         "model": spec.model,
         "model_options": spec.model_options,
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
+        "loss": spec.loss,
         "allowed_model_modules": allowed_model_modules(),
         "data_roots": environment().data_roots,
         "batch_size": batch_size,

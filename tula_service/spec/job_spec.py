@@ -10,11 +10,13 @@ from models.data_roots import check_submitted_path
 from models.registry import (
     DATASET_SPEC_FIELDS,
     DATASETS,
+    LOSSES,
     MODELS,
     compatible,
     image_size_problem,
     is_user_model_ref,
     is_user_ref,
+    loss_problem,
     not_allowlisted_message,
     resolved_model_options,
     unknown_name_message,
@@ -508,6 +510,11 @@ class JobSpec(_Strict):
     model: str = Field(description="model catalog name, or 'package.module:factory' when allowlisted")
     model_options: dict[str, int | float | str | bool] = Field(default_factory=dict)
     dataset: DatasetSpec
+    loss: str | None = Field(
+        None, max_length=300, description="the training loss (GET /v1/catalog/losses): cross_entropy, the default (next-token "
+        "on token data); mse, l1 or bce_with_logits, whose float targets (the model output's shape) a user dataset gives; or "
+        "'package.module:function' when allowlisted, called as function(outputs, targets) -> the batch's mean loss",
+    )  # fmt: skip
     batch_sizes: list[BatchSize] = Field(
         description="per-device batch sizes to profile: a list, or {min, max} for the powers of two between"
     )
@@ -549,6 +556,22 @@ class JobSpec(_Strict):
         if not _server_decided(info) and not user_model_allowed(name, allowed_model_modules()):
             raise ValueError(not_allowlisted_message("model", name))
         return name
+
+    @field_validator("loss")
+    @classmethod
+    def _known_or_allowed_loss(cls, name: str | None, info: ValidationInfo) -> str | None:
+        if name is None or not is_user_ref(name):
+            return None if name is None else in_catalog("loss", name, LOSSES)
+        if not _server_decided(info) and not user_model_allowed(name, allowed_model_modules()):
+            raise ValueError(not_allowlisted_message("loss", name))
+        return name
+
+    @model_validator(mode="after")
+    def _loss_fits_dataset(self) -> JobSpec:
+        problem = loss_problem(self.loss, self.dataset.name)
+        if problem:
+            raise field_errors([(("loss",), problem)], "loss_dataset")
+        return self
 
     @model_validator(mode="after")
     def _catalog_price_has_a_gpu(self) -> JobSpec:

@@ -13,7 +13,9 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - per catalog model: its model_options (integers in [1, 10^6]) and the datasets of its input kind;
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
-  with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`.
+  with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
+- `loss`: a catalog loss or an allowlisted `package.module:function`; one taking float targets (mse, l1,
+  bce_with_logits) only with a user dataset (catalog datasets give class labels or tokens).
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
 comparisons between two numbers of the spec, counting distinct values, and running user code. So is the
@@ -30,7 +32,7 @@ import os
 import re
 from typing import Any
 
-from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
+from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
 from tula_service.settings import environment
 from tula_service.spec.job_spec import allowed_model_modules
@@ -50,7 +52,7 @@ SCHEMA_CANNOT_STATE = (
     "model_options of gpt: width a multiple of heads",
     "dataset.image_size (or the dataset's default side) at least the model's min_image_size, a multiple of its "
     "image_size_multiple (GET /v1/catalog/models)",
-    "a user (package.module:factory) model or dataset: its contract, checked by running it on 2 samples",
+    "a user (package.module:factory) model, dataset or loss: its contract, checked by running it on 2 samples",
     "profiling.step_placements: each uses 2 or more devices, on at most cluster.nodes nodes, at most "
     "cluster.gpus_per_node GPUs on each",
 )
@@ -150,6 +152,19 @@ def _model_groups(dataset_base: dict[str, Any], roots: list[str], prefixes: list
     return alternatives
 
 
+def _loss_alternatives(prefixes: list[str]) -> list[dict[str, Any]]:
+    """models.registry.loss_problem: a label loss (cross-entropy), or a user one, with any dataset; a loss of float
+    targets with a user dataset only (none without an allowlist)."""
+    users = _user_ref_patterns(prefixes)
+    labels = sorted(name for name, info in LOSSES.items() if info.targets == "labels")
+    floats = sorted(name for name, info in LOSSES.items() if info.targets == "float")
+    alternatives = [{"properties": {"loss": {"anyOf": [_NULL, {"enum": labels}, *users]}}}]
+    if users:
+        alternatives.append({"required": ["loss", "dataset"], "properties": {
+            "loss": {"enum": floats}, "dataset": {"required": ["name"], "properties": {"name": {"anyOf": users}}}}})
+    return alternatives
+
+
 def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
     """Catalog names as enums; device memory given, or a catalog gpu_type that has it."""
     gpus = {"type": "string", "enum": sorted(load_gpus())}
@@ -201,6 +216,8 @@ def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
     properties["cluster"] = _cluster_schema(components["ClusterSpec"])
     properties["training"] = _training_schema(components["TrainingSpec"])
     properties["dataset"] = {"type": "object", "description": components["DatasetSpec"].get("description", "")}
+    properties["loss"] = {"description": properties["loss"].get("description", ""),
+                          "anyOf": [_NULL, {"enum": sorted(LOSSES)}, *_user_ref_patterns(prefixes)]}
     properties["pricing"] = copy.deepcopy(components["PricingSpec"])
     limits = "\n".join(f"- {rule}" for rule in SCHEMA_CANNOT_STATE)
     spec["description"] = (
@@ -210,6 +227,7 @@ def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
     spec["title"] = COMPONENT
     spec["allOf"] = [
         {"anyOf": _model_groups(components["DatasetSpec"], roots, prefixes)},
+        {"anyOf": _loss_alternatives(prefixes)},
         {"anyOf": [  # a price, or the catalog's per GPU-hour for a known gpu_type
             {"properties": {"pricing": {"required": ["price"], "properties": {"price": {"type": "number", "exclusiveMinimum": 0}}}}},
             {"required": ["cluster"], "properties": {

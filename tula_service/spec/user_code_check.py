@@ -132,6 +132,7 @@ class _CheckedSpec(Protocol):  # the JobSpec fields this module reads (it cannot
     model: str
     model_options: dict[str, Any]
     dataset: Any
+    loss: str | None
     profiling: Any
     user_code_check: str | None
 
@@ -142,10 +143,16 @@ def contract_request(spec: _CheckedSpec, allowed_model_modules: list[str]) -> di
         "model": spec.model,
         "model_options": spec.model_options,
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
+        "loss": spec.loss,
         "seed": spec.profiling.seed,
         "allowed_model_modules": allowed_model_modules,
         "data_roots": environment().data_roots,
     }
+
+
+def uses_user_code(spec: _CheckedSpec) -> bool:
+    """Whether the spec names user code: a package.module:factory model or dataset, or a package.module:function loss."""
+    return is_user_ref(spec.model) or is_user_ref(spec.dataset.name) or (spec.loss is not None and is_user_ref(spec.loss))
 
 
 def check_user_code(spec: _CheckedSpec, allowed_model_modules: list[str]) -> _CheckedSpec:
@@ -154,7 +161,7 @@ def check_user_code(spec: _CheckedSpec, allowed_model_modules: list[str]) -> _Ch
     if _CLIENT_SUBMISSION.get():
         spec.user_code_check = None  # the server's to set: the route checks in a worker thread
         return spec
-    if spec.user_code_check is not None or not (is_user_ref(spec.model) or is_user_ref(spec.dataset.name)):
+    if spec.user_code_check is not None or not uses_user_code(spec):
         return spec
     result = run_contract_check(contract_request(spec, allowed_model_modules))
     if result.problems:

@@ -25,7 +25,8 @@ function renderHeader(job) {
   state.textContent = job.state;
   state.className = `state state-${job.state}`;
   const spec = job.spec;
-  $("job-summary").textContent = `${job.model} on ${job.dataset} (${spec.dataset.num_samples} samples per epoch) · `
+  const loss = spec.loss ? ` · loss ${spec.loss}` : ""; // the default (cross-entropy) goes unsaid
+  $("job-summary").textContent = `${job.model} on ${job.dataset} (${spec.dataset.num_samples} samples per epoch)${loss} · `
     + `cluster ${clusterText(spec.cluster)} · batch sizes ${spec.batch_sizes.join(", ")} · objective ${spec.objective}`;
   const { points_done: done, points_total: total, points_failed: failed, points_retried: retried } = job.progress;
   const bar = $("job-progress");
