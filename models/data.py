@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from models.data_roots import resolve_confined
-from models.datasets_bundled import MNIST1D, Digits
+from models.datasets_bundled import Diabetes, Digits, MNIST1D
 from models.datasets_files import ImageFolderSource, TokenFile
 from models.datasets_synthetic import SyntheticImages, SyntheticTokens
 from models.registry import DATASETS, is_user_ref, unknown_name_message
@@ -73,6 +73,8 @@ def build_dataset(
         return SyntheticTokens(**fields, seed=seed)
     if name == "digits":
         return Digits(**fields)
+    if name == "diabetes":
+        return Diabetes(**fields)
     if name == "mnist1d":
         return MNIST1D(num_samples=num_samples)
     if name == "image_folder":

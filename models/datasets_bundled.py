@@ -1,4 +1,4 @@
-"""Real data that ships inside a package: scikit-learn's digits, and MNIST-1D from its own generator.
+"""Real data that ships inside a package: scikit-learn's digits and diabetes, and MNIST-1D from its own generator.
 
 Batches draw sample indices uniformly with replacement from the given torch.Generator.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.registry import MNIST1D_MAX_SAMPLES
+from models.registry import DIABETES_SPLIT_SIZES, MNIST1D_MAX_SAMPLES
 
 DIGITS_SIDE_PX = 8
 DIGITS_MAX_PIXEL = 16.0  # load_digits gives pixel values 0..16
@@ -27,15 +27,8 @@ MNIST1D_SEED = 42  # the reference data set's generator seed
 
 
 def digits_split_index(total: int, split: str) -> torch.Tensor:
-    """Indices of a split of the `total` digits. "train": the train part of scikit-learn's
-    `train_test_split(..., test_size=0.2, random_state=0)` (shuffled, not stratified: 1437 of 1797), in its
-    order, as a user's script splits them; "all": 0..total-1."""
-    from sklearn.model_selection import train_test_split
-
-    if split == "all":
-        return torch.arange(total)
-    train_index, _ = train_test_split(np.arange(total), test_size=DIGITS_TEST_FRACTION, random_state=DIGITS_SPLIT_SEED)
-    return torch.from_numpy(train_index)
+    """Indices of a split of the `total` digits (split_index: 1437 of 1797 in "train")."""
+    return split_index(total, split)
 
 
 class Digits:
@@ -96,6 +89,50 @@ def generate_mnist1d(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         np.random.set_state(numpy_state)
         random.setstate(python_state)
     return generated["x"].astype(np.float32), generated["y"].astype(np.int64)
+
+
+def split_index(total: int, split: str) -> torch.Tensor:
+    """Indices of a split of `total` samples: "train", the train part of scikit-learn's `train_test_split(...,
+    test_size=0.2, random_state=0)` (shuffled, not stratified), in its order, as a user's script splits them; "all":
+    0..total-1."""
+    from sklearn.model_selection import train_test_split
+
+    if split == "all":
+        return torch.arange(total)
+    train_index, _ = train_test_split(np.arange(total), test_size=DIGITS_TEST_FRACTION, random_state=DIGITS_SPLIT_SEED)
+    return torch.from_numpy(train_index)
+
+
+class Diabetes:
+    """scikit-learn's `load_diabetes` (Efron et al. 2004, "Least Angle Regression": 442 patients, 10 baseline
+    measurements, a quantitative measure of disease progression one year later) as a regression run sees it.
+
+    split "train" (default): the 353 patients of `split_index` (the held-out 89 are never served); "all": the 442.
+    The measurements (load_diabetes(scaled=False)) and the target are standardized with the mean and std of the split
+    (what StandardScaler fitted on the training data does): inputs float (B, 10), targets float (B, 1)."""
+
+    input_kind = "signal1d"
+    outputs = 1
+
+    def __init__(self, *, split: str = "train"):
+        from sklearn.datasets import load_diabetes
+
+        if split not in DIABETES_SPLIT_SIZES:
+            raise ValueError(f"diabetes split '{split}' is not one of {', '.join(DIABETES_SPLIT_SIZES)}")
+        data = load_diabetes(scaled=False)
+        index = split_index(len(data.target), split)
+        features = torch.from_numpy(data.data).float()[index]
+        target = torch.from_numpy(data.target).float()[index]
+        self.inputs = (features - features.mean(dim=0)) / features.std(dim=0)
+        self.targets = ((target - target.mean()) / target.std()).unsqueeze(1)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"length": self.inputs.shape[1], "num_classes": self.outputs}
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(0, len(self.targets), (batch_size,), generator=generator)
+        return self.inputs[index], self.targets[index]
 
 
 class MNIST1D:

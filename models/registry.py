@@ -57,6 +57,8 @@ class DatasetInfo:
     fixed_num_samples: int | None = None  # the data set's own size, when it has one (then num_samples may be omitted)
     split_sizes: dict[str, int] = field(default_factory=dict)  # its size per `split` value (fixed_num_samples: the default's)
     max_num_samples: int | None = None  # the most samples a generated data set makes
+    targets: str = "labels"  # "labels" (int64 classes or next tokens: cross-entropy) or "float" (regression: mse by default)
+    default_loss: str = "cross_entropy"  # the loss a spec without `loss` trains with on it
 
 
 # Classification models built from torchvision by name (random init, `weights=None`). Each name is in
@@ -194,6 +196,7 @@ MODELS: dict[str, ModelInfo] = {
 }
 
 DIGITS_SPLIT_SIZES = {"train": 1437, "all": 1797}  # 1797 - ceil(0.2 * 1797): models.datasets_bundled.Digits
+DIABETES_SPLIT_SIZES = {"train": 353, "all": 442}  # 442 - ceil(0.2 * 442): models.datasets_bundled.Diabetes
 MNIST1D_MAX_SAMPLES = 200_000  # generating takes ~0.3 ms per sample on one idle core (50 000 in ~17 s), in every profiling point
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -223,6 +226,20 @@ DATASETS: dict[str, DatasetInfo] = {
             fields={"image_size": 8, "scaling": "unit", "split": "train"},
             fixed_num_samples=DIGITS_SPLIT_SIZES["train"],
             split_sizes=DIGITS_SPLIT_SIZES,
+        ),
+        DatasetInfo(
+            "diabetes",
+            "scikit-learn's bundled diabetes regression data (Efron et al. 2004: 442 patients, 10 measurements, a disease"
+            " progression score a year on; real data, no download) as a regression run sees it: split 'train' (default) ="
+            " the train part of train_test_split(test_size=0.2, random_state=0), 353 patients; 'all' = the 442; the"
+            " measurements and the score standardized (mean 0, std 1 over the split, as StandardScaler does);"
+            " 10-value signals with one float target each (num_classes = 1 output), trained with mse by default.",
+            "signal1d",
+            fields={"split": "train"},
+            fixed_num_samples=DIABETES_SPLIT_SIZES["train"],
+            split_sizes=DIABETES_SPLIT_SIZES,
+            targets="float",
+            default_loss="mse",
         ),
         DatasetInfo(
             "mnist1d",
@@ -256,7 +273,8 @@ DATASETS: dict[str, DatasetInfo] = {
 class LossInfo:
     name: str
     description: str
-    targets: str  # what the dataset's targets must be for it ("labels": int64 class indices; "float": the output's shape)
+    targets: str  # what a dataset's targets must be: "labels" (int64 class indices), "float" or "probabilities" (in [0, 1]),
+    # the last two of the model output's shape
     formula: str
 
 
@@ -273,18 +291,35 @@ LOSSES: dict[str, LossInfo] = {
         LossInfo("mse", "Regression: mean squared error over every output.", "float", "(1/(B k)) sum_i |z_i - y_i|^2"),
         LossInfo("l1", "Regression: mean absolute error over every output.", "float", "(1/(B k)) sum_i |z_i - y_i|_1"),
         LossInfo("bce_with_logits", "Multi-label classification: binary cross-entropy of each output's logit, targets in [0, 1].",
-                 "float", "(1/(B k)) sum_ij -[y_ij log s(z_ij) + (1 - y_ij) log(1 - s(z_ij))], s the logistic sigmoid"),
+                 "probabilities", "(1/(B k)) sum_ij -[y_ij log s(z_ij) + (1 - y_ij) log(1 - s(z_ij))], s the logistic sigmoid"),
     )
 }
 
 
+def resolved_loss(loss: str | None, dataset_name: str) -> str | None:
+    """The loss a job trains with: the spec's, else its catalog dataset's default (mse on float targets), else None
+    (cross-entropy, models.losses)."""
+    if loss is not None or dataset_name not in DATASETS:
+        return loss
+    default = DATASETS[dataset_name].default_loss
+    return None if default == DEFAULT_LOSS else default
+
+
 def loss_problem(loss: str | None, dataset_name: str) -> str | None:
-    """Why a spec's loss cannot train on its dataset (a catalog dataset gives class labels or tokens, which only
-    cross-entropy or a user loss takes), or None. Unknown names are loss_name_problem's."""
-    if loss is None or is_user_ref(loss) or loss not in LOSSES or LOSSES[loss].targets == "labels" or is_user_ref(dataset_name):
+    """Why a spec's loss cannot train on its catalog dataset, or None: a loss of float targets on class labels or
+    tokens, or one of labels on float targets (a user loss or a user dataset: their contract check decides). Unknown
+    names are the spec's own error."""
+    if loss is None or is_user_ref(loss) or loss not in LOSSES or dataset_name not in DATASETS:
         return None
-    kind = DATASETS[dataset_name].input_kind if dataset_name in DATASETS else None
-    gives = "token ids" if kind == "tokens" else "class labels"
+    info, takes = DATASETS[dataset_name], LOSSES[loss].targets
+    if takes == info.targets:
+        return None
+    if info.targets == "float":
+        floats = ", ".join(name for name, entry in LOSSES.items() if entry.targets == "float")
+        what = "class labels" if takes == "labels" else "targets in [0, 1] (multi-label)"
+        return (f"loss '{loss}' takes {what}; catalog dataset '{dataset_name}' gives float targets (a regression): use {floats} "
+                f"(or leave loss out: {info.default_loss})")
+    gives = "token ids" if info.input_kind == "tokens" else "class labels"
     return (f"loss '{loss}' takes float targets of the model output's shape; catalog dataset '{dataset_name}' gives {gives}: "
             f"use {DEFAULT_LOSS} (or leave loss out), or a user dataset (package.module:factory) with float targets")
 

@@ -59,6 +59,7 @@ from models.registry import (
     image_size_problem,
     is_user_ref,
     not_allowlisted_message,
+    resolved_loss,
     user_model_allowed,
 )
 
@@ -202,7 +203,7 @@ def loss_targets(loss: str | None) -> str:
     bce_with_logits: the outputs' shape) or "any" (a user loss: a tensor of B samples)."""
     if loss is None:
         return "labels"
-    return "any" if is_user_ref(loss) else LOSSES[loss].targets
+    return "any" if is_user_ref(loss) else "labels" if LOSSES[loss].targets == "labels" else "float"
 
 
 def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, targets: object, batch_size: int,
@@ -247,8 +248,8 @@ def batch_problem(input_kind: str, shape: dict[str, int], inputs: object, target
     if wants == "float":
         if not bool(torch.isfinite(targets).all()):
             return "gave targets that are not all finite"
-        if loss == "bce_with_logits" and (float(targets.min()) < 0 or float(targets.max()) > 1):
-            return f"gave targets in [{float(targets.min()):g}, {float(targets.max()):g}]; loss 'bce_with_logits' takes targets in [0, 1]"
+        if LOSSES[loss].targets == "probabilities" and (float(targets.min()) < 0 or float(targets.max()) > 1):
+            return f"gave targets in [{float(targets.min()):g}, {float(targets.max()):g}]; loss '{loss}' takes targets in [0, 1]"
         return None
     if targets.dtype != torch.int64:
         return f"gave targets of dtype {targets.dtype}; class indices and next tokens are int64 (torch.long)"
@@ -440,7 +441,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     errors: list[ContractError] = []
     notes: list[str] = []
     source = model_report = None
-    loss = request.get("loss")
+    loss = resolved_loss(request.get("loss"), dataset_name)
     try:
         source = _checked_dataset(dataset_name, dataset, seed, allowed, list(request.get("data_roots") or []), notes, loss)
     except* ContractError as group:

@@ -3,7 +3,7 @@
 Request keys: `model` (catalog name or allowlisted "package.module:factory"), `model_options` (dict),
 `dataset` (dict: `name`, a catalog name or allowlisted "package.module:factory", `num_samples` and the
 dataset's own fields), `loss` (models.losses: a catalog name or an allowlisted "package.module:function";
-default cross-entropy), `seed` (default 0), `allowed_model_modules` (module prefixes user models, datasets
+default the catalog dataset's, cross-entropy but for float targets), `seed` (default 0), `allowed_model_modules` (module prefixes user models, datasets
 and losses may come from; default none). User code follows models.user_contract.
 
 Same seed => the same initial weights; the batch sequence is a function of the generator passed to
@@ -19,7 +19,7 @@ import torch
 
 from models.data import BatchSource, build_dataset
 from models.losses import loss_function
-from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref, loss_problem
+from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref, loss_problem, resolved_loss
 from models.zoo import build_model
 
 
@@ -53,11 +53,12 @@ def build_workload(request: dict[str, Any]) -> Workload:
             f"model '{model_name}' takes {MODELS[model_name].input_kind} inputs but dataset "
             f"'{dataset_name}' gives {DATASETS[dataset_name].input_kind}"
         )
-    problem = loss_problem(request.get("loss"), dataset_name)
+    loss = resolved_loss(request.get("loss"), dataset_name)
+    problem = loss_problem(loss, dataset_name)
     if problem:
         raise ValueError(problem)
     data_roots = list(request.get("data_roots") or [])  # file datasets only under these (models.data_roots)
-    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, data_roots=data_roots, loss=request.get("loss"),
+    data = build_dataset(dataset_name, seed=seed, allowed_modules=allowed_modules, data_roots=data_roots, loss=loss,
                          **dataset)  # fmt: skip
     if is_user_ref(dataset_name) and model_name in MODELS:
         _catalog_model_fits(model_name, dataset_name, data)
@@ -67,7 +68,7 @@ def build_workload(request: dict[str, Any]) -> Workload:
             model_name, options=request.get("model_options") or {}, allowed_model_modules=allowed_modules, **data.shape
         )
     is_tokens = data.input_kind == "tokens"
-    loss_fn = loss_function(request.get("loss"), data.input_kind, allowed_modules)
+    loss_fn = loss_function(loss, data.input_kind, allowed_modules)
     return Workload(
         model=model,
         data=data,

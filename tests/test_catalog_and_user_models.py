@@ -151,7 +151,7 @@ def test_catalog_lists_the_losses_and_the_cli_prints_them(live_server):
     listing = httpx.get(f"{live_server.url}/v1/catalog/losses").json()
     assert listing["default"] == "cross_entropy" and listing["user_losses"]["env"] == "TULA_ALLOWED_MODEL_MODULES"
     assert {loss["name"]: loss["targets"] for loss in listing["losses"]} == {
-        "cross_entropy": "labels", "mse": "float", "l1": "float", "bce_with_logits": "float"}  # fmt: skip
+        "cross_entropy": "labels", "mse": "float", "l1": "float", "bce_with_logits": "probabilities"}  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "tula_service", "catalog", "losses", "--server", live_server.url],
                             capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -176,4 +176,16 @@ def test_a_regression_job_trains_its_pilot_and_profiles_under_its_loss(make_serv
         rec = client.recommendation(job.id)
     noise = rec["models"]["efficiency"]["noise_scale"]
     assert noise["evidence"] == "pilot" and noise["value"] > 0
-    assert all(point["noise_scale"] is not None for point in rec["profiled"]["points"])
+    assert all(point["iter_time_median_s"] > 0 for point in rec["profiled"]["points"])
+
+
+@pytest.mark.e2e
+def test_the_catalog_regression_dataset_is_profiled_and_planned_under_mse(live_server):
+    spec = spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None}, batch_sizes=[8, 16, 32],
+                     profiling=FAST)  # fmt: skip
+    with TulaClient(live_server.url) as client:
+        job = client.wait(client.submit(spec).id, poll_s=0.3, timeout_s=300)
+        assert job.state == "done", job.error
+        rec = client.recommendation(job.id)
+    assert rec["models"]["efficiency"]["noise_scale"]["value"] > 0  # from the points' gradients under mse (2 iterations each:
+    assert all(point["iter_time_median_s"] > 0 for point in rec["profiled"]["points"])  # a point's |G|^2 may be unresolved)

@@ -131,3 +131,22 @@ def test_a_regression_point_measures_its_gradient_noise_under_mse():
     assert gradient["noise_scale"] == pytest.approx(gradient["trace_sigma"] / gradient["true_grad_sq_norm"])
     with pytest.raises(ValueError, match="catalog dataset 'mnist1d' gives class labels"):
         build_workload({**request, "dataset": {"name": "mnist1d", "num_samples": 100}})
+
+
+# --- a catalog regression dataset -------------------------------------------------------------------------
+
+
+def test_the_diabetes_data_are_standardized_regression_targets_trained_with_mse_by_default():
+    spec = JobSpec.model_validate(spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None}))
+    assert spec.dataset.num_samples == 353 and spec.dataset.split == "train" and spec.loss is None
+    workload = build_workload({"model": "mlp1d", "dataset": {"name": "diabetes"}, "seed": 0})
+    assert workload.loss_fn is mean_squared_error and workload.data.shape == {"length": 10, "num_classes": 1}
+    inputs, targets = workload.data.inputs, workload.data.targets
+    assert inputs.shape == (353, 10) and targets.shape == (353, 1)
+    assert torch.allclose(inputs.mean(dim=0), torch.zeros(10), atol=1e-5) and float(targets.std()) == pytest.approx(1.0, rel=1e-5)
+    assert JobSpec.model_validate(spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None,
+                                                                                      "split": "all"})).dataset.num_samples == 442
+    refused = _errors(spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None}, loss="cross_entropy"))
+    assert "takes class labels; catalog dataset 'diabetes' gives float targets (a regression): use mse, l1" in refused[("loss",)]
+    multi_label = _errors(spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None}, loss="bce_with_logits"))
+    assert "takes targets in [0, 1] (multi-label)" in multi_label[("loss",)]

@@ -99,7 +99,9 @@ def test_the_schema_lists_the_rules_it_cannot_state(document):
         ("an unknown GPU", {"cluster": {"gpu_type": "tpu_v5", "device_memory_gib": 16}}),
         ("an unknown interconnect", {"cluster": {"intra_node_link": "carrier_pigeon"}}),
         ("an unknown loss", {"loss": "rmse"}),
-        ("a loss of float targets on a catalog dataset", {"loss": "mse"}),
+        ("a loss of float targets on a catalog dataset of class labels", {"loss": "mse"}),
+        ("cross-entropy on a catalog dataset of float targets",
+         {"loss": "cross_entropy", "model": "mlp1d", "model_options": {}, "dataset": {"name": "diabetes", "num_samples": None}}),
         ("a user loss without an allowlist", {"loss": "acme.losses:focal"}),
     ],
 )
@@ -158,6 +160,12 @@ def test_an_allowlisted_user_model_matches_the_schema_and_another_module_does_no
     assert schema.is_valid(allowed)
     for ref in ("acme_evil:build", "other.models:build", "acme.models"):
         assert not schema.is_valid(spec_dict(model=ref, model_options={})), ref
+
+
+def test_the_regression_dataset_trains_with_a_loss_of_float_targets_in_both(schema):
+    for loss in (None, "mse", "l1"):
+        spec = spec_dict(model="mlp1d", model_options={}, dataset={"name": "diabetes", "num_samples": None}, loss=loss)
+        assert accepted(spec) and schema.is_valid(spec), loss
 
 
 def test_an_allowlisted_loss_and_a_loss_of_float_targets_on_a_user_dataset_match_the_schema(tmp_path, monkeypatch):

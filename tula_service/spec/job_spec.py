@@ -146,7 +146,8 @@ class DatasetSpec(_Strict):
         None, description="digits: the pixel scaling of your run: unit (X/16, in [0, 1]), standard (mean/std of the split), raw (0..16)"
     )
     split: Literal["train", "all"] | None = Field(
-        None, description="digits: train (train_test_split(test_size=0.2, random_state=0): 1437 images) or all 1797"
+        None, description="digits, diabetes: train (train_test_split(test_size=0.2, random_state=0): 1437 images, 353 patients) "
+        "or all (1797, 442)"
     )
     options: dict[str, int | float | str | bool] | None = Field(
         None, description="a user dataset's own keyword arguments, passed to its factory as given"

@@ -14,8 +14,8 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
   with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
-- `loss`: a catalog loss or an allowlisted `package.module:function`; one taking float targets (mse, l1,
-  bce_with_logits) only with a user dataset (catalog datasets give class labels or tokens).
+- `loss`: a catalog loss or an allowlisted `package.module:function`; a catalog one only with the catalog datasets
+  whose targets it takes (class labels or tokens: cross-entropy; float: mse, l1, bce_with_logits) or a user dataset.
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
 comparisons between two numbers of the spec, counting distinct values, and running user code. So is the
@@ -153,15 +153,19 @@ def _model_groups(dataset_base: dict[str, Any], roots: list[str], prefixes: list
 
 
 def _loss_alternatives(prefixes: list[str]) -> list[dict[str, Any]]:
-    """models.registry.loss_problem: a label loss (cross-entropy), or a user one, with any dataset; a loss of float
-    targets with a user dataset only (none without an allowlist)."""
+    """models.registry.loss_problem: no loss (the dataset's default) or a user one with any dataset; a catalog loss with
+    the catalog datasets whose targets it takes (class labels or tokens for cross-entropy, float targets for mse, l1,
+    bce_with_logits) or with an allowlisted user dataset."""
     users = _user_ref_patterns(prefixes)
-    labels = sorted(name for name, info in LOSSES.items() if info.targets == "labels")
-    floats = sorted(name for name, info in LOSSES.items() if info.targets == "float")
-    alternatives = [{"properties": {"loss": {"anyOf": [_NULL, {"enum": labels}, *users]}}}]
-    if users:
+    alternatives = [{"properties": {"loss": {"anyOf": [_NULL, *users]}}}]
+    for targets in sorted({info.targets for info in LOSSES.values()}):
+        losses = sorted(name for name, info in LOSSES.items() if info.targets == targets)
+        catalog = sorted(name for name, info in DATASETS.items() if info.targets == targets)
+        datasets = [*([{"enum": catalog}] if catalog else []), *users]
+        if not datasets:  # bce_with_logits without an allowlist: no dataset gives its targets
+            continue
         alternatives.append({"required": ["loss", "dataset"], "properties": {
-            "loss": {"enum": floats}, "dataset": {"required": ["name"], "properties": {"name": {"anyOf": users}}}}})
+            "loss": {"enum": losses}, "dataset": {"required": ["name"], "properties": {"name": {"anyOf": datasets}}}}})
     return alternatives
 
 
