@@ -7,6 +7,10 @@
 - `digits_x16` / `digits_x16_flat`: digits as scikit-learn ships them (X / 16, pixels in [0, 1]), split by
   `train_test_split(test_size=0.2, random_state=0)`: 1 437 train / 360 test; images (n, 1, 8, 8), or the
   same pixels as length-64 signals for the 1D models.
+- `diabetes`: scikit-learn's `load_diabetes(scaled=False)` as a user's regression script loads it: split by
+  `train_test_split(test_size=0.2, random_state=0)` (353 train / 89 test), the 10 measurements and the target
+  standardized with the train split's mean and std (StandardScaler fitted on the training data, applied to both);
+  inputs (n, 10), float targets (n, 1). The service's `diabetes` serves the same train split.
 - `stdlib_bytes`: Python's standard-library sources as raw bytes (vocab 256): the sorted `.py` files under
   `sysconfig.get_paths()["stdlib"]` (site-packages and dist-packages excluded), concatenated, cut into
   non-overlapping windows of seq_len + 1 bytes; a seeded permutation of the windows gives the train
@@ -24,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "stdlib_bytes")
+DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "stdlib_bytes")
 # The service's dataset fields that give the same data as `load_data` here, for the jobs the benchmarks submit:
 # `digits` here is standardized over all 1 797 images (the service's default is X / 16 on its train split).
 SERVICE_DATASET_FIELDS = {"digits": {"scaling": "standard", "split": "all"}}
@@ -49,6 +53,8 @@ def load_data(dataset: str, train_samples: int, test_samples: int, seq_len: int 
         inputs, targets = standardized_digits()
     elif dataset in ("digits_x16", "digits_x16_flat"):
         return digits_as_shipped(train_samples, test_samples, flat=dataset == "digits_x16_flat")
+    elif dataset == "diabetes":
+        return diabetes_standardized(train_samples, test_samples)
     elif dataset == "stdlib_bytes":
         return stdlib_windows(train_samples, test_samples, seq_len)
     else:
@@ -70,6 +76,8 @@ def data_shape(dataset: str, seq_len: int = 64) -> dict[str, int]:
         return {"length": 64, "num_classes": 10}
     if dataset == "stdlib_bytes":
         return {"vocab_size": 256, "seq_len": seq_len}
+    if dataset == "diabetes":
+        return {"length": 10, "num_classes": 1}
     return {"in_channels": 1, "image_size": 8, "num_classes": 10}
 
 
@@ -103,6 +111,24 @@ def digits_as_shipped(train_samples: int, test_samples: int, flat: bool) -> dict
         "train_x": as_inputs(train_x[:train_samples]), "train_y": torch.from_numpy(train_y[:train_samples]).long(),
         "test_x": as_inputs(test_x[:test_samples]), "test_y": torch.from_numpy(test_y[:test_samples]).long(),
     }  # fmt: skip
+
+
+def diabetes_standardized(train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
+    """scikit-learn's diabetes regression as a user loads it (module docstring): the train split's statistics
+    standardize both splits."""
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    data = load_diabetes(scaled=False)
+    train_x, test_x, train_y, test_y = (torch.from_numpy(a).float() for a in train_test_split(
+        data.data, data.target, test_size=DIGITS_X16_TEST_FRACTION, random_state=DIGITS_X16_SPLIT_SEED))  # fmt: skip
+    if train_samples > len(train_y) or test_samples > len(test_y):
+        raise ValueError(f"diabetes has {len(train_y)} train / {len(test_y)} test samples, fewer than {train_samples} / {test_samples}")
+    mean_x, std_x, mean_y, std_y = train_x.mean(dim=0), train_x.std(dim=0), train_y.mean(), train_y.std()
+    scaled = lambda x, y: ((x - mean_x) / std_x, ((y - mean_y) / std_y).unsqueeze(1))  # noqa: E731
+    (train_x, train_y), (test_x, test_y) = scaled(train_x, train_y), scaled(test_x, test_y)
+    return {"train_x": train_x[:train_samples], "train_y": train_y[:train_samples],
+            "test_x": test_x[:test_samples], "test_y": test_y[:test_samples]}  # fmt: skip
 
 
 def stdlib_files() -> list[Path]:

@@ -131,6 +131,7 @@ JOB_DATASETS = {
     "mnist1d": {"name": "mnist1d"},
     "digits_x16": {"name": "digits", "scaling": "unit", "split": "train"},
     "stdlib_bytes": {"name": "token_file", "path": str(STDLIB_TOKEN_FILE)},  # the server's data roots hold its folder
+    "diabetes": {"name": "diabetes", "split": "train"},  # the same standardized train split, trained with mse
 }
 
 

@@ -47,6 +47,8 @@ def test_every_suite_task_but_the_flat_digits_ones_is_planned_with_its_own_model
     assert gpt["dataset"] == {"name": "token_file", "path": str(online.STDLIB_TOKEN_FILE), "num_samples": 2048, "seq_len": 32}
     with pytest.raises(ValueError, match="digits_x16_flat"):
         online.job_spec(TASKS["digits_mlp_sgd"], TRUTH["digits_mlp_sgd"])
+    regression = JobSpec.model_validate(online.job_spec(TASKS["diabetes_mlp_adam"], TRUTH["diabetes_mlp_adam"]))
+    assert regression.dataset.name == "diabetes" and regression.dataset.num_samples == 353 and regression.loss is None  # mse
 
 
 def test_a_batch_norm_task_trains_every_step_in_its_ground_truths_micro_batches_in_every_arm():
