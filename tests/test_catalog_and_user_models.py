@@ -156,6 +156,9 @@ def test_catalog_lists_the_losses_and_the_cli_prints_them(live_server):
                             capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "cross_entropy" in result.stdout and "(default)" in result.stdout and "user losses 'module:function'" in result.stdout
+    datasets = subprocess.run([sys.executable, "-m", "tula_service", "catalog", "datasets", "--server", live_server.url],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert "split=train, targets=float, loss=mse" in next(line for line in datasets.stdout.splitlines() if line.startswith("diabetes"))
 
 
 @pytest.mark.e2e

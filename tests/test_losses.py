@@ -133,6 +133,18 @@ def test_a_regression_point_measures_its_gradient_noise_under_mse():
         build_workload({**request, "dataset": {"name": "mnist1d", "num_samples": 100}})
 
 
+def test_a_worker_trains_with_the_users_own_loss_and_refuses_one_outside_the_allowlist():
+    from tests.user_models_fixture import huber_loss
+
+    request = {"model": "mlp1d", "dataset": REGRESSION, "loss": f"{FIXTURE}:huber_loss", "allowed_model_modules": ALLOWED,
+               "batch_size": 16, "warmup_iters": 1, "timed_iters": 2, "time_cap_s": 0.5, "grad_microbatches": 2, "grad_iters": 2,
+               "device": "cpu", "seed": 0}  # fmt: skip
+    assert build_workload(request).loss_fn is huber_loss
+    assert profile_point(request)["status"] == "ok"
+    with pytest.raises(PermissionError, match="user loss module 'tests.user_models_fixture' is not allowlisted"):
+        build_workload({**request, "dataset": {"name": "diabetes"}, "allowed_model_modules": ["acme"]})  # a catalog dataset: only the loss is user code
+
+
 # --- a catalog regression dataset -------------------------------------------------------------------------
 
 

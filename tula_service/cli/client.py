@@ -473,12 +473,15 @@ def _catalog(args: argparse.Namespace) -> int:
     if args.kind == "losses":
         for entry in listing["losses"]:
             default = " (default)" if entry["name"] == listing.get("default") else ""
-            print(f"{entry['name']:<16} targets {entry['targets']:<7} {entry['description']}{default}")
+            print(f"{entry['name']:<16} targets {entry['targets']:<13} {entry['description']}{default}")
+        print("\na catalog dataset of float targets trains with its own default loss (`tula catalog datasets`: loss=...)")
         allowed = listing["user_losses"]["allowed_module_prefixes"]
         print(f"\nuser losses 'module:function': allowed prefixes {allowed or 'none'} (server env {listing['user_losses']['env']})")
         return 0
     for entry in listing[args.kind]:
-        extras = entry.get("options") or entry.get("fields") or {}
+        extras = dict(entry.get("options") or entry.get("fields") or {})
+        if entry.get("targets", "labels") != "labels":  # a regression dataset: what it trains with by default
+            extras |= {"targets": entry["targets"], "loss": entry.get("default_loss")}
         settings = ", ".join(f"{k}={human_number(v) if isinstance(v, float) else v}" for k, v in extras.items())
         print(f"{entry['name']:<22} {entry['input_kind']:<9} {settings}".rstrip())
     if args.kind == "models":

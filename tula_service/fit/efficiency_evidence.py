@@ -119,7 +119,7 @@ ASSUMED_LR = {
     "measured_runs": "the LR at each batch is chosen as it was in the measured runs",
     "advised_rule": "the LR at each batch follows the advised rule (lr_rule: the AdaScale gain of B_noise, its square "
     "root for Adam, AdamW and RMSprop). Trained that way, the CPU tasks of benchmarks/advised_lr.py matched the predicted epochs "
-    "within 2.7-7.8% (median per task) on 7 of 19 tasks and 10-67% on the others; with the LR tuned at every batch instead, "
+    "within 2.7-7.8% (median per task) on 7 of 21 tasks and 10-67% on the others; with the LR tuned at every batch instead, "
     "they needed 1.1-2.8x fewer epochs above B_noise, so there a tuned LR can beat this prediction",
 }
 
