@@ -18,7 +18,7 @@ from typing import Any
 
 import schemathesis
 
-from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_problem
+from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_problem, loss_problem
 from tula_service.spec.job_spec import MAX_BATCH, powers_of_two_between
 from tula_service.spec.spec_limits import max_batch_sizes, max_devices
 
@@ -87,7 +87,15 @@ def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:
     _width_splits_into_heads(spec)
     _image_side_the_model_takes(spec)
     _step_placements_that_fit(spec)
+    _loss_the_dataset_takes(spec)
     return spec
+
+
+def _loss_the_dataset_takes(spec: dict[str, Any]) -> None:
+    """A catalog loss the catalog dataset's targets do not fit is left out: the dataset's default trains."""
+    loss = spec.get("loss")
+    if isinstance(loss, str) and loss_problem(loss, spec["dataset"]["name"]):
+        spec["loss"] = None
 
 
 def _distinct_batches(spec: dict[str, Any]) -> None:

@@ -262,5 +262,5 @@ def test_an_answer_that_breaks_the_recommendation_contract_is_refused():
 
 
 def test_unknown_catalog_is_refused_before_any_request(client):
-    with pytest.raises(ValueError, match="known: models, datasets, gpus"):
+    with pytest.raises(ValueError, match="known: models, datasets, losses, gpus"):
         client.catalog("optimizers")

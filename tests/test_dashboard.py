@@ -292,6 +292,30 @@ def test_what_if_with_twice_the_devices_replans_without_profiling_and_redraws(ta
 # --- forms and errors -----------------------------------------------------------------------------------
 
 
+def test_the_form_offers_the_losses_the_dataset_takes_and_sends_the_one_chosen(tab, server):
+    page = tab.open("/jobs/new")
+    page.wait_for_selector("#job-form[data-ready='true']")
+    page.select_option("select[name=model]", "mlp1d")
+    losses = "os => os.map((o) => [o.value, o.textContent])"
+    page.select_option("select[name=dataset_name]", "mnist1d")
+    assert page.eval_on_selector_all("select[name=loss] option", losses) == [["", "cross_entropy (the dataset's default)"]]
+    page.select_option("select[name=dataset_name]", "diabetes")  # a regression: its float targets take mse or l1
+    assert page.eval_on_selector_all("select[name=loss] option", losses) == [["", "mse (the dataset's default)"], ["l1", "l1"]]
+    assert page.inner_text("#loss-description").startswith("Regression: mean squared error")
+    page.select_option("select[name=loss]", "l1")
+    assert page.inner_text("#loss-description").startswith("Regression: mean absolute error")
+    page.fill("input[name=batch_sizes]", "8, 16")
+    page.fill("input[name=price]", "1")
+    page.fill("input[name=reference_batch]", "16")
+    page.fill("input[name=reference_epochs]", "10")
+    page.click("#advanced summary")
+    page.fill("textarea[name=advanced]", json.dumps({"profiling": FAST_PROFILING}))
+    page.click("#submit-job")
+    page.wait_for_url(lambda url: "/jobs/" in url and not url.endswith("/jobs/new"))
+    spec = server.api.get(f"/v1/jobs/{page.url.rsplit('/', 1)[1]}")["spec"]
+    assert spec["loss"] == "l1" and spec["dataset"] == {**spec["dataset"], "name": "diabetes", "num_samples": 353}
+
+
 def test_a_bad_form_value_shows_the_api_message_next_to_its_field(tab, server):
     total_before = server.api.get("/v1/jobs?limit=1")["total"]
     page = tab.open("/jobs/new")

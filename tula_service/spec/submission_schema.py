@@ -14,8 +14,7 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
   with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
-- `loss`: a catalog loss or an allowlisted `package.module:function`; a catalog one only with the catalog datasets
-  whose targets it takes (class labels or tokens: cross-entropy; float: mse, l1, bce_with_logits) or a user dataset.
+- `loss`: a catalog loss name or an allowlisted `package.module:function`.
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
 comparisons between two numbers of the spec, counting distinct values, and running user code. So is the
@@ -53,6 +52,8 @@ SCHEMA_CANNOT_STATE = (
     "dataset.image_size (or the dataset's default side) at least the model's min_image_size, a multiple of its "
     "image_size_multiple (GET /v1/catalog/models)",
     "a user (package.module:factory) model, dataset or loss: its contract, checked by running it on 2 samples",
+    "loss: one that takes the catalog dataset's targets (GET /v1/catalog/losses and /datasets: cross_entropy on class "
+    "labels and tokens; mse or l1 on diabetes's float targets; bce_with_logits on a user dataset's)",
     "profiling.step_placements: each uses 2 or more devices, on at most cluster.nodes nodes, at most "
     "cluster.gpus_per_node GPUs on each",
 )
@@ -124,48 +125,36 @@ def _model_options_schema(model: ModelInfo) -> dict[str, Any]:
     return {"type": "object", "properties": {name: option for name in model.options}, "additionalProperties": False}
 
 
-def _model_groups(dataset_base: dict[str, Any], roots: list[str], prefixes: list[str]) -> list[dict[str, Any]]:
-    """One alternative per set of catalog models that take the same options and inputs:
-    those models, their options, and the datasets (catalog and allowlisted user ones) they can train on."""
+def _dataset_variants(dataset_base: dict[str, Any], roots: list[str], prefixes: list[str]) -> list[dict[str, Any]]:
+    """Every dataset a spec may name: each usable catalog dataset's variant, and the allowlisted user ones."""
+    catalog = [_dataset_variant(info, dataset_base, roots) for info in DATASETS.values()]
+    return [d for d in catalog if d is not None] + _user_dataset_variants(dataset_base, prefixes)
+
+
+def _model_groups(roots: list[str], prefixes: list[str]) -> list[dict[str, Any]]:
+    """One alternative per set of catalog models that take the same options and inputs: those models, their options,
+    and the names of the datasets (catalog and allowlisted user ones) they can train on. The datasets' own variants
+    are stated once (job_submission_schema's `dataset`), not per group: a product of groups and variants grew past
+    what schemathesis's generator can resolve (its canonical form went unresolved when a second signal dataset came)."""
     groups: dict[tuple, list[ModelInfo]] = {}
     for model in MODELS.values():
         groups.setdefault((model.input_kind, tuple(sorted(model.options))), []).append(model)
-    user_datasets = _user_dataset_variants(dataset_base, prefixes)
+    users = _user_ref_patterns(prefixes)
+    usable = [info for info in DATASETS.values() if "path" not in info.fields or roots]
     alternatives = []
     for (input_kind, _options), models in groups.items():
-        datasets = [_dataset_variant(info, dataset_base, roots) for info in DATASETS.values()
-                    if info.input_kind == input_kind]
-        datasets = [d for d in datasets if d is not None] + user_datasets
-        if not datasets:
+        names = sorted(info.name for info in usable if info.input_kind == input_kind)
+        if not names and not users:
             continue
         alternatives.append({
             "properties": {
                 "model": {"enum": sorted(m.name for m in models)},
                 "model_options": _model_options_schema(models[0]),
-                "dataset": {"anyOf": datasets},
+                "dataset": {"properties": {"name": {"anyOf": [*([{"enum": names}] if names else []), *users]}}},
             },
         })
-    for pattern in _user_ref_patterns(prefixes):  # a user model may try any dataset (its contract check decides)
-        datasets = [_dataset_variant(info, dataset_base, roots) for info in DATASETS.values()]
-        alternatives.append({"properties": {"model": pattern, "dataset": {"anyOf": [
-            *(d for d in datasets if d is not None), *user_datasets]}}})
-    return alternatives
-
-
-def _loss_alternatives(prefixes: list[str]) -> list[dict[str, Any]]:
-    """models.registry.loss_problem: no loss (the dataset's default) or a user one with any dataset; a catalog loss with
-    the catalog datasets whose targets it takes (class labels or tokens for cross-entropy, float targets for mse, l1,
-    bce_with_logits) or with an allowlisted user dataset."""
-    users = _user_ref_patterns(prefixes)
-    alternatives = [{"properties": {"loss": {"anyOf": [_NULL, *users]}}}]
-    for targets in sorted({info.targets for info in LOSSES.values()}):
-        losses = sorted(name for name, info in LOSSES.items() if info.targets == targets)
-        catalog = sorted(name for name, info in DATASETS.items() if info.targets == targets)
-        datasets = [*([{"enum": catalog}] if catalog else []), *users]
-        if not datasets:  # bce_with_logits without an allowlist: no dataset gives its targets
-            continue
-        alternatives.append({"required": ["loss", "dataset"], "properties": {
-            "loss": {"enum": losses}, "dataset": {"required": ["name"], "properties": {"name": {"anyOf": datasets}}}}})
+    for pattern in users:  # a user model may try any dataset (its contract check decides)
+        alternatives.append({"properties": {"model": pattern}})
     return alternatives
 
 
@@ -219,7 +208,8 @@ def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
     properties["batch_sizes"] = _batch_sizes_schema(properties["batch_sizes"])
     properties["cluster"] = _cluster_schema(components["ClusterSpec"])
     properties["training"] = _training_schema(components["TrainingSpec"])
-    properties["dataset"] = {"type": "object", "description": components["DatasetSpec"].get("description", "")}
+    properties["dataset"] = {"description": components["DatasetSpec"].get("description", ""),
+                             "anyOf": _dataset_variants(components["DatasetSpec"], roots, prefixes)}
     properties["loss"] = {"description": properties["loss"].get("description", ""),
                           "anyOf": [_NULL, {"enum": sorted(LOSSES)}, *_user_ref_patterns(prefixes)]}
     properties["pricing"] = copy.deepcopy(components["PricingSpec"])
@@ -230,8 +220,7 @@ def job_submission_schema(components: dict[str, Any]) -> dict[str, Any]:
     )
     spec["title"] = COMPONENT
     spec["allOf"] = [
-        {"anyOf": _model_groups(components["DatasetSpec"], roots, prefixes)},
-        {"anyOf": _loss_alternatives(prefixes)},
+        {"anyOf": _model_groups(roots, prefixes)},
         {"anyOf": [  # a price, or the catalog's per GPU-hour for a known gpu_type
             {"properties": {"pricing": {"required": ["price"], "properties": {"price": {"type": "number", "exclusiveMinimum": 0}}}}},
             {"required": ["cluster"], "properties": {

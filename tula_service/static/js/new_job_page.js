@@ -8,7 +8,7 @@ import { clearErrors, numberValue, showFieldError, showProblem } from "./forms.j
 const form = document.getElementById("job-form");
 const field = (name) => form.elements.namedItem(name);
 const status = document.getElementById("submit-status");
-const catalog = { models: new Map(), datasets: new Map(), gpus: new Map() };
+const catalog = { models: new Map(), datasets: new Map(), losses: new Map(), gpus: new Map() };
 const PREFERRED = { model: "small_cnn", image: "synthetic_images", tokens: "synthetic_tokens" };
 let lastSubmission = { body: null, key: null };
 
@@ -54,6 +54,24 @@ function datasetChanged() {
       el("span", { class: "field-error", "data-error-for": `dataset.${name}` }));
   });
   replaceChildren(document.getElementById("dataset-fields"), inputs);
+  fillLosses(info);
+}
+
+// The losses that take the dataset's targets (class labels, or a regression's floats); "" leaves the spec's loss out,
+// so the dataset's own default trains (cross-entropy, or mse on float targets). A user loss: the advanced JSON.
+function fillLosses(info) {
+  const targets = info?.targets || "labels";
+  const fallback = info?.default_loss || "cross_entropy";
+  const others = [...catalog.losses.values()].filter((l) => l.targets === targets && l.name !== fallback);
+  const current = field("loss").value;
+  replaceChildren(field("loss"), [option("", `${fallback} (the dataset's default)`),
+    ...others.map((l) => option(l.name, l.name, l.name === current))]);
+  lossChanged();
+}
+
+function lossChanged() {
+  const info = catalog.losses.get(field("loss").value || catalog.datasets.get(field("dataset_name").value)?.default_loss || "cross_entropy");
+  document.getElementById("loss-description").textContent = info ? info.description : "";
 }
 
 function fillGpus() {
@@ -110,6 +128,7 @@ function specFromForm() {
       num_samples: field("num_samples").disabled ? undefined : numberValue(field("num_samples")),
       ...datasetFields,
     }),
+    loss: text("loss"),
     batch_sizes: batchSizes(field("batch_sizes").value),
     cluster: withoutUndefined({
       nodes: numberValue(field("nodes")),
@@ -172,10 +191,11 @@ async function submit(event) {
 
 async function load() {
   try {
-    const [models, datasets, gpus] = await Promise.all([
-      api("/v1/catalog/models"), api("/v1/catalog/datasets"), api("/v1/catalog/gpus")]);
+    const [models, datasets, losses, gpus] = await Promise.all([
+      api("/v1/catalog/models"), api("/v1/catalog/datasets"), api("/v1/catalog/losses"), api("/v1/catalog/gpus")]);
     models.models.forEach((m) => catalog.models.set(m.name, m));
     datasets.datasets.forEach((d) => catalog.datasets.set(d.name, d));
+    losses.losses.forEach((l) => catalog.losses.set(l.name, l));
     gpus.gpus.forEach((g) => catalog.gpus.set(g.name, g));
   } catch (error) {
     status.textContent = `Could not load the catalog: ${error.message}`;
@@ -190,6 +210,7 @@ async function load() {
 
 field("model").addEventListener("change", modelChanged);
 field("dataset_name").addEventListener("change", datasetChanged);
+field("loss").addEventListener("change", lossChanged);
 field("objective").addEventListener("change", objectiveChanged);
 form.addEventListener("submit", submit);
 window.addEventListener("tula:token-changed", () => { if (!form.dataset.ready) load(); });
