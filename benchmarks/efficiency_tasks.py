@@ -265,20 +265,16 @@ def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(task: Task, model: torch.nn.Module, data: dict[str, torch.Tensor]) -> float:
-    """Test accuracy, or the mean held-out loss (infinite when the outputs are not finite)."""
+    """Test accuracy, the mean held-out loss, or the mean loss over the train set (infinite when the outputs are not
+    finite)."""
+    split = "train" if task.target_metric == "train_loss" else "test"
     model.eval()
     with torch.no_grad():
-        outputs = model(data["test_x"])
+        outputs = model(data[f"{split}_x"])
     model.train()
     finite = bool(torch.isfinite(outputs).all())
-    if task.target_metric == "val_loss":
-        return float(mean_loss(outputs, data["test_y"])) if finite else math.inf
-    if task.target_metric == "train_loss":
-        model.eval()
-        with torch.no_grad():
-            outputs = model(data["train_x"])
-        model.train()
-        return float(mean_loss(outputs, data["train_y"])) if bool(torch.isfinite(outputs).all()) else math.inf
+    if task.target_metric in ("val_loss", "train_loss"):
+        return float(mean_loss(outputs, data[f"{split}_y"])) if finite else math.inf
     return float((outputs.argmax(1) == data["test_y"]).float().mean()) if finite else 0.0
 
 

@@ -32,8 +32,8 @@ DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "s
 # The service's dataset fields that give the same data as `load_data` here, for the jobs the benchmarks submit:
 # `digits` here is standardized over all 1 797 images (the service's default is X / 16 on its train split).
 SERVICE_DATASET_FIELDS = {"digits": {"scaling": "standard", "split": "all"}}
-DIGITS_X16_TEST_FRACTION = 0.2
-DIGITS_X16_SPLIT_SEED = 0
+SPLIT_TEST_FRACTION = 0.2
+SPLIT_SEED = 0
 STDLIB_WINDOW_SEED = 0
 STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def digits_as_shipped(train_samples: int, test_samples: int, flat: bool) -> dict
 
     digits = load_digits()
     train_x, test_x, train_y, test_y = train_test_split(
-        digits.data / 16.0, digits.target, test_size=DIGITS_X16_TEST_FRACTION, random_state=DIGITS_X16_SPLIT_SEED
+        digits.data / 16.0, digits.target, test_size=SPLIT_TEST_FRACTION, random_state=SPLIT_SEED
     )
     if train_samples > len(train_y) or test_samples > len(test_y):
         raise ValueError(f"digits_x16 has {len(train_y)} train / {len(test_y)} test samples, fewer than {train_samples} / {test_samples}")
@@ -121,7 +121,7 @@ def diabetes_standardized(train_samples: int, test_samples: int) -> dict[str, to
 
     data = load_diabetes(scaled=False)
     train_x, test_x, train_y, test_y = (torch.from_numpy(a).float() for a in train_test_split(
-        data.data, data.target, test_size=DIGITS_X16_TEST_FRACTION, random_state=DIGITS_X16_SPLIT_SEED))  # fmt: skip
+        data.data, data.target, test_size=SPLIT_TEST_FRACTION, random_state=SPLIT_SEED))  # fmt: skip
     if train_samples > len(train_y) or test_samples > len(test_y):
         raise ValueError(f"diabetes has {len(train_y)} train / {len(test_y)} test samples, fewer than {train_samples} / {test_samples}")
     mean_x, std_x, mean_y, std_y = train_x.mean(dim=0), train_x.std(dim=0), train_y.mean(), train_y.std()

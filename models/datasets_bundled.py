@@ -16,8 +16,8 @@ from models.registry import DIABETES_SPLIT_SIZES, MNIST1D_MAX_SAMPLES
 
 DIGITS_SIDE_PX = 8
 DIGITS_MAX_PIXEL = 16.0  # load_digits gives pixel values 0..16
-DIGITS_SPLIT_SEED = 0  # random_state of the train/test split
-DIGITS_TEST_FRACTION = 0.2
+SPLIT_SEED = 0  # random_state of the train/test split (digits, diabetes)
+SPLIT_TEST_FRACTION = 0.2
 DIGITS_SCALINGS = ("unit", "standard", "raw")
 DIGITS_SPLITS = ("train", "all")
 MNIST1D_LENGTH = 40
@@ -26,16 +26,23 @@ MNIST1D_DEFAULT_SAMPLES = 5000  # the reference data set's size, when num_sample
 MNIST1D_SEED = 42  # the reference data set's generator seed
 
 
-def digits_split_index(total: int, split: str) -> torch.Tensor:
-    """Indices of a split of the `total` digits (split_index: 1437 of 1797 in "train")."""
-    return split_index(total, split)
+def split_index(total: int, split: str) -> torch.Tensor:
+    """Indices of a split of `total` samples: "train", the train part of scikit-learn's `train_test_split(...,
+    test_size=0.2, random_state=0)` (shuffled, not stratified), in its order, as a user's script splits them; "all":
+    0..total-1."""
+    from sklearn.model_selection import train_test_split
+
+    if split == "all":
+        return torch.arange(total)
+    train_index, _ = train_test_split(np.arange(total), test_size=SPLIT_TEST_FRACTION, random_state=SPLIT_SEED)
+    return torch.from_numpy(train_index)
 
 
 class Digits:
     """scikit-learn's `load_digits` (UCI optical digits, 1797 8x8 images with pixels 0..16, 10 classes) as a
     training run sees them.
 
-    split "train" (default): the 1437 images of `digits_split_index` (the held-out 360 are never served);
+    split "train" (default): the 1437 images of `split_index` (the held-out 360 are never served);
     "all": the 1797. scaling "unit" (default): X / 16, pixels in [0, 1]; "standard": (X - mean) / std with
     the scalar mean and std of the split's pixels; "raw": X as load_digits gives it. Resized (bilinear,
     antialiased) to image_size."""
@@ -51,7 +58,7 @@ class Digits:
         if split not in DIGITS_SPLITS:
             raise ValueError(f"digits split '{split}' is not one of {', '.join(DIGITS_SPLITS)}")
         digits = load_digits()
-        index = digits_split_index(len(digits.target), split)
+        index = split_index(len(digits.target), split)
         images = torch.from_numpy(digits.images).float().unsqueeze(1)[index]
         if scaling == "unit":
             images = images / DIGITS_MAX_PIXEL
@@ -89,18 +96,6 @@ def generate_mnist1d(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
         np.random.set_state(numpy_state)
         random.setstate(python_state)
     return generated["x"].astype(np.float32), generated["y"].astype(np.int64)
-
-
-def split_index(total: int, split: str) -> torch.Tensor:
-    """Indices of a split of `total` samples: "train", the train part of scikit-learn's `train_test_split(...,
-    test_size=0.2, random_state=0)` (shuffled, not stratified), in its order, as a user's script splits them; "all":
-    0..total-1."""
-    from sklearn.model_selection import train_test_split
-
-    if split == "all":
-        return torch.arange(total)
-    train_index, _ = train_test_split(np.arange(total), test_size=DIGITS_TEST_FRACTION, random_state=DIGITS_SPLIT_SEED)
-    return torch.from_numpy(train_index)
 
 
 class Diabetes:

@@ -513,7 +513,8 @@ class JobSpec(_Strict):
     dataset: DatasetSpec
     loss: str | None = Field(
         None, max_length=300, description="the training loss (GET /v1/catalog/losses): cross_entropy, the default (next-token "
-        "on token data); mse, l1 or bce_with_logits, whose float targets (the model output's shape) a user dataset gives; or "
+        "on token data; mse on diabetes); mse, l1 or bce_with_logits, whose float targets (the model output's shape) diabetes "
+        "(not bce_with_logits) or a user dataset gives; or "
         "'package.module:function' when allowlisted, called as function(outputs, targets) -> the batch's mean loss",
     )  # fmt: skip
     batch_sizes: list[BatchSize] = Field(
