@@ -13,7 +13,7 @@ from tula_service.spec.job_spec import JobSpec
 from tula_service.units import GIB, MIB
 
 REQUIRED_GPUS = {
-    "h200", "h100_sxm", "h100_pcie", "a100_80gb_sxm", "a100_40gb_sxm", "l40s", "a10g", "v100_32gb", "rtx_4090", "mi300x",
+    "h200", "h100_sxm", "h100_pcie", "a100_80gb_sxm", "a100_40gb_sxm", "l40s", "a10g", "v100_32gb", "t4", "rtx_4090", "mi300x",
 }  # fmt: skip
 LISTING_KEYS = {
     "name", "memory_gib", "default_price_usd_per_hour", "intra_node_link", "peak_bf16_tflops",
