@@ -75,11 +75,30 @@ resolved there; on the two plain-SGD tasks where it is, it reads 4.5x and 7.5x B
 1.11x. It overshoots as the EMA did. The service does not use it. (On the GRU under SGD, B_hessian is 1.63x B_simple,
 nearer the best B_noise, 7.6x; one task.)
 
+The fourth hypothesis (2026-12-06): the noise scale the user's own LR implies. On the quadratic model along the
+gradient (McCandlish et al. 2018, sec. 2.2, eqs. 2.5-2.6) the best step at batch B is eps_opt(B) = eps_max /
+(1 + B_noise / B), eps_max = |G|^2 / (G^T H G) the best step without noise. If the reference LR is the best at
+B_ref (what EpochModel assumes of it, x_ref), the step it takes, eps_ref = eta / (1 - beta) for heavy-ball momentum
+beta, gives
+
+    B_lr = B_ref (eps_max / eps_ref - 1),
+
+from the curvature along the gradient (the same two-batch G^T H G as B_hessian; |G|^2 and G^T H G summed over the
+second half, then divided) and the LR, with no tr(Sigma) at all: the user's tuning would carry the noise scale.
+SGD only (Adam's step is preconditioned). It needs eps_ref below eps_max. Measured 2026-12-06 on the 8 SGD tasks
+with Hessians (the GRU aside, 2 min): eps_max / eps_ref is 0.21-1.17 (median 0.41): the reference runs step at or
+past the best noise-free step along the gradient, as at the edge of stability (Cohen et al. 2021), so B_lr is
+negative on five tasks and 1.5-5.4 on the other three, where the best B_noise is 160-1545 (`lr_implied_tasks=8
+lr_implied_resolved=3 eps_ratio_median=0.41`). The premise x_ref = 1 / (1 + B_noise / B_ref) fails on every one of
+them; the service does not use it, and EpochModel's cap cost, which rests on the same x_ref, says it is unmeasured.
+
 Run:  .venv/bin/python benchmarks/momentum_signal.py [--quick] [--tasks NAME ...]
 (--quick: digits_mlp_sgd and digits_cnn_sgd only, about 60 s; the full run about 4 min; nothing is written.)
 Last line:  momentum_signal: tasks=N rank_correlation=R smoothed_nearer_best=K simple_median_abs_log_err=X smoothed_median_abs_log_err=Y
             hessian_rank_correlation=R2 hessian_nearer_best=K2 hessian_median_abs_log_err=Z stationary_tasks=M
             stationary_nearer_best=K3 stationary_median_abs_log_err=W simple_there=V (V: B_simple's on those M tasks)
+            lr_implied_tasks=L lr_implied_resolved=J eps_ratio_median=Q (L: SGD tasks with eps_max / eps_ref; J: of them
+            with eps_max above eps_ref, so a B_lr; Q: the median eps_max / eps_ref)
 """
 
 from __future__ import annotations
@@ -204,6 +223,20 @@ def second_half_noise_scale(steps: list[dict[str, float]], batch: int, signal: s
     return progress_weighted_ratio(arrays)
 
 
+def lr_implied_noise_scale(steps: list[dict[str, float]], batch: int) -> tuple[float | None, float | None]:
+    """(B_lr, eps_max / eps_ref) over the second half of the steps with Hessian-weighted estimates (module docstring,
+    the fourth hypothesis): eps_max = sum |G|^2 / sum G^T H G, eps_ref the mean effective LR eta / (1 - beta); B_lr is
+    None where eps_max is not above eps_ref (no noise scale makes that LR the best), the ratio None where the summed
+    curvature is not positive."""
+    half = [s for s in steps if "hessian_grad_sqr" in s]
+    half = half[len(half) // 2 :]
+    curvature = sum(s["hessian_grad_sqr"] for s in half)
+    if not half or curvature <= 0:
+        return None, None
+    ratio = sum(s["grad_sqr"] for s in half) / curvature / float(np.mean([s["effective_lr"] for s in half]))
+    return (batch * (ratio - 1.0) if ratio > 1.0 else None), ratio
+
+
 def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     hessian = et.TASKS[name].model in DOUBLE_BACKWARD_MODELS
     steps = reference_run_statistics(name, truth, hessian)
@@ -212,6 +245,7 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
     simple, smoothed = (second_half_noise_scale(steps, batch, signal, prefix) for signal in ("raw", "ema"))
     hessian_scale = second_half_noise_scale(steps, batch, "hessian") if hessian else None
     stationary = second_half_noise_scale(steps, batch, "stationary") if hessian and task.optimizer == "sgd" else None
+    lr_implied, eps_ratio = lr_implied_noise_scale(steps, batch) if hessian and task.optimizer == "sgd" else (None, None)
     service = se.evaluate(task)
     best = se.truth_floor(task, fit_epochs_to_runs(list(task.epochs), list(task.epochs.values())))["best_noise_scale"]
     return {
@@ -220,6 +254,7 @@ def evaluate(name: str, truth: dict[str, Any], task: se.Task) -> dict[str, Any]:
         "smoothed_over_simple": smoothed / simple if simple and smoothed else None, "hessian": hessian_scale,
         "hessian_over_simple": hessian_scale / simple if simple and hessian_scale else None, "stationary": stationary,
         "stationary_over_simple": stationary / simple if simple and stationary else None,
+        "lr_implied": lr_implied, "eps_max_over_eps_ref": eps_ratio,
     }  # fmt: skip
 
 
@@ -252,17 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     tasks = {t.name: t for t in se.cpu_tasks(et.DEFAULT_PATH)}
     rows = [evaluate(name, truth[name], tasks[name]) for name in names]
     print("| task | optimizer | steps | service B_noise | best B_noise (needed x) | B_simple here | B_smoothed | smoothed / simple "
-          "| B_hessian | hessian / simple | B_stationary | stationary / simple |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| B_hessian | hessian / simple | B_stationary | stationary / simple | eps_max / eps_ref | B_lr |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     shown = lambda value: "-" if value is None else f"{value:.4g}"  # noqa: E731
     for r in rows:
         print(f"| {r['task']} | {r['optimizer']} | {r['steps']} | {r['service_noise_scale']:.4g} | {r['best_noise_scale']:.4g} "
               f"({r['needed_factor']:.2f}) | {shown(r['simple'])} | {shown(r['smoothed'])} | {shown(r['smoothed_over_simple'])} "
               f"| {shown(r['hessian'])} | {shown(r['hessian_over_simple'])} | {shown(r.get('stationary'))} "
-              f"| {shown(r.get('stationary_over_simple'))} |")  # fmt: skip  (a reading with no resolved signal: -)
+              f"| {shown(r.get('stationary_over_simple'))} | {shown(r.get('eps_max_over_eps_ref'))} | {shown(r.get('lr_implied'))} |")  # fmt: skip  (a reading with no resolved signal: -)
     valid = [r for r in rows if r["smoothed_over_simple"]]
     weighted = [r for r in valid if r["hessian_over_simple"]]
     fluctuation = [r for r in valid if r.get("stationary_over_simple")]
+    implied = [r for r in rows if r.get("eps_max_over_eps_ref") is not None]
     correlation = rank_correlation([r["smoothed_over_simple"] for r in valid], [r["needed_factor"] for r in valid])
     hessian_correlation = rank_correlation([r["hessian_over_simple"] for r in weighted], [r["needed_factor"] for r in weighted])
     print(f"momentum_signal: tasks={len(valid)} rank_correlation={correlation:.2f} smoothed_nearer_best={nearer_best(valid, 'smoothed')} "
@@ -271,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
           f"hessian_median_abs_log_err={median_log_error(weighted, 'hessian'):.2f} stationary_tasks={len(fluctuation)} "
           f"stationary_nearer_best={nearer_best(fluctuation, 'stationary')} "
           f"stationary_median_abs_log_err={median_log_error(fluctuation, 'stationary'):.2f} "
-          f"simple_there={median_log_error(fluctuation, 'simple'):.2f}")  # fmt: skip
+          f"simple_there={median_log_error(fluctuation, 'simple'):.2f} lr_implied_tasks={len(implied)} "
+          f"lr_implied_resolved={sum(r['lr_implied'] is not None for r in implied)} "
+          f"eps_ratio_median={float(np.median([r['eps_max_over_eps_ref'] for r in implied])) if implied else float('nan'):.2f}")  # fmt: skip
     return 0
 
 

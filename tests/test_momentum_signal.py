@@ -34,7 +34,7 @@ def test_a_task_whose_signal_is_not_resolved_is_shown_as_a_dash_and_left_out_of_
     with contextlib.redirect_stdout(out):
         assert ms.main(["--tasks", *rows]) == 0
     lines = out.getvalue().splitlines()
-    assert "| digits_cnn_adam | sgd | 100 | 50 | 75 (1.50) | - | 300 | - | - | - | - | - |" in lines
+    assert "| digits_cnn_adam | sgd | 100 | 50 | 75 (1.50) | - | 300 | - | - | - | - | - | - | - |" in lines
     assert lines[-1].startswith("momentum_signal: tasks=2 rank_correlation=1.00 ")
 
 
@@ -48,3 +48,18 @@ def test_the_stationary_signal_is_the_gradient_less_the_fluctuation_its_own_nois
     assert ms.second_half_noise_scale(halved, 32, "stationary") == pytest.approx(100.0 / 1.5)
     # steps without the Hessian-weighted estimates (Adam's first) are left out, as for B_hessian
     assert ms.second_half_noise_scale([{"grad_sqr": 2.0, "trace_sigma": 100.0}] * 4 + steps, 32, "stationary") == pytest.approx(100.0)
+
+
+def test_the_lr_implied_noise_scale_is_the_best_step_without_noise_over_the_step_taken():
+    # |G|^2 = 2, G^T H G = 0.5: eps_max = 4; eta 0.1 with momentum 0.9 steps eps_ref = 1: eps_max / eps_ref = 4, so the LR
+    # is the best at B_ref = 32 when 1 + B_noise / 32 = 4, B_noise = 96
+    steps = [{"grad_sqr": 2.0, "trace_sigma": 100.0, "hessian_grad_sqr": 0.5, "hessian_trace_sigma": 64.0, "effective_lr": 1.0}] * 10
+    assert ms.lr_implied_noise_scale(steps, 32) == (pytest.approx(96.0), pytest.approx(4.0))
+    # a step past the best noise-free one: no noise scale makes that LR the best, but the ratio is reported
+    past = [{**step, "effective_lr": 8.0} for step in steps]
+    assert ms.lr_implied_noise_scale(past, 32) == (None, pytest.approx(0.5))
+    # only the second half of the steps with Hessian-weighted estimates counts; curvature that is not positive: nothing
+    early = [{**step, "grad_sqr": 50.0} for step in steps]
+    assert ms.lr_implied_noise_scale(early + steps, 32) == (pytest.approx(96.0), pytest.approx(4.0))
+    assert ms.lr_implied_noise_scale([{**step, "hessian_grad_sqr": -0.1} for step in steps], 32) == (None, None)
+    assert ms.lr_implied_noise_scale([{"grad_sqr": 2.0, "trace_sigma": 100.0}] * 4, 32) == (None, None)
