@@ -94,7 +94,10 @@ Windows. Every `every` optimizer steps one record: |G|^2 and tr(Sigma) averaged 
 steps separately (never per-step ratios), samples (all ranks, cumulative), batch (global), step,
 loss (mean over the window, over the ranks too), metric (the last one passed in the window, rank 0's),
 window_steps, variability (median over the window of | |g_t| - |g_t-1| | / |g_t-1|, g_t the step's
-global gradient) and the precond pair. Steps whose micro-batches differ in size (an epoch's last,
+global gradient), the precond pair, and statistics_samples: where the statistics were taken, the mean over the
+steps they average of the samples seen after each (samples is the window's end; with sparse sampling the two
+differ by up to a window, and a window's pair may be its first two steps, at the initial weights in the first
+window: the service places the record's noise scale at statistics_samples). Steps whose micro-batches differ in size (an epoch's last,
 smaller batch) count their samples but are left out of the statistics. Rank 0 writes and flushes each
 line, so a crash loses at most one window; every rank gets the record back from step().
 
@@ -147,7 +150,7 @@ from profiler.sharpness import stability_headroom
 
 RECORD_KEYS = (
     "samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step",
-    "window_steps", "variability", "precond_grad_sqr", "precond_trace_sigma",
+    "window_steps", "variability", "precond_grad_sqr", "precond_trace_sigma", "statistics_samples",
 )  # fmt: skip
 
 # One row per optimizer step; summed over the ranks at the end of a window (one all-reduce).
@@ -590,7 +593,7 @@ class GradientStatsLogger:
     def _record(self, rows: list[list[float]]) -> dict[str, Any] | None:
         """One record from a window's rows, summed over the ranks; None when no step gave statistics."""
         world = self.world_size
-        steps: list[tuple[int, float, float, float, float, float]] = []
+        steps: list[tuple[int, float, float, float, float, float, int]] = []
         variabilities, losses = [], []
         for row in rows:
             self.samples += round(row[SAMPLES])
@@ -610,7 +613,7 @@ class GradientStatsLogger:
             if equal_micro_batches and math.isfinite(row[MICRO_SQ]):
                 precond = row[PRE_OK] == world and math.isfinite(row[PRE_MICRO_SQ] + row[PRE_FULL_SQ])
                 steps.append((round(samples), samples / count, row[MICRO_SQ] / count, full_sq,
-                              row[PRE_MICRO_SQ] / count if precond else math.nan, row[PRE_FULL_SQ] / world))  # fmt: skip
+                              row[PRE_MICRO_SQ] / count if precond else math.nan, row[PRE_FULL_SQ] / world, self.samples))  # fmt: skip
         if not steps:
             return self._counts_only([round(row[SAMPLES]) for row in rows], losses)
         batch = Counter(s[0] for s in steps).most_common(1)[0][0]
@@ -630,6 +633,7 @@ class GradientStatsLogger:
             "variability": statistics.median(variabilities) if variabilities else None,
             "precond_grad_sqr": statistics.fmean(g for g, _ in precond) if precond else None,
             "precond_trace_sigma": statistics.fmean(t for _, t in precond) if precond else None,
+            "statistics_samples": round(statistics.fmean(s[6] for s in steps)),
         }
 
     # -- LR stability ------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ COST_PER_CALL_SECOND = 2.2
 MAX_BUFFERED = 100_000
 RETRY_S, MAX_RETRY_S = 1.0, 30.0
 TELEMETRY_FIELDS = ("samples", "loss", "metric", "grad_sqr", "trace_sigma", "variability", "precond_grad_sqr", "precond_trace_sigma",
-                    "stability_headroom", "stability_lr")
+                    "stability_headroom", "stability_lr", "statistics_samples")
 
 
 class TulaRun:

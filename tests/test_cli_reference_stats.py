@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -52,8 +53,10 @@ def test_jsonl_and_json_list_files_read_the_same_records(tmp_path):
         ('{"samples": 1, "batch": 32, "grad_sqr": 0.5, "trace_sigma": 1.0, "lr": 0.1}', "line 2: unknown keys 'lr' (known: samples, batch"),
         ('{"samples": 1, "batch": 32,', "line 2: not JSON"),
         ("[1, 2]", "line 2: a record is a JSON object, got a list"),
+        ('{"samples": 64, "batch": 32, "grad_sqr": 0.5, "trace_sigma": 1.0, "statistics_samples": -1}', "line 2: 'statistics_samples' must be at least 0"),
     ],
-    ids=["nan", "string", "negative-samples", "zero-batch", "fractional-samples", "missing", "unknown-key", "not-json", "not-object"],
+    ids=["nan", "string", "negative-samples", "zero-batch", "fractional-samples", "missing", "unknown-key", "not-json", "not-object",
+         "negative-statistics-samples"],
 )
 def test_a_bad_record_is_named_by_its_line_and_field(tmp_path, line, message):
     path = tmp_path / "stats.jsonl"
@@ -110,6 +113,14 @@ def test_more_records_than_a_spec_holds_are_merged_into_windows_that_keep_the_no
     records[100]["stability_lr"], records[101]["stability_lr"] = 0.1, 0.4  # 0.3 and 0.6 as LRs: the first is tighter
     pairs = [(r["stability_headroom"], r["stability_lr"]) for r in coarsen_records(records, MAX_GRADIENT_STATS_RECORDS) if "stability_headroom" in r]
     assert pairs in ([(3.0, 0.1)], [(3.0, 0.1), (1.5, 0.4)])  # the smallest headroom x LR, with its own LR
+    # where the statistics were taken: the window-steps-weighted mean of the merged records' (statistics_samples where
+    # given, else samples), never past the merged record's samples
+    placed = [{**r, "window_steps": 1 + i % 2, "statistics_samples": r["samples"] - 32} for i, r in enumerate(records)]
+    windows = coarsen_records(placed, MAX_GRADIENT_STATS_RECORDS)
+    first = placed[:4]  # 6007 records in 2000 windows: the first seven windows hold 4
+    assert windows[0]["window_steps"] == sum(r["window_steps"] for r in first)
+    assert windows[0]["statistics_samples"] == round(np.average([r["statistics_samples"] for r in first], weights=[r["window_steps"] for r in first]))
+    assert all(w["statistics_samples"] <= w["samples"] for w in windows)
 
 
 # -- the spec the CLI builds --------------------------------------------------------------------------

@@ -86,6 +86,21 @@ def test_one_bin_whose_signal_vanished_moves_the_geometric_mean_by_its_share_in_
     assert estimate.noise_scale_ == pytest.approx(100.0 * 1000 ** (1 / 8))  # one bin of 8, 1000x off
 
 
+def test_records_are_placed_where_their_statistics_were_taken():
+    """statistics_samples (the logger's, under sparse sampling a window's first steps) places a record, not the window's
+    end: the records' window and coverage follow it, and a record closed past the target whose statistics came before it
+    is read."""
+    records = power_law_records(40, 200_000)
+    moved = [{**r, "samples": r["samples"] + 5_000, "statistics_samples": r["samples"]} for r in records]
+    target = 200_000
+    at_end = TrajectoryNoiseScale().fit([{k: v for k, v in r.items() if k != "statistics_samples"} for r in moved], target)
+    placed = TrajectoryNoiseScale().fit(moved, target)
+    assert placed.noise_scale_ == pytest.approx(TrajectoryNoiseScale().fit(records, target).noise_scale_, rel=1e-12)
+    assert placed.records_ == 40 and at_end.records_ < 40  # the last record closed past the target, its statistics before it
+    early = [{**records[0], "samples": 150_000, "statistics_samples": 1_000}]  # the first window's pair, at 0.5% of the run
+    assert TrajectoryNoiseScale().fit(early, target).coverage_ == pytest.approx(0.005)
+
+
 def test_the_trend_alternative_is_read_at_a_fraction_of_the_run():
     target = 1e6
     estimate = TrajectoryNoiseScale(run_fraction=0.5, window=None).fit(power_law_records(40, target), target)

@@ -310,6 +310,9 @@ def test_a_window_without_a_sampled_step_writes_its_counts_only_when_asked(tmp_p
                 _train(model, optimizer, logger, [batch], micro_batches=4 if logger.sampling else 1, part=slice(0, 16 if logger.sampling else 32))
         records = [json.loads(line) for line in path.read_text().splitlines()]
         assert records[0]["step"] == 3 and records[0]["grad_sqr"] is not None  # steps 0 and 1 sampled
+        # the record closes the window at step 3 (16 + 16 + 32 samples: the sampled steps trained on 16), its statistics
+        # were taken on steps 0 and 1, after 16 and 32 samples
+        assert (records[0]["samples"], records[0]["statistics_samples"]) == (64, 24)
         if not counts_only:
             assert len(records) == 1  # the window of steps 3-5 had no statistics
             continue

@@ -93,6 +93,24 @@ def test_statistics_at_the_initial_weights_give_way_to_the_first_live_records():
     assert advice["evidence"]["noise_scale_from"] == "live trajectory"
 
 
+def test_a_live_record_whose_statistics_are_the_initial_weights_does_not_count_as_the_window_it_closes():
+    """Under TulaRun's sparse sampling a window's statistics come from its first two steps: the first window's from the
+    initial weights, though the record closes the window further on. Placed at the window's end, such a record covered
+    as much of the run as a pilot's 10% and replaced it with an initialization read (benchmarks/online.py saw a run moved
+    32 -> 16 that way, and take 1.04x the time); placed where its statistics were taken (statistics_samples), it does
+    not."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0, last=0.1 * TARGET_SAMPLES)})
+    batch = config["global_batch"]
+    step = round(0.11 * TARGET_SAMPLES / batch)
+    window_end = {"step": step, "samples": step * batch, "grad_sqr": 1.0, "trace_sigma": 1.0, "step_time_s": 0.05}
+    placed = {**window_end, "statistics_samples": round(1.5 * batch)}  # the mean of steps 0 and 1
+    kept = advise(spec, points, [], OPTIONS, config, [placed], step)["evidence"]
+    assert kept["noise_scale_from"] == "the job's reference run" and kept["noise_scale"]["value"] == pytest.approx(100.0, rel=0.05)
+    assert "covers 0% of the run" in kept["noise_scale_why"]
+    taken = advise(spec, points, [], OPTIONS, config, [window_end], step)["evidence"]  # what the same record did at its window's end
+    assert taken["noise_scale_from"] == "live trajectory"
+
+
 def test_epochs_measured_at_other_batches_are_never_replaced():
     spec, points, config = _job(other_runs=[{"batch": 256, "epochs": 12.0}])
     records = _live(config, TARGET_SAMPLES, 5000.0)

@@ -68,6 +68,8 @@ def test_a_training_loop_sends_its_telemetry_and_gets_advice(run_on_server):
     first = records[0]
     assert first["device_batch"] == MICRO_BATCH and first["accumulation"] == ACCUMULATION and first["samples"] == EVERY * 2 * MICRO_BATCH
     assert first["step_time_s"] > 0 and first["trace_sigma"] is not None and first["grad_sqr"] is not None
+    # every step sampled: the statistics sit at the mean of the samples seen after each step of the window
+    assert first["statistics_samples"] == round(ACCUMULATION * MICRO_BATCH * (EVERY + 1) / 2)
     view = _run_view(server, run_id)
     assert view["records"] == STEPS // EVERY and view["last_step"] == STEPS and run.sent == STEPS // EVERY
     assert run.advice["run_id"] == run_id and "config" in run.advice and run.dropped == 0

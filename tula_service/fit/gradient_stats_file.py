@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from tula_service.fit.perfmodel.noise_trajectory import statistics_position
 from tula_service.spec.job_spec import GradientStatsRecord
 from tula_service.spec.specfile import read_limited
 
@@ -30,21 +31,23 @@ KNOWN_KEYS = tuple(GradientStatsRecord.model_fields)
 
 
 def coarsen_records(records: list[dict[str, Any]], max_records: int) -> list[dict[str, Any]]:
-    """At most max_records records, merging runs of consecutive ones (in samples order) into one window each:
-    |G|^2, tr(Sigma), their preconditioned pair and the loss are window-steps-weighted means (numerators and
-    denominators pooled as the estimator pools them, so the noise scale of a window is unchanged); samples,
-    step and metric are the last record's, window_steps the sum, variability the median, stability_headroom and
+    """At most max_records records, merging runs of consecutive ones (in the order their statistics were taken:
+    noise_trajectory.statistics_position) into one window each: |G|^2, tr(Sigma), their preconditioned pair and the
+    loss are window-steps-weighted means (numerators and denominators pooled as the estimator pools them, so the
+    noise scale of a window is unchanged); samples the largest, step and metric the last record's,
+    statistics_samples the window-steps-weighted mean of where the records' statistics were taken, window_steps the sum, variability the median, stability_headroom and
     stability_lr those of the most restrictive measurement (the smallest headroom x LR: the LR cap is the most
     restrictive point measured; where a record has no stability_lr, the smallest headroom, without an LR)."""
-    ordered = sorted(records, key=lambda r: r["samples"])
+    ordered = sorted(records, key=statistics_position)
     if len(ordered) <= max_records:
         return ordered
     merged = []
     for group in np.array_split(np.arange(len(ordered)), max_records):
         rows = [ordered[i] for i in group]
         weights = np.array([r.get("window_steps") or 1 for r in rows], dtype=float)
-        record: dict[str, Any] = {"samples": rows[-1]["samples"], "batch": int(np.median([r["batch"] for r in rows])),
-                                  "window_steps": int(weights.sum())}  # fmt: skip
+        record: dict[str, Any] = {"samples": max(r["samples"] for r in rows), "batch": int(np.median([r["batch"] for r in rows])),
+                                  "window_steps": int(weights.sum()),
+                                  "statistics_samples": round(float(np.average([statistics_position(r) for r in rows], weights=weights)))}  # fmt: skip
         for key in ("grad_sqr", "trace_sigma", "precond_grad_sqr", "precond_trace_sigma", "loss"):
             pairs = [(w, r[key]) for w, r in zip(weights, rows) if r.get(key) is not None]
             if pairs:

@@ -9,7 +9,10 @@ The run's live records enter the same code paths as measurements taken anywhere 
   of the run to the target, extrapolated by the trend while the run has not got there, and labelled so). AGS
   delta takes the live variability the same way. Only when the live trajectory is at least as strong as the
   job's own evidence: it covers at least the share of the run to the target that the job's reference run or
-  pilot covered (records past the target do not count). The run to the target is measured at the run's own
+  pilot covered (records past the target do not count; a record counts where its statistics were taken,
+  statistics_samples, not where its window ends: under TulaRun's sparse sampling the first window's statistics are
+  the initial weights', and placed at its end they covered as much as a pilot's 10% and replaced it with an
+  initialization read, moving a run 32 -> 16 in benchmarks/online.py). The run to the target is measured at the run's own
   batch b: E(b) D samples (efficiency_evidence.run_target_samples), not the reference run's
   T = reference_epochs x D, so that a run at a larger batch is read over the second half of its own run. Epochs measured at
   other batches (training.other_runs) are stronger than any trajectory and are kept; initial-weight
@@ -56,6 +59,7 @@ import numpy as np
 
 from tula_service.fit.efficiency_evidence import measured_lr_headroom, samples_to_target, target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
+from tula_service.fit.perfmodel.noise_trajectory import statistics_position
 from tula_service.measurement import PilotMeasurement, parse_measurement
 from tula_service.plan.advice import ags_config, lr_rule
 from tula_service.plan.recommend import measured_variability, plan, usable_measurements
@@ -83,13 +87,16 @@ def _config(row: dict[str, Any], rule: dict[str, Any], ags: dict[str, Any], sinc
 
 def gradient_records(records: list[TelemetryRecord], config: dict[str, Any]) -> list[dict[str, Any]]:
     """The records with both gradient statistics, as gradient-statistics records (the latest ones, at most
-    MAX_GRADIENT_STATS_RECORDS). samples: the record's, else the steps times the global batch."""
+    MAX_GRADIENT_STATS_RECORDS). samples: where the statistics were taken (statistics_samples: under TulaRun's sparse
+    sampling a window's statistics come from its first steps, the first window's from the initial weights), else the
+    record's samples, else the steps times the global batch."""
     out = []
     for record in records:
         if record.grad_sqr is None or record.trace_sigma is None:
             continue
         batch = _global_batch(record, config)
-        entry = {"samples": record.samples if record.samples is not None else record.step * batch, "batch": batch,
+        samples = record.statistics_samples if record.statistics_samples is not None else record.samples
+        entry = {"samples": samples if samples is not None else record.step * batch, "batch": batch,
                  "grad_sqr": record.grad_sqr, "trace_sigma": record.trace_sigma, "step": record.step}  # fmt: skip
         for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma", "stability_headroom", "stability_lr"):
             if getattr(record, name) is not None:
@@ -132,8 +139,9 @@ def live_steps(records: list[TelemetryRecord], config: dict[str, Any]) -> tuple[
 
 
 def coverage(records: list[Any], target: float) -> float:
-    """The share of the run to the target (target samples) that gradient-statistics records reach."""
-    reached = [float(r["samples"] if isinstance(r, dict) else r.samples) for r in records]
+    """The share of the run to the target (target samples) that gradient-statistics records reach, each where its
+    statistics were taken (noise_trajectory.statistics_position)."""
+    reached = [statistics_position(r) for r in records]
     reached = [s for s in reached if s <= target]
     return min(1.0, max(reached) / target) if reached and target > 0 else 0.0
 

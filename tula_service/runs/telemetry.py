@@ -49,6 +49,9 @@ class TelemetryRecord(_Strict):
 
     step: Count = Field(ge=0, le=10**12, description="optimizer steps done when this was taken: the record's identity")
     samples: Count | None = Field(None, ge=0, description="training samples seen (all devices)")
+    statistics_samples: Count | None = Field(
+        None, ge=0, description="where the window's gradient statistics were taken (samples seen; GradientStatsRecord)"
+    )
     wall_time_s: MeasuredNumber | None = Field(None, ge=0, allow_inf_nan=False, description="seconds since the run started")
     step_time_s: MeasuredNumber | None = Field(None, gt=0, le=MAX_STEP_S, allow_inf_nan=False, description="seconds of this optimizer step")
     device_batch: BatchSize | None = Field(None, description="samples per device per micro-step")

@@ -339,7 +339,8 @@ class GradientStatsRecord(_Strict):
     2018, App. A.1), averaged over a window of steps, numerator and denominator separately. B_simple =
     trace_sigma / grad_sqr. A noisy window may give a slightly negative estimate: it is data, not an error."""
 
-    samples: Count = Field(ge=0, description="training samples the run had seen (all devices) when these were taken")
+    samples: Count = Field(ge=0, description="training samples the run had seen (all devices) at the end of the record's window: where "
+                           "its statistics were taken, unless statistics_samples says where")
     batch: BatchSize = Field(description="global batch of those steps")
     grad_sqr: GradientStatistic = Field(allow_inf_nan=False, description="|G|^2, the squared norm of the true gradient")
     trace_sigma: GradientStatistic = Field(allow_inf_nan=False, description="tr(Sigma) per sample: B_simple = trace_sigma / grad_sqr")
@@ -362,6 +363,13 @@ class GradientStatsRecord(_Strict):
         description="the optimizer's LR when stability_headroom was measured: with training.reference_lr the service reads "
         "the headroom relative to it, stability_headroom x stability_lr / reference_lr (a warm-up, a decay or a changed LR "
         "moves eta, not the largest stable LR)",
+    )  # fmt: skip
+    statistics_samples: Count | None = Field(
+        None, ge=0,
+        description="where within the window the statistics were taken: the mean, over the steps they average, of the samples "
+        "seen after each (profiler.reference_logger). With sparse sampling a window's statistics may come "
+        "from its first steps, in the first window from the initial weights: the service places the noise scale here "
+        "(absent: at samples)",
     )  # fmt: skip
 
 

@@ -95,12 +95,20 @@ def _field(record: Any, name: str) -> Any:
     return record.get(name) if isinstance(record, dict) else getattr(record, name, None)
 
 
+def statistics_position(record: Any) -> float:
+    """The samples seen where a record's statistics were taken: statistics_samples where the logger says it (sparse
+    sampling takes them on a window's first steps), else the record's samples."""
+    position = _field(record, "statistics_samples")
+    return float(position if position is not None else _field(record, "samples"))
+
+
 def record_arrays(records: Sequence[Any], statistic: str = "raw") -> dict[str, np.ndarray]:
-    """samples, weights (window steps), |G|^2, tr(Sigma) and batch of the records, sorted by samples seen.
-    statistic "preconditioned" reads the Adam-preconditioned pair (records without it are skipped)."""
+    """samples (where each record's statistics were taken: statistics_position), weights (window steps), |G|^2,
+    tr(Sigma) and batch of the records, sorted by samples seen. statistic "preconditioned" reads the Adam-preconditioned
+    pair (records without it are skipped)."""
     keys = ("grad_sqr", "trace_sigma") if statistic == "raw" else ("precond_grad_sqr", "precond_trace_sigma")
     rows = [
-        (float(_field(r, "samples")), float(_field(r, "window_steps") or 1), float(_field(r, keys[0])), float(_field(r, keys[1])),
+        (statistics_position(r), float(_field(r, "window_steps") or 1), float(_field(r, keys[0])), float(_field(r, keys[1])),
          float(_field(r, "batch") or np.nan))
         for r in records
         if _field(r, keys[0]) is not None and _field(r, keys[1]) is not None
