@@ -597,6 +597,7 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     records = [{"step": s, "samples": s * batch, "wall_time_s": 0.06 * s, "step_time_s": 0.06, "lr": 0.1, "loss": 2.0 / (1 + s / 10),
                 "grad_sqr": 1.0, "trace_sigma": 100.0 + s} for s in range(1, 31)]  # fmt: skip
     records[-1].update(stability_headroom=2.0, stability_lr=0.1)  # TulaRun.measure_stability: the LR cap the advice shows
+    records[9]["statistics_samples"] = 8 * batch  # step 10's window: its statistics taken at step 8
     assert server.api.post(f"/v1/runs/{run['id']}/telemetry", {"records": records}).status_code == 200
     page = tab.open(f"/runs/{run['id']}")
     wait_until(page, "document.getElementById('run-header').dataset.drawn === '30'")
@@ -605,6 +606,8 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     assert traces["plot-step-time"][0] == ["step time (measured)", 30] and traces["plot-step-time"][1][0].startswith("plan (")
     assert traces["plot-progress"][0] == ["samples seen (measured)", 30] and traces["plot-progress"][1][0].startswith("the plan's pace")
     assert traces["plot-noise"] == [["B_simple (measured)", 30], ["global batch", 30]] and traces["plot-lr"] == [["LR (reported)", 30]]
+    noise_steps = page.evaluate("() => document.getElementById('plot-noise').data[0].x")
+    assert noise_steps[8:11] == [9, 8, 11]  # each record where its statistics were taken
     assert f"{batch} = " in page.locator("#run-config").inner_text()
     page.locator("#run-advise").click()
     wait_until(page, "document.getElementById('run-advice').textContent.length > 20 && "

@@ -44,11 +44,18 @@ export function stepTimeFigure(records, chosen) {
   return { data, layout: layout("step", "seconds") };
 }
 
+// The step where a record's statistics were taken: its statistics_samples, counted back from the window's end at the
+// record's global batch (under sparse sampling a window's statistics come from its first steps), else the record's step.
+export function statisticsStep(record, start) {
+  if (record.statistics_samples === undefined || record.samples === undefined) return record.step;
+  return record.step - (record.samples - record.statistics_samples) / globalBatch(record, start);
+}
+
 export function noiseFigure(records, start) {
   const stats = records.filter((r) => r.grad_sqr !== undefined && r.trace_sigma !== undefined && r.grad_sqr > 0);
   return {
     data: [
-      { type: "scatter", mode: "markers", name: "B_simple (measured)", x: stats.map((r) => r.step),
+      { type: "scatter", mode: "markers", name: "B_simple (measured)", x: stats.map((r) => statisticsStep(r, start)),
         y: stats.map((r) => r.trace_sigma / r.grad_sqr), marker: { color: COLORS.measured, size: 6 } },
       { type: "scatter", mode: "lines", name: "global batch", x: records.map((r) => r.step),
         y: records.map((r) => globalBatch(r, start)), line: { color: COLORS.batch, shape: "hv" } },
