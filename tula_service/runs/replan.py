@@ -87,18 +87,17 @@ def _config(row: dict[str, Any], rule: dict[str, Any], ags: dict[str, Any], sinc
 
 def gradient_records(records: list[TelemetryRecord], config: dict[str, Any]) -> list[dict[str, Any]]:
     """The records with both gradient statistics, as gradient-statistics records (the latest ones, at most
-    MAX_GRADIENT_STATS_RECORDS). samples: where the statistics were taken (statistics_samples: under TulaRun's sparse
-    sampling a window's statistics come from its first steps, the first window's from the initial weights), else the
-    record's samples, else the steps times the global batch."""
+    MAX_GRADIENT_STATS_RECORDS). samples: the record's, else the steps times the global batch; statistics_samples, where
+    the statistics were taken, is kept for the reader (noise_trajectory.statistics_position)."""
     out = []
     for record in records:
         if record.grad_sqr is None or record.trace_sigma is None:
             continue
         batch = _global_batch(record, config)
-        samples = record.statistics_samples if record.statistics_samples is not None else record.samples
-        entry = {"samples": samples if samples is not None else record.step * batch, "batch": batch,
+        entry = {"samples": record.samples if record.samples is not None else record.step * batch, "batch": batch,
                  "grad_sqr": record.grad_sqr, "trace_sigma": record.trace_sigma, "step": record.step}  # fmt: skip
-        for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma", "stability_headroom", "stability_lr"):
+        for name in ("loss", "metric", "variability", "precond_grad_sqr", "precond_trace_sigma", "stability_headroom", "stability_lr",
+                     "statistics_samples"):
             if getattr(record, name) is not None:
                 entry[name] = getattr(record, name)
         out.append(entry)
