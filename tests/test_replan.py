@@ -65,6 +65,24 @@ def test_a_move_late_in_the_run_must_save_the_hysteresis_of_the_whole_run():
     assert late["predicted"]["saving"] < DEFAULT_HYSTERESIS and "of the run is left" in late["why"] and "kept" in late["why"], late["why"]
 
 
+def test_a_live_read_that_puts_the_run_far_from_its_end_moves_it_only_once_it_has_passed_the_jobs_prediction():
+    """A live noise scale below the job's makes the current batch slower and the run look far from its end: until the
+    run has done the samples the job's own model predicts at its batch, the share left is the smaller of the two
+    predictions (benchmarks/online.py saw a run moved 512 -> 128 at step 129 of its static runs' 127)."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(1000.0, last=0.1 * TARGET_SAMPLES)})
+    answers = {}
+    for share in (1.0, 1.15):  # of the reference run's samples; the job predicts 10.9 epochs at 128, the live read 28.5
+        records = _live(config, share * TARGET_SAMPLES, 20.0)
+        answers[share] = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    near_end, past = answers[1.0], answers[1.15]
+    assert near_end["evidence"]["noise_scale_from"] == "live trajectory" and near_end["predicted"]["gain"] > 0.2
+    assert near_end["predicted"]["share_of_run_left"] == pytest.approx(1 - 10 / 10.9, abs=0.02) and near_end["change"] is None
+    assert "by the job's own evidence" in near_end["why"] and "kept" in near_end["why"], near_end["why"]
+    assert past["predicted"]["share_of_run_left"] == pytest.approx(1 - 11.5 / 28.5, abs=0.03)
+    assert past["change"] is not None and past["change"]["global_batch"] < config["global_batch"], past["why"]
+    assert "job's own evidence" not in past["why"]
+
+
 def test_the_live_runs_stability_headroom_caps_the_lr_it_moves_to_and_without_one_the_jobs_stands():
     """The live trajectory replaces the job's reference run for the noise scale; the LR cap comes from the live
     run's own headroom in the second half (read relative to the reference LR), else from the job's."""

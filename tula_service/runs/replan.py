@@ -34,7 +34,11 @@ The run's live records enter the same code paths as measurements taken anywhere 
   with T the predicted times to the target and E_current the predicted epochs at the current batch. A move late
   in a run saves little whatever its rate, and rests on the noise scale where the records end (the trend past
   them is an extrapolation): benchmarks/online.py saw runs moved 512 -> 256 at step 112-115 of about 120 take
-  longer than the runs left alone. A live
+  longer than the runs left alone. When the live trajectory has replaced the job's evidence, E_current is the
+  smaller of the two models' epochs at the current batch until the run has done the job's (then the job's model is
+  refuted and the live one stands alone): a live read that makes the current batch slower also makes the run look
+  far from its end, and benchmarks/online.py saw mnist1d_cnn1d_adam moved 512 -> 128 at step 129, where its static
+  runs ended at about 127, on a live model that put half the run ahead. A live
   estimate from a few records is noisy, and a run that follows every swing of it flaps between batches
   (benchmarks/online.py saw 128 -> 1024 and 128 -> 64 on the same task). The memory model bounds every
   candidate as in any plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
@@ -57,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from tula_service.fit.efficiency_evidence import measured_lr_headroom, samples_to_target, target_samples
+from tula_service.fit.efficiency_evidence import epoch_model, measured_lr_headroom, samples_to_target, target_samples
 from tula_service.fit.perfmodel.efficiency import EpochModel, max_step_gain
 from tula_service.fit.perfmodel.noise_trajectory import statistics_position
 from tula_service.measurement import PilotMeasurement, parse_measurement
@@ -192,7 +196,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     since = step - config["since_step"]
     hysteresis, min_steps = run_options["hysteresis"], run_options["min_steps_between_changes"]
     gain = 1.0 - best["total_time_s"]["value"] / current["total_time_s"]["value"] if best and current else None
-    left = _share_left(records, current, job_spec)
+    left, left_why = _share_left(records, current, job_spec, _job_epochs(job_spec, measurements) if use_live else None)
     saving = gain * left if gain is not None else None
     efficiency = planned["models"]["efficiency"]
     epochs = _epoch_model(spec, efficiency)
@@ -203,7 +207,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
                "better can be said")  # fmt: skip
     elif best is current or saving < hysteresis:
         why = (f"the best configuration on {config['placement']} is predicted {max(gain, 0.0):.1%} faster to the target"
-               + (f" and {left:.0%} of the run is left: it saves {max(saving, 0.0):.1%} of the run" if left < 1.0 else "")
+               + (f" and {left:.0%} of the run is left{left_why}: it saves {max(saving, 0.0):.1%} of the run" if left < 1.0 else "")
                + f", below the {hysteresis:.0%} it takes to change: kept")  # fmt: skip
     elif (doubt := _doubt(spec, efficiency, best, current, hysteresis, left)) is not None:
         why = f"predicted {gain:.1%} faster at B_noise {efficiency['noise_scale']['value']:.3g}, but {doubt}: kept"
@@ -218,7 +222,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
         change["lr_relative_to_current"] = rule["multiplier"]["value"] / current_rule["multiplier"]["value"]
         why = (f"global batch {config['global_batch']} -> {best['global_batch']} (device batch {best['device_batch']}, "
                f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target with {left:.0%} of the run "
-               f"left, a saving of {saving:.1%} of the run, at least the {hysteresis:.0%} it takes to change; "
+               f"left{left_why}, a saving of {saving:.1%} of the run, at least the {hysteresis:.0%} it takes to change; "
                f"LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})")  # fmt: skip
     return {
         "step": last_step,
@@ -263,15 +267,33 @@ def _sparse_statistics(with_statistics: int, records: int) -> str:
             "budget is met), and its statistics may then never reach the second half of the run")  # fmt: skip
 
 
-def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, spec: JobSpec) -> float:
-    """1 - samples done / (E_current D): the share of the run to the target still ahead at the current
+def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, spec: JobSpec,
+                job_epochs: EpochModel | None = None) -> tuple[float, str]:  # fmt: skip
+    """(1 - samples done / (E_current D), why): the share of the run to the target still ahead at the current
     configuration's predicted epochs (module docstring, The choice; samples done at an earlier batch count as
-    at this one); 1 before any record with samples, 0 past the prediction."""
+    at this one); 1 before any record with samples, 0 past the prediction. job_epochs: the job's own epochs model,
+    given when the live trajectory replaced the job's evidence; until the run has done the samples that model
+    predicts at the current batch, the share left is the smaller of the two predictions (module docstring, The
+    choice), and `why` names the job's when it is the one taken ("" otherwise)."""
     done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)
     if current is None or done == 0.0:
-        return 1.0
+        return 1.0, ""
     run_samples = float(current["epochs"]["value"]) * spec.dataset.num_samples
-    return min(1.0, max(0.0, 1.0 - done / run_samples)) if run_samples > 0 else 0.0
+    left = min(1.0, max(0.0, 1.0 - done / run_samples)) if run_samples > 0 else 0.0
+    if job_epochs is None or job_epochs.noise_scale is None:
+        return left, ""
+    job_samples = float(job_epochs.predict(current["global_batch"])) * spec.dataset.num_samples
+    if not 0 < done < job_samples or 1.0 - done / job_samples >= left:
+        return left, ""
+    return 1.0 - done / job_samples, (f" by the job's own evidence (its {job_samples / spec.dataset.num_samples:.3g} epochs at this batch; "
+                                      f"the live trajectory's {run_samples / spec.dataset.num_samples:.3g} leave {left:.0%})")  # fmt: skip
+
+
+def _job_epochs(spec: JobSpec, measurements: list[dict[str, Any]]) -> EpochModel:
+    """The epochs model of the job's own evidence (its reference run, pilot or initialization), without the live
+    trajectory: what the run was planned on."""
+    ok = usable_measurements([parse_measurement(m) for m in measurements])[0]
+    return epoch_model(spec, ok, (_job_pilots(measurements) or [None])[-1])[0]
 
 
 def _doubt(spec: JobSpec, efficiency: dict[str, Any], best: dict[str, Any], current: dict[str, Any], hysteresis: float,
