@@ -60,6 +60,7 @@ import datetime as dt
 import json
 import math
 import platform
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -572,6 +573,64 @@ def pollux_target_sweep(root: Path | None = None, fractions: tuple[float, ...] =
     return rows
 
 
+SPARSE_STRIDES = (1, 2, 4, 8, 16, 32)
+SPARSE_OFFSETS = 4  # thinned from each of the first 4 records (fewer where the stride is shorter)
+
+
+def sparse_records(tasks: list[Task], root: Path | None = None) -> list[dict[str, Any]]:
+    """Each reference run's records thinned to every k-th (k in SPARSE_STRIDES, starting at each of the first
+    min(k, SPARSE_OFFSETS) records), read by the service as before: a trace with one row per evaluation, or a user's log
+    written every few hundred steps, reaches an early target in a handful of records. Per task and stride the records
+    left before the target and the median abs epochs error of each thinning; the Pollux applications also at every
+    target of pollux_target_sweep, where a target reached early leaves few rows."""
+    cases = [(task, 0.99 if task.source == "pollux" else None) for task in tasks]
+    cases += [(pollux_task(app, root, fraction), fraction) for app in pollux_traces.APPLICATIONS.values()
+              for fraction in POLLUX_SWEEP_FRACTIONS if fraction != TARGET_FRACTION_OF_WORST_BEST]  # fmt: skip
+    rows = []
+    for task, fraction in cases:
+        ref = task.reference_batch
+        full, target_samples = list(task.trajectories[ref]), task.epochs[ref] * task.dataset_size
+        for stride in SPARSE_STRIDES:
+            errors, records = [], []
+            for offset in range(min(stride, SPARSE_OFFSETS)):
+                task.trajectories[ref] = full[offset::stride]
+                try:
+                    model, _ = service_model(task, ref)
+                finally:
+                    task.trajectories[ref] = full
+                records.append(sum(r["samples"] <= target_samples for r in full[offset::stride]))
+                errors.append(median_abs(epochs_errors_pct(task, lambda b: float(model.predict(b)), ref)))
+            rows.append({"task": task.name, "source": task.source, "fraction": fraction, "stride": stride,
+                         "records_to_target": records, "median_abs_epochs_err_pct": errors})  # fmt: skip
+    return rows
+
+
+def sparse_line(rows: list[dict[str, Any]]) -> str:
+    """Per stride: the median and the worst over every (task, offset) of the Pollux cases and of the CPU tasks."""
+    parts = []
+    for source in ("pollux", "cpu"):
+        for stride in SPARSE_STRIDES:
+            errors = [e for r in rows if r["stride"] == stride and (r["source"] == "pollux") == (source == "pollux")
+                      for e in r["median_abs_epochs_err_pct"]]  # fmt: skip
+            if errors:
+                parts.append(f"{source}_k{stride}={statistics.median(errors):.1f}/{max(errors):.1f}")
+    return "sparse_records: " + " ".join(parts)
+
+
+def sparse_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| task | target | " + " | ".join(f"every {k}: records, err %" for k in SPARSE_STRIDES) + " |",
+             "|---|---|" + "---|" * len(SPARSE_STRIDES)]  # fmt: skip
+    keys = list(dict.fromkeys((r["task"], r["fraction"]) for r in rows))
+    for task, fraction in keys:
+        cells = []
+        for stride in SPARSE_STRIDES:
+            row = next(r for r in rows if (r["task"], r["fraction"], r["stride"]) == (task, fraction, stride))
+            cells.append(f"{min(row['records_to_target'])}-{max(row['records_to_target'])}: "
+                         + "/".join(f"{e:.0f}" for e in row["median_abs_epochs_err_pct"]))
+        lines.append(f"| {task} | {'' if fraction is None else f'x{fraction:g}'} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def target_sweep_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| task | target (x lowest best) | E_ref | B_noise read | median abs epochs err % | best single B_noise: err % | "
              "E_ref off the fitted curve % |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -826,7 +885,8 @@ def every_reference_table(results: list[dict[str, Any]]) -> str:
 
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: dict[str, Any] | None = None,
-             coverage: list[dict[str, Any]] | None = None, sweep: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
+             coverage: list[dict[str, Any]] | None = None, sweep: list[dict[str, Any]] | None = None,
+             sparse: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
     lines = [f"Measured {meta['date']} on {meta['machine']}; ground truth: {meta['ground_truth']}.", "",
              "```sh", ".venv/bin/python benchmarks/statistical_efficiency.py", "```", "", "```", meta["summary"], "```", "",
              "| task | optimizer | target | B_ref | evidence | B_noise predicted [interval] | CBS fitted to truth | ratio | "
@@ -912,6 +972,15 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   "The same runs with the target at other fractions of the lowest best metric (the table above uses "
                   f"{TARGET_FRACTION_OF_WORST_BEST:g}): the service's error, the best any single B_noise reaches, and the "
                   "reference run's epochs against the curve fitted to every run.", "", *target_sweep_table(sweep)]  # fmt: skip
+    if sparse:
+        lines += ["", "### Records far apart", "",
+                  "Each reference run's records thinned to every k-th, starting at each of the first min(k, 4) records (as a trace "
+                  "with a row per epoch, or a log written every few hundred steps, gives them): the records left before the "
+                  "target (fewest-most) and the median abs epochs error of each thinning, through the service's code path. "
+                  "The Pollux applications also at the targets of the table above. Fewer than 6 records before the target are "
+                  "each a bin of their own, and two bins make the trend read at the window's middle "
+                  "(tula_service/fit/perfmodel/noise_trajectory.py, item 2).", "", f"`{sparse_line(sparse)}`", "",
+                  *sparse_table(sparse)]  # fmt: skip
     lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam, AdamW and RMSprop)", "",
               "max_lr = the largest LR that reached the target anywhere in the ground truth's LR sweeps (what a user's sweep finds).", "",
               "| task | reference LR | max_lr | g | median abs epochs err %: without, with | regret: without, with |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -993,11 +1062,12 @@ def main(argv: list[str] | None = None) -> int:
     calibrated = calibration(results, meta["date"])
     coverage = interval_coverage(results)
     sweep = pollux_target_sweep(args.traces)
+    sparse = sparse_records(tasks, args.traces)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results, "calibration": calibrated,
-                                                  "interval_coverage": coverage, "pollux_target_sweep": sweep},
-                                                 indent=1, default=float))  # fmt: skip
+                                                  "interval_coverage": coverage, "pollux_target_sweep": sweep,
+                                                  "sparse_records": sparse}, indent=1, default=float))  # fmt: skip
     (out / "epochs_calibration.json" if args.quick else CALIBRATION_PATH).write_text(json.dumps(calibrated, indent=1) + "\n")
-    text = markdown(results, meta, calibrated, coverage, sweep)
+    text = markdown(results, meta, calibrated, coverage, sweep, sparse)
     (out / "report.md").write_text(text)
     if not args.quick:
         write_report(text, REPO / "docs" / "validation.md")
@@ -1010,6 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
     print(one_more_run.summary_line(results))
     print(flat_step_line(results))
     print(coverage_line(coverage, calibrated["evidence"].get("reference_run", {}).get("factors")))
+    print(sparse_line(sparse))
     print(line)
     return 0
 

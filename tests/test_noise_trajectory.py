@@ -154,6 +154,24 @@ def test_a_trend_steeper_than_the_samples_is_extended_at_slope_one():
     assert steep.noise_scale_ < 100.0 * (0.75 * target / 1000.0) ** 3.0 / 1e3  # the cubic read gives thousands of times more
 
 
+def test_a_run_evaluated_a_few_times_is_read_by_the_trend_through_its_records_not_their_pooled_ratio():
+    """A trace with a row per epoch has three rows before an early target (the Pollux CIFAR-10 run at 90% of its best
+    accuracy, every fourth row): one record in the window's second half, too few to pair into three bins. Each record
+    is then its own bin and the trend through them is read at the window's middle; pooled over all of them, the first
+    record's large |G|^2 weighed most, and the read was 104 where the whole trace reads 642 (122% epochs error)."""
+    target = 12.0
+    records = [{"samples": s, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 10.0 * s} for s in (1.0, 5.0, 9.0)]  # B = 10 x samples
+    estimate = TrajectoryNoiseScale().fit(records, target)
+    assert "power-law trend" in estimate.method_ and len(estimate.bins_) == 3
+    assert estimate.noise_scale_ == pytest.approx(10.0 * 0.75 * target, rel=0.02)  # the window's middle, on the trend
+    pooled = sum(r["trace_sigma"] for r in records) / sum(r["grad_sqr"] for r in records)
+    assert pooled < 0.6 * estimate.noise_scale_
+    two = TrajectoryNoiseScale().fit(records[::2], target)  # two records: the trend through both, its slope held to [0, 1]
+    assert two.noise_scale_ == pytest.approx(10.0 * 0.75 * target, rel=0.02) and two.slope_ == pytest.approx(1.0)
+    low, high = two.interval_  # no resampling varies a trend through two bins: the bins' spread, the estimate inside
+    assert low == pytest.approx(10.0) and high >= two.noise_scale_
+
+
 def test_numerator_and_denominator_are_pooled_in_a_bin_before_dividing():
     # two records in one bin: |G|^2 of 2 and -0.5 (a noisy window) pool to 0.75, tr Sigma 150: B = 200
     records = [{"samples": 100, "batch": 8, "grad_sqr": 2.0, "trace_sigma": 100.0}, {"samples": 120, "batch": 8, "grad_sqr": -0.5, "trace_sigma": 50.0}]

@@ -195,13 +195,15 @@ def test_the_quick_run_writes_into_a_temporary_folder_and_ends_with_the_summary_
     assert json.loads((report.parent / "epochs_calibration.json").read_text())["evidence"]  # written beside the report
     assert shipped.read_text() == shipped_before  # the service's calibration is rewritten by the full run only
     assert re.fullmatch(r"flat_step_time: tasks=\d+ max_regret=[\d.]+ median_regret=[\d.]+ tasks_over_1\.10=\d+",
-                        run.stdout.strip().splitlines()[-3])  # fmt: skip
+                        run.stdout.strip().splitlines()[-4])  # fmt: skip
     assert re.fullmatch(r"one_more_run: at=8x tasks=\d+ median_epochs_err_pct=[\d.]+ worst_task_epochs_err_pct=[\d.]+ max_regret=[\d.]+ "
                         r"runs_alone_worst_task_epochs_err_pct=[\d.]+ runs_alone_max_regret=[\d.]+ tasks_over_15pct=\d+ inside_80pct_interval=\d+/\d+",
-                        run.stdout.strip().splitlines()[-4])  # fmt: skip
-    coverage = run.stdout.strip().splitlines()[-2]
+                        run.stdout.strip().splitlines()[-5])  # fmt: skip
+    coverage = run.stdout.strip().splitlines()[-3]
     assert re.fullmatch(r"calibrated_interval: factors=[\d.]+/[\d.]+ epochs_inside_leave_one_out=\d+/\d+ every_reference=\d+/\d+ "
                         r"best_noise_scale_inside_statistical=\d+/\d+ best_noise_scale_inside_calibrated=\d+/\d+", coverage)  # fmt: skip
+    sparse = run.stdout.strip().splitlines()[-2]  # records thinned to every k-th: pollux and cpu, median/worst per stride
+    assert re.fullmatch(r"sparse_records:( (pollux|cpu)_k\d+=[\d.]+/[\d.]+)+", sparse) and "pollux_k32=" in sparse, sparse
     results = json.loads((report.parent / "results.json").read_text())["results"]
     pollux = {r["task"]: r for r in results if r["source"] == "pollux"}
     assert set(pollux) == {"pollux-cifar10", "pollux-imagenet"}
