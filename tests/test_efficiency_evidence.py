@@ -55,6 +55,18 @@ def test_the_reference_runs_statistics_win_over_the_initial_weights():
     assert initial["ratio_to_used"] == pytest.approx(100.0 / report["noise_scale"]["value"])
 
 
+def test_a_reference_run_with_few_records_is_read_by_their_trend_and_says_it_rests_on_them():
+    """A trace with a row per epoch reaches an early target in a handful of rows: each is a bin and the trend through
+    them is read at the window's middle (noise_trajectory, item 2); the answer says how few they were."""
+    grows = lambda s: 1000.0 * s / TARGET_SAMPLES  # noqa: E731
+    sparse = records(grows, count=3, last=0.6 * TARGET_SAMPLES)  # at 20%, 40% and 60% of the run: one in the second half
+    report = efficiency({"reference_run": {"gradient_stats": sparse}})
+    assert report["noise_scale"]["value"] == pytest.approx(grows(0.75 * TARGET_SAMPLES), rel=0.02)  # on the trend
+    assert any("only 3 records before the target" in w and "power-law trend" in w for w in report["warnings"]), report["warnings"]
+    dense = efficiency({"reference_run": {"gradient_stats": records(grows)}})
+    assert not any("records before the target" in w for w in dense["warnings"])
+
+
 def test_a_larger_noise_scale_along_training_predicts_fewer_epochs_at_large_batches():
     at_init = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time")), POINTS)
     trained = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={
