@@ -86,6 +86,7 @@ MAX_TREND_SLOPE = 1.0  # B_noise grows no faster than the samples seen (module d
 MIN_RECORDS_PER_BIN = 2
 MIN_TREND_BINS = 2  # a power-law trend through two resolved bins, its slope held to [0, MAX_TREND_SLOPE] (item 2)
 PAIRED_BINS_FROM = 3  # records are paired into bins only where that leaves at least 3 bins; fewer records: one a bin
+MIN_BOOTSTRAP_BINS = 3  # a trend's interval resamples its bins; through fewer, no resampling varies it
 RUN_FRACTION = 0.5
 WINDOW = (0.5, 1.0)
 WINDOW_AVERAGE = "progress"
@@ -293,13 +294,13 @@ class TrajectoryNoiseScale:
         window = self._window(arrays)
         if window is not None:  # resample the window's records
             arrays, bins = window, []
-        elif MIN_TREND_BINS <= len(bins) < 3:  # a trend through two bins: no resampling varies it; the bins' own spread
+        elif MIN_TREND_BINS <= len(bins) < MIN_BOOTSTRAP_BINS:  # a trend through two bins: their own spread
             values = [b.noise_scale for b in bins]
             return float(min(*values, self.noise_scale_)), float(max(*values, self.noise_scale_))
         records = arrays["samples"].size
         estimates = []
         for _ in range(BOOTSTRAP_RESAMPLES):
-            if len(bins) >= 3:
+            if len(bins) >= MIN_BOOTSTRAP_BINS:
                 chosen = sorted((bins[i] for i in rng.integers(0, len(bins), len(bins))), key=lambda b: b.samples)
                 if len({b.samples for b in chosen}) < 2:
                     continue
