@@ -225,7 +225,7 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
         warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive, or their ratio is past "
                         f"{MAX_RESOLVED_NOISE_SCALE:.0e} samples: the noise scale is not resolved")  # fmt: skip
     elif chosen.records_ < FEW_RECORDS:
-        warnings.append(f"{source}: only {chosen.records_} records before the target: B_noise is the {chosen.method_} "
+        warnings.append(f"{source}: only {chosen.records_} record{'s' if chosen.records_ != 1 else ''} before the target: B_noise is the {chosen.method_} "
                         f"({'extrapolated' if chosen.extrapolated_ else 'read'} at {chosen.run_fraction:.0%} of the run), "
                         "so one noisy record moves it; statistics logged more often give a steadier read")  # fmt: skip
     if chosen.noise_scale_ is not None and chosen.extrapolated_:
