@@ -16,7 +16,8 @@ thread, as the ground truth was made):
      steps to a run (POST /v1/runs) and
      fetching GET /v1/runs/{id}/plan every PLAN_EVERY_S, posting as often (with the last answer's ETag: the server
      re-plans only when telemetry has landed since; the report counts its answers by how they were made); an advised
-     change (batch, LR) is applied at the next step;
+     change (batch, LR) is applied at the next step, unless that step is past the change's apply_by_step (it saves
+     less than the hysteresis there: the run keeps its configuration, and the result lists it in stale_changes);
    - online_replayed: the online run's batch and LR changes at the same steps, without the client: the worth
      of its decisions apart from the telemetry's cost;
    - (c) each batch schedule of the recommendation (training_advice.batch_schedule) other than "constant":
@@ -192,6 +193,7 @@ class Arm:
     def __init__(self, stages: list[dict[str, Any]], reference_lr: float, warmup_steps: int, client: TulaRun | None = None):
         self.stages, self.reference_lr, self.warmup_steps, self.client = stages, reference_lr, warmup_steps, client
         self.applied_since: int | None = 0
+        self.stale: list[tuple[int, int]] = []  # (decided at, arrived at) of changes that came past their apply_by_step
         self.batch, self.lr = stages[0]["global_batch"], reference_lr * stages[0]["lr_multiplier"]
 
     def at(self, epochs: float, step: int) -> tuple[int, float]:
@@ -202,8 +204,11 @@ class Arm:
             config = (self.client.advice or {}).get("config")
             if config and config["since_step"] != self.applied_since:
                 self.applied_since = config["since_step"]
-                self.batch = config["device_batch"] * config["accumulation"]
-                self.lr = config["lr"]["value"] if config.get("lr") else self.lr
+                if config.get("apply_by_step") is not None and step > config["apply_by_step"]:
+                    self.stale.append((config["since_step"], step))  # it came after the step it paid by: kept
+                else:
+                    self.batch = config["device_batch"] * config["accumulation"]
+                    self.lr = config["lr"]["value"] if config.get("lr") else self.lr
         if step < self.warmup_steps:  # linear from the reference LR to the first stage's
             return self.batch, self.reference_lr + (self.lr - self.reference_lr) * step / self.warmup_steps
         return self.batch, self.lr
@@ -344,6 +349,7 @@ def online_run(task: Task, data, seed: int, server: str, job_id: str, rec: dict[
     view = httpx.get(f"{server}/v1/runs/{run_id}", timeout=30).json()
     result["decisions"] = [{"step": d["step"], "from": d["from"]["global_batch"], "to": d["to"]["global_batch"]} for d in view.get("decisions", [])]
     result["records_sent"], result["failed_posts"] = client.sent, client.failed_posts
+    result["stale_changes"] = [{"decided_at": decided, "arrived_at": arrived} for decided, arrived in arm.stale]
     result["client_overhead"] = client.overhead
     result["last_advice"] = advice_summary(client.advice)
     return result

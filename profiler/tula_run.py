@@ -66,7 +66,9 @@ other on the steps that take statistics, which the overhead budget counts like a
 - LR stability: `run.measure_stability(loss_fn)` between optimizer.step() and the next forward pass (every few
   hundred steps) measures how far the LR may still rise (profiler.sharpness); the next record carries it as
   stability_headroom with the LR it was measured at (stability_lr), and re-planning caps the advised LR there.
-- Advice: the same thread GETs the run's plan every `plan_every_s` seconds; `advice` is the latest answer. It
+- Advice: the same thread GETs the run's plan every `plan_every_s` seconds; `advice` is the latest answer (a change's
+  config carries apply_by_step: past that step it saves less than the run's hysteresis, so a loop that gets it later
+  keeps its configuration). It
   sends the last answer's ETag back (If-None-Match), so that while no new telemetry has landed the server answers
   304 without re-planning, and the client keeps its answer without parsing one (0.35 ms of the client's interpreter
   against 0.65 ms for a whole answer, loopback, this repository's CPU).

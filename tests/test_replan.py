@@ -83,6 +83,22 @@ def test_a_live_read_that_puts_the_run_far_from_its_end_moves_it_only_once_it_ha
     assert "job's own evidence" not in past["why"]
 
 
+def test_a_change_says_the_last_step_it_still_saves_the_hysteresis_at():
+    """The loop gets an answer after the telemetry it rests on (benchmarks/online.py saw a move decided at step 80 with
+    36% of the run left applied at step 133): apply_by_step is where the share left times the gain falls to the
+    hysteresis, counted at the current global batch."""
+    spec, points, config = _job(reference_run={"gradient_stats": _reference_run(100.0, last=0.5 * TARGET_SAMPLES)})
+    records = _live(config, 0.6 * TARGET_SAMPLES, 5000.0)
+    advice = advise(spec, points, [], OPTIONS, config, records, records[-1]["step"])
+    change, predicted = advice["change"], advice["predicted"]
+    assert change is not None and f"apply it by step {change['apply_by_step']}" in advice["why"]
+    done = records[-1]["samples"]
+    run_samples = done / (1 - predicted["share_of_run_left"])
+    at_limit = change["apply_by_step"] * config["global_batch"]  # the samples done there, at the current batch
+    assert predicted["gain"] * (1 - at_limit / run_samples) == pytest.approx(DEFAULT_HYSTERESIS, abs=config["global_batch"] / run_samples)
+    assert change["apply_by_step"] > records[-1]["step"]
+
+
 def test_the_live_runs_stability_headroom_caps_the_lr_it_moves_to_and_without_one_the_jobs_stands():
     """The live trajectory replaces the job's reference run for the noise scale; the LR cap comes from the live
     run's own headroom in the second half (read relative to the reference LR), else from the job's."""

@@ -38,7 +38,9 @@ The run's live records enter the same code paths as measurements taken anywhere 
   smaller of the two models' epochs at the current batch until the run has done the job's (then the job's model is
   refuted and the live one stands alone): a live read that makes the current batch slower also makes the run look
   far from its end, and benchmarks/online.py saw mnist1d_cnn1d_adam moved 512 -> 128 at step 129, where its static
-  runs ended at about 127, on a live model that put half the run ahead. A live
+  runs ended at about 127, on a live model that put half the run ahead. A change says the last step it still pays at
+  (apply_by_step: the step where the share left times the gain falls to the hysteresis), since the loop gets it
+  later than the telemetry it rests on; a loop past that step keeps its configuration. A live
   estimate from a few records is noisy, and a run that follows every swing of it flaps between batches
   (benchmarks/online.py saw 128 -> 1024 and 128 -> 64 on the same task). The memory model bounds every
   candidate as in any plan. The LR follows the efficiency model's rule (AdaScale gain for the new global batch: r for SGD,
@@ -220,10 +222,13 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
         change = _config(best, rule, ags_config(best["global_batch"], spec, epochs, variability), since_step=step, source="live")
         current_rule = lr_rule(spec, config["global_batch"], epochs)
         change["lr_relative_to_current"] = rule["multiplier"]["value"] / current_rule["multiplier"]["value"]
+        change["apply_by_step"] = _apply_by_step(records, step, left, gain, hysteresis, config["global_batch"])
         why = (f"global batch {config['global_batch']} -> {best['global_batch']} (device batch {best['device_batch']}, "
                f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target with {left:.0%} of the run "
                f"left{left_why}, a saving of {saving:.1%} of the run, at least the {hysteresis:.0%} it takes to change; "
-               f"LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})")  # fmt: skip
+               f"LR x{change['lr_relative_to_current']:.3g} ({rule['recommended']})"
+               + (f"; apply it by step {change['apply_by_step']}, after which it saves less than {hysteresis:.0%}"
+                  if change["apply_by_step"] is not None else ""))  # fmt: skip
     return {
         "step": last_step,
         "change": change,
@@ -287,6 +292,20 @@ def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, 
         return left, ""
     return 1.0 - done / job_samples, (f" by the job's own evidence (its {job_samples / spec.dataset.num_samples:.3g} epochs at this batch; "
                                       f"the live trajectory's {run_samples / spec.dataset.num_samples:.3g} leave {left:.0%})")  # fmt: skip
+
+
+def _apply_by_step(records: list[TelemetryRecord], step: int, left: float, gain: float, hysteresis: float, global_batch: int) -> int | None:
+    """The last optimizer step (at the current global batch) at which the move still saves the hysteresis: with R =
+    done / (1 - left) the run's predicted samples to the target, gain x (1 - s / R) >= hysteresis while the samples
+    done s <= R (1 - hysteresis / gain). A loop that gets the advice later (its telemetry and its question travel
+    while it trains: benchmarks/online.py saw a move decided at step 80 with 36% of the run left applied at step 133,
+    past the end its static runs had) keeps its configuration. None before any samples are reported (no run length
+    to count against)."""
+    done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)
+    if done <= 0.0 or left >= 1.0 or gain <= 0.0:
+        return None
+    last_samples = done / (1.0 - left) * (1.0 - hysteresis / gain)
+    return step + max(0, int((last_samples - done) // global_batch))
 
 
 def _job_epochs(spec: JobSpec, measurements: list[dict[str, Any]]) -> EpochModel:
