@@ -72,13 +72,7 @@ import numpy as np
 from tula_service.fit.epochs_calibration import calibrated_interval, noise_scale_prior
 from tula_service.fit.perfmodel import EpochModel, NoiseScaleModel
 from tula_service.fit.perfmodel.efficiency import INTERVAL_Z, fit_epochs_to_runs, max_step_gain
-from tula_service.fit.perfmodel.noise_trajectory import (
-    MAX_RESOLVED_NOISE_SCALE,
-    MIN_RECORDS_PER_BIN,
-    PAIRED_BINS_FROM,
-    TrajectoryNoiseScale,
-    record_arrays,
-)
+from tula_service.fit.perfmodel.noise_trajectory import FEW_RECORDS, MAX_RESOLVED_NOISE_SCALE, TrajectoryNoiseScale, record_arrays
 from tula_service.measurement import NONFINITE_FIELDS, ComputeMeasurement, PilotMeasurement
 from tula_service.spec.job_spec import GradientStatsRecord, JobSpec
 from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
@@ -86,7 +80,6 @@ from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
 EVIDENCE_ORDER = ("other_runs", "reference_run", "pilot", "initialization")
 STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "preconditioned", "rmsprop": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
-FEW_RECORDS = PAIRED_BINS_FROM * MIN_RECORDS_PER_BIN  # fewer records to the target are read one a bin (noise_trajectory)
 RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
 MOMENTUM_CAVEAT = (
     "sgd: above B_noise the epochs are uncertain by up to 10x. On CPU tasks with momentum 0.9 the critical batch of "

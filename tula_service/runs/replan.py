@@ -198,7 +198,8 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
     since = step - config["since_step"]
     hysteresis, min_steps = run_options["hysteresis"], run_options["min_steps_between_changes"]
     gain = 1.0 - best["total_time_s"]["value"] / current["total_time_s"]["value"] if best and current else None
-    left, left_why = _share_left(records, current, job_spec, _job_epochs(job_spec, measurements) if use_live else None)
+    done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)  # samples the run has done
+    left, left_why = _share_left(done, current, job_spec, _job_epochs(job_spec, measurements) if use_live else None)
     saving = gain * left if gain is not None else None
     efficiency = planned["models"]["efficiency"]
     epochs = _epoch_model(spec, efficiency)
@@ -222,7 +223,7 @@ def advise(stored_spec: dict[str, Any], measurements: list[dict[str, Any]], fail
         change = _config(best, rule, ags_config(best["global_batch"], spec, epochs, variability), since_step=step, source="live")
         current_rule = lr_rule(spec, config["global_batch"], epochs)
         change["lr_relative_to_current"] = rule["multiplier"]["value"] / current_rule["multiplier"]["value"]
-        change["apply_by_step"] = _apply_by_step(records, step, left, gain, hysteresis, config["global_batch"])
+        change["apply_by_step"] = _apply_by_step(done, step, left, gain, hysteresis, config["global_batch"])
         why = (f"global batch {config['global_batch']} -> {best['global_batch']} (device batch {best['device_batch']}, "
                f"accumulation {best['accumulation']}): predicted {gain:.1%} faster to the target with {left:.0%} of the run "
                f"left{left_why}, a saving of {saving:.1%} of the run, at least the {hysteresis:.0%} it takes to change; "
@@ -272,15 +273,15 @@ def _sparse_statistics(with_statistics: int, records: int) -> str:
             "budget is met), and its statistics may then never reach the second half of the run")  # fmt: skip
 
 
-def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, spec: JobSpec,
+def _share_left(done: float, current: dict[str, Any] | None, spec: JobSpec,
                 job_epochs: EpochModel | None = None) -> tuple[float, str]:  # fmt: skip
     """(1 - samples done / (E_current D), why): the share of the run to the target still ahead at the current
     configuration's predicted epochs (module docstring, The choice; samples done at an earlier batch count as
     at this one); 1 before any record with samples, 0 past the prediction. job_epochs: the job's own epochs model,
     given when the live trajectory replaced the job's evidence; until the run has done the samples that model
     predicts at the current batch, the share left is the smaller of the two predictions (module docstring, The
-    choice), and `why` names the job's when it is the one taken ("" otherwise)."""
-    done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)
+    choice), and `why` names the job's when it is the one taken ("" otherwise). done: the samples the run has done
+    (the records' largest)."""
     if current is None or done == 0.0:
         return 1.0, ""
     run_samples = float(current["epochs"]["value"]) * spec.dataset.num_samples
@@ -294,14 +295,13 @@ def _share_left(records: list[TelemetryRecord], current: dict[str, Any] | None, 
                                       f"the live trajectory's {run_samples / spec.dataset.num_samples:.3g} leave {left:.0%})")  # fmt: skip
 
 
-def _apply_by_step(records: list[TelemetryRecord], step: int, left: float, gain: float, hysteresis: float, global_batch: int) -> int | None:
+def _apply_by_step(done: float, step: int, left: float, gain: float, hysteresis: float, global_batch: int) -> int | None:
     """The last optimizer step (at the current global batch) at which the move still saves the hysteresis: with R =
     done / (1 - left) the run's predicted samples to the target, gain x (1 - s / R) >= hysteresis while the samples
     done s <= R (1 - hysteresis / gain). A loop that gets the advice later (its telemetry and its question travel
     while it trains: benchmarks/online.py saw a move decided at step 80 with 36% of the run left applied at step 133,
     past the end its static runs had) keeps its configuration. None before any samples are reported (no run length
-    to count against)."""
-    done = max((float(r.samples) for r in records if r.samples is not None), default=0.0)
+    to count against). done: the samples the run has done."""
     if done <= 0.0 or left >= 1.0 or gain <= 0.0:
         return None
     last_samples = done / (1.0 - left) * (1.0 - hysteresis / gain)

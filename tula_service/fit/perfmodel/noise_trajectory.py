@@ -87,6 +87,7 @@ MIN_RECORDS_PER_BIN = 2
 MIN_TREND_BINS = 2  # a power-law trend through two resolved bins, its slope held to [0, MAX_TREND_SLOPE] (item 2)
 PAIRED_BINS_FROM = 3  # records are paired into bins only where that leaves at least 3 bins; fewer records: one a bin
 MIN_BOOTSTRAP_BINS = 3  # a trend's interval resamples its bins; through fewer, no resampling varies it
+FEW_RECORDS = PAIRED_BINS_FROM * MIN_RECORDS_PER_BIN  # fewer records than this are a bin each (bins_of)
 RUN_FRACTION = 0.5
 WINDOW = (0.5, 1.0)
 WINDOW_AVERAGE = "progress"
@@ -173,7 +174,7 @@ def _resolved(noise_scale: float) -> float | None:
 def bins_of(arrays: dict[str, np.ndarray]) -> tuple[list[Bin], int]:
     """Contiguous bins of records (see the module docstring) and how many bins were unresolved."""
     count = arrays["samples"].size
-    paired = count >= PAIRED_BINS_FROM * MIN_RECORDS_PER_BIN
+    paired = count >= FEW_RECORDS
     n_bins = max(1, min(MAX_BINS, count // MIN_RECORDS_PER_BIN if paired else count))
     bins, unresolved = [], 0
     for index in np.array_split(np.arange(count), n_bins):
