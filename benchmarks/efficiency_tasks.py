@@ -119,6 +119,7 @@ class Task:
     seq_len: int = 64  # stdlib_bytes only
     weight_decay: float = 0.0  # AdamW only
     momentum: float = MOMENTUM  # SGD only (heavy ball, PyTorch's); 0 is plain SGD
+    rmsprop_momentum: float = 0.0  # RMSprop only (PyTorch's momentum, on the preconditioned step); 0 is PyTorch's default
     micro_batched: bool = False  # every seed trains as the accumulation loop (batch norm: see the module docstring)
 
     @property
@@ -226,6 +227,15 @@ TASKS: dict[str, Task] = {
     # 0.99, no momentum), so that the optimizer's read rests on more than one task; LR_ref 1e-3 as digits_cnn_rmsprop's,
     # untuned, the target digits_mlp_sgd's, from a one-off check of two seeds (0.96: 4.9-5.1 epochs at 32, 10.5-12.3 at
     # 256 and 34-41 at 1024 with the square-root LR); nothing in the service was changed after it was measured
+    # added 2026-12-06, late (--add): RMSprop with momentum 0.9 (PyTorch's momentum on the preconditioned step), the
+    # setting RMSPROP_CAVEAT said was not measured, on the CNN of digits_cnn_rmsprop; LR_ref 1e-4, the CNN's 1e-3 times
+    # (1 - 0.9) (the same effective step), untuned; from a one-off check of two seeds (0.97: 3.3-4.9 epochs at 32,
+    # 2.4-3.3 at 2e-4; 7.8-8.2 at 256 and 11-15 at 512 with the square-root LR). The target is 0.98, not the CNN's 0.97:
+    # at 0.97 the truth's tuned LR at 32 (8e-4) got there in 1.6 epochs, under the 2 this suite asks of a reference run
+    # (0.98: 2.3-2.9 epochs there, 10-20 at 512 in a one-off check); nothing in the service was changed after it was
+    # measured, and its answer was not looked at before the target moved
+    "digits_cnn_rmsprop_momentum": Task("digits_x16", "small_cnn", "rmsprop", 1437, 360, 0.98, "test_acc", powers_of_two(16, 512),
+                                        max_epochs=400, reference_batch=32, reference_lr=1e-4, rmsprop_momentum=0.9),
     "digits_mlp_rmsprop": Task("digits_x16_flat", "mlp1d", "rmsprop", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                                max_epochs=400, reference_batch=32, reference_lr=1e-3),
 }  # fmt: skip
@@ -258,7 +268,7 @@ def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim
     if task.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=task.weight_decay)
     if task.optimizer == "rmsprop":
-        return torch.optim.RMSprop(model.parameters(), lr=lr)
+        return torch.optim.RMSprop(model.parameters(), lr=lr, momentum=task.rmsprop_momentum)
     raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop")
 
 

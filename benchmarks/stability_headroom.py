@@ -148,7 +148,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
             "lr": float(optimizer.param_groups[0]["lr"]), task.target_metric: metric,
         })  # fmt: skip
     return {
-        "task": job["name"], "optimizer": task.optimizer, "momentum": task.momentum if task.optimizer == "sgd" else None,
+        "task": job["name"], "optimizer": task.optimizer, "momentum": {"sgd": task.momentum, "rmsprop": task.rmsprop_momentum}.get(task.optimizer),
         "reference_batch": batch, "lr": lr, "seed": seed, "reference_steps": steps, "loss_samples": n,
         "outcome": outcome, "points": points, "measure_s": measure_s, "wall_s": time.perf_counter() - started,
     }  # fmt: skip

@@ -81,10 +81,17 @@ def squared_grad_norm(model: torch.nn.Module, scale: float = 1.0) -> float:
 
 
 DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a request without "momentum" is an older server's
+DEFAULT_RMSPROP_MOMENTUM = 0.0  # tula_service.spec.job_spec.DEFAULT_RMSPROP_MOMENTUM (PyTorch's)
+
+
+def default_momentum(optimizer: str) -> float | None:
+    """The momentum a request without one trains with: SGD's and RMSprop's defaults; None for the others."""
+    return {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM}.get(optimizer)
 
 
 def make_optimizer(name: str, params, lr: float, momentum: float | None = None) -> torch.optim.Optimizer:
-    """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer)."""
+    """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer), RMSprop with
+    its momentum (0, PyTorch's default, when not given)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=DEFAULT_SGD_MOMENTUM if momentum is None else float(momentum))
     if name == "adam":
@@ -92,7 +99,8 @@ def make_optimizer(name: str, params, lr: float, momentum: float | None = None) 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr)  # PyTorch's defaults: alpha 0.99, eps 1e-8, no momentum, not centered
+        # PyTorch's defaults otherwise: alpha 0.99, eps 1e-8, not centered
+        return torch.optim.RMSprop(params, lr=lr, momentum=DEFAULT_RMSPROP_MOMENTUM if momentum is None else float(momentum))
     raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, rmsprop, sgd")
 
 

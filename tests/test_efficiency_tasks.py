@@ -242,6 +242,9 @@ def test_adding_a_task_keeps_the_others_and_says_what_was_added(tmp_path, monkey
     assert not list(tmp_path.glob("*.adding.json"))  # the scratch file is gone
     optimizer = et.task_optimizer(plain, et.task_model(plain, 0), 0.1)
     assert optimizer.param_groups[0]["momentum"] == 0.0
+    rmsprop = replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9)  # RMSprop's momentum is its own field: SGD's 0.9 default is not it
+    assert et.task_optimizer(rmsprop, et.task_model(rmsprop, 0), 0.1).param_groups[0]["momentum"] == 0.9
+    assert et.task_optimizer(replace(TINY, optimizer="rmsprop"), et.task_model(rmsprop, 0), 0.1).param_groups[0]["momentum"] == 0.0
 
 
 def test_the_momentum_ablation_in_worker_processes_gives_what_it_gives_in_one(tmp_path, monkeypatch):

@@ -109,6 +109,16 @@ def test_cnn1d_pilot_with_rmsprop_records_its_preconditioned_pair_and_its_headro
     assert headroom == pytest.approx(2.0 / (1e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
 
 
+def test_an_rmsprop_pilot_trains_with_the_specs_momentum_and_its_threshold_has_it():
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-4, momentum=0.9, momentum_source="spec", pilot_steps=40,
+                   pilot_record_every=20)  # fmt: skip
+    assert pilot["status"] == "ok" and pilot["momentum"] == {"value": 0.9, "source": "spec"}
+    headroom = pilot["stability"]["stability_headroom"]  # RMSprop with momentum 0.9: (2 + 2 x 0.9) / (eta lambda_max), preconditioned
+    assert headroom == pytest.approx(3.8 / (1e-4 * pilot["stability"]["sharpness"]))
+    plain = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-4, pilot_steps=2, pilot_record_every=2)
+    assert plain["momentum"] == {"value": 0.0, "source": "assumed"}  # PyTorch's default
+
+
 def test_pilot_stops_at_its_time_budget():
     pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=100_000, pilot_seconds=0.5, pilot_record_every=5)
     assert pilot["stopped_by"] == "seconds" and 0 < pilot["steps"] < 100_000
@@ -211,6 +221,10 @@ def test_pilot_request_carries_the_budget_the_lr_and_its_source():
     assert (assumed["momentum"], assumed["momentum_source"]) == (0.9, "assumed")
     plain = pilot_request(JobSpec.model_validate(spec_dict(training={"momentum": 0}, profiling={"pilot": True})))
     assert (plain["momentum"], plain["momentum_source"]) == (0.0, "spec")
+    rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9}, profiling={"pilot": True})))
+    assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.9, "spec")
+    rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"}, profiling={"pilot": True})))
+    assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.0, "assumed")  # PyTorch's default
 
 
 def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():

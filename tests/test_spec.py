@@ -76,13 +76,15 @@ def test_max_lr_needs_a_reference_lr_at_or_below_it():
     assert JobSpec.model_validate(spec_dict(training={"reference_lr": 0.1, "max_lr": 0.4})).training.max_lr == 0.4
 
 
-def test_momentum_is_sgds_and_a_fraction_below_one():
+def test_momentum_is_sgds_and_rmsprops_and_a_fraction_below_one():
     assert JobSpec.model_validate(spec_dict(training={"momentum": 0})).training.sgd_momentum() == {"value": 0.0, "source": "spec"}
     assert JobSpec.model_validate(spec_dict()).training.sgd_momentum() == {"value": 0.9, "source": "assumed"}
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.sgd_momentum() is None
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.optimizer_momentum() is None
     assert "keeps its own settings" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
-    assert "rmsprop alpha 0.99 and no momentum" in _errors(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9}))[("training", "momentum")]
-    assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.sgd_momentum() is None
+    rmsprop = JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9})).training
+    assert rmsprop.optimizer_momentum() == {"value": 0.9, "source": "spec"} and rmsprop.sgd_momentum() is None
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_momentum() == {"value": 0.0, "source": "assumed"}
     assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adagrad"}))
     for bad in (1.0, -0.1):
         assert ("training", "momentum") in _errors(spec_dict(training={"momentum": bad}))

@@ -95,6 +95,7 @@ def test_the_schema_lists_the_rules_it_cannot_state(document):
         ("no price and no GPU with a catalog price", {"pricing": {"kind": "node_hour", "price": None}}),
         ("objective deadline without deadline_h", {"objective": "deadline"}),
         ("max_lr without reference_lr", {"training": {"reference_batch": 64, "reference_epochs": 10, "max_lr": 0.5}}),
+        ("momentum for adam", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "adam", "momentum": 0.9}}),
         ("neither device memory nor a gpu_type", {"cluster": {"device_memory_gib": None}}),
         ("an unknown GPU", {"cluster": {"gpu_type": "tpu_v5", "device_memory_gib": 16}}),
         ("an unknown interconnect", {"cluster": {"intra_node_link": "carrier_pigeon"}}),
@@ -112,6 +113,12 @@ def test_a_spec_the_validators_refuse_for_a_rule_the_schema_states_is_schema_inv
             spec[key] = value
     assert not accepted(spec), why
     assert not schema.is_valid(spec), why
+
+
+def test_momentum_for_sgd_and_rmsprop_is_valid_in_both(schema):
+    for optimizer in ("sgd", "rmsprop"):
+        spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, "momentum": 0.9}}
+        assert accepted(spec) and schema.is_valid(spec), optimizer
 
 
 def minimal_spec(model: str, dataset: str) -> dict:

@@ -84,6 +84,9 @@ Precision = Literal["fp32", "bf16", "fp16"]
 # SGD's momentum where the spec gives none: what profiling points and pilots have always trained with, and the
 # most common choice (PyTorch examples, the CPU tasks of benchmarks/efficiency_tasks.py).
 DEFAULT_SGD_MOMENTUM = 0.9
+# RMSprop's where the spec gives none: PyTorch's default (torch.optim.RMSprop momentum=0).
+DEFAULT_RMSPROP_MOMENTUM = 0.0
+MOMENTUM_OPTIMIZERS = ("sgd", "rmsprop")  # the optimizers training.momentum is for
 
 
 DATASET_FIELDS = DATASET_SPEC_FIELDS
@@ -402,11 +405,13 @@ class TrainingSpec(_Strict):
     )
     optimizer: Literal["sgd", "adam", "adamw", "rmsprop"] = Field(
         "sgd", description="the reference run's optimizer, as PyTorch names it: sgd (with `momentum`), adam, adamw, rmsprop "
-        "(PyTorch's defaults assumed for the others' settings: betas, alpha, eps)")
+        "(with `momentum`; PyTorch's defaults assumed for the others' settings: betas, alpha, eps, centered)")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
-        description="SGD's heavy-ball momentum (PyTorch's torch.optim.SGD momentum; 0 for plain SGD); profiling points and "
-        f"the pilot train with it. Default {DEFAULT_SGD_MOMENTUM:g} (assumed). Only with optimizer sgd",
+        description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
+        f"{DEFAULT_SGD_MOMENTUM:g}, assumed) and rmsprop (torch.optim.RMSprop momentum, on the preconditioned step; default "
+        f"{DEFAULT_RMSPROP_MOMENTUM:g}, PyTorch's, assumed); profiling points and the pilot train with it. Not for adam or "
+        "adamw (their betas are PyTorch's defaults)",
     )
     reference_run: ReferenceRunSpec | None = Field(
         None, description="gradient statistics along the reference run: the best evidence for the noise scale"
@@ -424,20 +429,25 @@ class TrainingSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _momentum_is_sgds(self) -> TrainingSpec:
-        if self.momentum is not None and self.optimizer != "sgd":
-            raise field_errors([(("momentum",), f"momentum is SGD's; optimizer {self.optimizer} keeps its own settings, "
-                                 "PyTorch's defaults (betas for adam and adamw; for rmsprop alpha 0.99 and no momentum): "
-                                 "leave momentum out")], "training_field")  # fmt: skip
+    def _momentum_is_sgds_or_rmsprops(self) -> TrainingSpec:
+        if self.momentum is not None and self.optimizer not in MOMENTUM_OPTIMIZERS:
+            raise field_errors([(("momentum",), f"momentum is SGD's and RMSprop's; optimizer {self.optimizer} keeps its own "
+                                 "settings, PyTorch's defaults (betas 0.9, 0.999): leave momentum out")], "training_field")  # fmt: skip
         return self
 
-    def sgd_momentum(self) -> dict[str, Any] | None:
-        """SGD's momentum with its source (spec or assumed), None for other optimizers."""
-        if self.optimizer != "sgd":
+    def optimizer_momentum(self) -> dict[str, Any] | None:
+        """The optimizer's momentum with its source (spec or assumed: SGD's DEFAULT_SGD_MOMENTUM, RMSprop's PyTorch
+        default 0), what profiling points and the pilot train with; None for Adam and AdamW."""
+        if self.optimizer not in MOMENTUM_OPTIMIZERS:
             return None
         if self.momentum is None:
-            return {"value": DEFAULT_SGD_MOMENTUM, "source": "assumed"}
+            return {"value": DEFAULT_SGD_MOMENTUM if self.optimizer == "sgd" else DEFAULT_RMSPROP_MOMENTUM, "source": "assumed"}
         return {"value": self.momentum, "source": "spec"}
+
+    def sgd_momentum(self) -> dict[str, Any] | None:
+        """SGD's momentum with its source (spec or assumed), None for other optimizers: what SGD's LR advice and its
+        caveats are for."""
+        return self.optimizer_momentum() if self.optimizer == "sgd" else None
 
     @model_validator(mode="after")
     def _max_lr_above_reference(self) -> TrainingSpec:

@@ -174,14 +174,15 @@ def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
-    """max_lr needs reference_lr (the cap is their ratio); momentum is SGD's (optimizer sgd, or left out: its default)."""
+    """max_lr needs reference_lr (the cap is their ratio); momentum is SGD's and RMSprop's (optimizer sgd or rmsprop, or
+    left out: its default)."""
     training = copy.deepcopy(base)
     training["allOf"] = [
         {"anyOf": [
             {"properties": {"max_lr": _NULL}},
             {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
         ]},
-        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"const": "sgd"}}}]},
+        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"enum": ["sgd", "rmsprop"]}}}]},
     ]  # fmt: skip
     return training
 
