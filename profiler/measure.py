@@ -89,15 +89,19 @@ def default_momentum(optimizer: str) -> float | None:
     return {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM}.get(optimizer)
 
 
-def make_optimizer(name: str, params, lr: float, momentum: float | None = None) -> torch.optim.Optimizer:
+DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BETAS (PyTorch's)
+
+
+def make_optimizer(name: str, params, lr: float, momentum: float | None = None, betas: Any = None) -> torch.optim.Optimizer:
     """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer), RMSprop with
-    its momentum (0, PyTorch's default, when not given)."""
+    its momentum (0, PyTorch's default, when not given), Adam and AdamW with the spec's betas (PyTorch's when not given)."""
+    adam_betas = DEFAULT_ADAM_BETAS if betas is None else (float(betas[0]), float(betas[1]))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=DEFAULT_SGD_MOMENTUM if momentum is None else float(momentum))
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, betas=adam_betas)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, betas=adam_betas)
     if name == "rmsprop":
         # PyTorch's defaults otherwise: alpha 0.99, eps 1e-8, not centered
         return torch.optim.RMSprop(params, lr=lr, momentum=DEFAULT_RMSPROP_MOMENTUM if momentum is None else float(momentum))
@@ -134,6 +138,7 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
             "channels_last": bool(request.get("channels_last", False)),
             "optimizer": request.get("optimizer", "sgd"),
             "momentum": request.get("momentum"),
+            "betas": request.get("betas"),
         },
     }
     try:
@@ -185,7 +190,7 @@ class Trainer:
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = make_optimizer(request.get("optimizer", "sgd"), self.model.parameters(), float(request.get("lr", 0.01)),
-                                        request.get("momentum"))  # fmt: skip
+                                        request.get("momentum"), request.get("betas"))  # fmt: skip
         dtype = request.get("dtype", "fp32")
         self.autocast_dtype = AUTOCAST_DTYPES.get(dtype)
         self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" and device.type == "cuda" else None

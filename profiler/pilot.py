@@ -25,7 +25,8 @@ costs about 40 backward passes of that batch. A pilot sees the start of the
 run, where the sharpness is still rising. Its SGD has the spec's momentum (training.momentum, 0.9 when not
 given, as every profiling point): the threshold (2 + 2 beta) / eta halves from beta 0.9 to plain SGD, so a
 plain-SGD job that leaves momentum out is told about twice its headroom. Its RMSprop has the spec's momentum too (0,
-PyTorch's default, when not given), with the same (2 + 2 beta) on the preconditioned Hessian. A measurement that fails (out of memory: the double backward
+PyTorch's default, when not given), with the same (2 + 2 beta) on the preconditioned Hessian; its Adam and AdamW the
+spec's betas (training.betas, PyTorch's (0.9, 0.999) when not given): beta1 sets their threshold, (2 + 2 beta1) / (1 - beta1). A measurement that fails (out of memory: the double backward
 needs more than a training step; a model without second derivatives) is reported, not raised.
 
 Records follow the shared gradient-statistics contract (`tula_service.spec.job_spec.GradientStatsRecord`).
@@ -46,6 +47,7 @@ import torch
 from models.workload import build_workload
 from profiler.gradstats import GradientNoiseEstimator, two_batch_estimates
 from profiler.measure import (
+    DEFAULT_ADAM_BETAS,
     MIN_MICRO_BATCH,
     SCHEMA_VERSION,
     Trainer,
@@ -265,6 +267,8 @@ def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
         "optimizer": optimizer_name,
         "momentum": ({"value": default_momentum(optimizer_name) if request.get("momentum") is None else float(request["momentum"]),
                       "source": request.get("momentum_source", "assumed")} if default_momentum(optimizer_name) is not None else None),
+        "betas": ({"value": list(DEFAULT_ADAM_BETAS) if request.get("betas") is None else [float(b) for b in request["betas"]],
+                   "source": request.get("betas_source", "assumed")} if optimizer_name in ("adam", "adamw") else None),
         "lr": {"value": lr, "source": request.get("lr_source", "spec" if lr_given is not None else "assumed")},
         "warmup": {
             "steps": warmup,

@@ -119,6 +119,19 @@ def test_an_rmsprop_pilot_trains_with_the_specs_momentum_and_its_threshold_has_i
     assert plain["momentum"] == {"value": 0.0, "source": "assumed"}  # PyTorch's default
 
 
+def test_an_adam_pilot_trains_with_the_specs_betas():
+    """The same pilot (seed, batches) with beta2 0.95 and with PyTorch's 0.999: the preconditioned records differ, so the
+    betas reached the optimizer; the threshold stays (2 + 2 beta1) / (1 - beta1) = 38 at beta1 0.9."""
+    options = {"optimizer": "adam", "lr": 3e-3, "pilot_steps": 60, "pilot_record_every": 20}
+    pilot = _pilot("cnn1d", MNIST1D, 32, betas=[0.9, 0.95], betas_source="spec", **options)
+    assert pilot["status"] == "ok" and pilot["betas"] == {"value": [0.9, 0.95], "source": "spec"} and pilot["momentum"] is None
+    headroom = pilot["stability"]["stability_headroom"]
+    assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"]))
+    default = _pilot("cnn1d", MNIST1D, 32, **options)
+    assert default["betas"] == {"value": [0.9, 0.999], "source": "assumed"}  # PyTorch's
+    assert [r["precond_grad_sqr"] for r in pilot["trajectory"]] != [r["precond_grad_sqr"] for r in default["trajectory"]]
+
+
 def test_pilot_stops_at_its_time_budget():
     pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=100_000, pilot_seconds=0.5, pilot_record_every=5)
     assert pilot["stopped_by"] == "seconds" and 0 < pilot["steps"] < 100_000
@@ -225,6 +238,9 @@ def test_pilot_request_carries_the_budget_the_lr_and_its_source():
     assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.9, "spec")
     rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"}, profiling={"pilot": True})))
     assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.0, "assumed")  # PyTorch's default
+    adamw = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "betas": [0.9, 0.95]}, profiling={"pilot": True})))
+    assert (adamw["betas"], adamw["betas_source"]) == ([0.9, 0.95], "spec") and request["betas_source"] == "assumed"
+    assert (assumed["betas"], assumed["betas_source"]) == (None, None)  # SGD has none
 
 
 def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():

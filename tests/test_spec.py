@@ -86,6 +86,19 @@ def test_momentum_is_sgds_and_rmsprops_and_a_fraction_below_one():
     assert rmsprop.optimizer_momentum() == {"value": 0.9, "source": "spec"} and rmsprop.sgd_momentum() is None
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_momentum() == {"value": 0.0, "source": "assumed"}
     assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adagrad"}))
+
+
+def test_betas_are_adams_and_adamws_each_in_zero_one():
+    adamw = JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "betas": [0.9, 0.95]})).training
+    assert adamw.adam_betas() == {"value": [0.9, 0.95], "source": "spec"} and adamw.optimizer_momentum() is None
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.adam_betas() == {"value": [0.9, 0.999], "source": "assumed"}
+    assert JobSpec.model_validate(spec_dict()).training.adam_betas() is None  # SGD
+    assert "betas are Adam's and AdamW's" in _errors(spec_dict(training={"betas": [0.9, 0.95]}))[("training", "betas")]
+    assert "betas are Adam's and AdamW's" in _errors(spec_dict(training={"optimizer": "rmsprop", "betas": [0.9, 0.95]}))[("training", "betas")]
+    for bad in ([0.9, 1.0], [-0.1, 0.9], [0.9, float("nan")]):
+        assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": bad}))), bad
+    assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": [0.9]})))
+    assert "not a boolean" in str(_errors(spec_dict(training={"optimizer": "adam", "betas": [False, 0.9]})))
     for bad in (1.0, -0.1):
         assert ("training", "momentum") in _errors(spec_dict(training={"momentum": bad}))
     assert "momentum: give a number" in _errors(spec_dict(training={"momentum": True}))[("training",)]

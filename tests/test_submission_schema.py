@@ -96,6 +96,8 @@ def test_the_schema_lists_the_rules_it_cannot_state(document):
         ("objective deadline without deadline_h", {"objective": "deadline"}),
         ("max_lr without reference_lr", {"training": {"reference_batch": 64, "reference_epochs": 10, "max_lr": 0.5}}),
         ("momentum for adam", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "adam", "momentum": 0.9}}),
+        ("betas for sgd", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "sgd", "betas": [0.9, 0.95]}}),
+        ("betas without an optimizer (sgd's default)", {"training": {"reference_batch": 64, "reference_epochs": 10, "betas": [0.9, 0.95]}}),
         ("neither device memory nor a gpu_type", {"cluster": {"device_memory_gib": None}}),
         ("an unknown GPU", {"cluster": {"gpu_type": "tpu_v5", "device_memory_gib": 16}}),
         ("an unknown interconnect", {"cluster": {"intra_node_link": "carrier_pigeon"}}),
@@ -115,9 +117,12 @@ def test_a_spec_the_validators_refuse_for_a_rule_the_schema_states_is_schema_inv
     assert not schema.is_valid(spec), why
 
 
-def test_momentum_for_sgd_and_rmsprop_is_valid_in_both(schema):
+def test_momentum_for_sgd_and_rmsprop_and_betas_for_adam_and_adamw_are_valid_in_both(schema):
     for optimizer in ("sgd", "rmsprop"):
         spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, "momentum": 0.9}}
+        assert accepted(spec) and schema.is_valid(spec), optimizer
+    for optimizer in ("adam", "adamw"):
+        spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, "betas": [0.9, 0.95]}}
         assert accepted(spec) and schema.is_valid(spec), optimizer
 
 

@@ -87,6 +87,10 @@ DEFAULT_SGD_MOMENTUM = 0.9
 # RMSprop's where the spec gives none: PyTorch's default (torch.optim.RMSprop momentum=0).
 DEFAULT_RMSPROP_MOMENTUM = 0.0
 MOMENTUM_OPTIMIZERS = ("sgd", "rmsprop")  # the optimizers training.momentum is for
+# Adam's and AdamW's (beta1, beta2) where the spec gives none: PyTorch's defaults (torch.optim.Adam, AdamW).
+DEFAULT_ADAM_BETAS = (0.9, 0.999)
+BETAS_OPTIMIZERS = ("adam", "adamw")  # the optimizers training.betas is for
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), BeforeValidator(reject_bool_number)]  # one of Adam's betas, in [0, 1)
 
 
 DATASET_FIELDS = DATASET_SPEC_FIELDS
@@ -405,13 +409,20 @@ class TrainingSpec(_Strict):
     )
     optimizer: Literal["sgd", "adam", "adamw", "rmsprop"] = Field(
         "sgd", description="the reference run's optimizer, as PyTorch names it: sgd (with `momentum`), adam, adamw, rmsprop "
-        "(with `momentum`; PyTorch's defaults assumed for the others' settings: betas, alpha, eps, centered)")
+        "(with `momentum`), adam and adamw (with `betas`); PyTorch's defaults assumed for the other settings (alpha, eps, "
+        "centered, weight decay)")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
         f"{DEFAULT_SGD_MOMENTUM:g}, assumed) and rmsprop (torch.optim.RMSprop momentum, on the preconditioned step; default "
         f"{DEFAULT_RMSPROP_MOMENTUM:g}, PyTorch's, assumed); profiling points and the pilot train with it. Not for adam or "
-        "adamw (their betas are PyTorch's defaults)",
+        "adamw (their `betas`)",
+    )
+    betas: tuple[Beta, Beta] | None = Field(
+        None,
+        description="Adam's and AdamW's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, 0.95], as large language models "
+        f"are often trained), each in [0, 1); profiling points and the pilot train with them, and beta1 sets the stability "
+        f"threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with optimizer adam or adamw",
     )
     reference_run: ReferenceRunSpec | None = Field(
         None, description="gradient statistics along the reference run: the best evidence for the noise scale"
@@ -434,6 +445,23 @@ class TrainingSpec(_Strict):
             raise field_errors([(("momentum",), f"momentum is SGD's and RMSprop's; optimizer {self.optimizer} keeps its own "
                                  "settings, PyTorch's defaults (betas 0.9, 0.999): leave momentum out")], "training_field")  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _betas_are_adams(self) -> TrainingSpec:
+        if self.betas is None:
+            return self
+        if self.optimizer not in BETAS_OPTIMIZERS:
+            raise field_errors([(("betas",), f"betas are Adam's and AdamW's; optimizer {self.optimizer} has none: leave betas out "
+                                 "(momentum is SGD's and RMSprop's)")], "training_field")  # fmt: skip
+        return self
+
+    def adam_betas(self) -> dict[str, Any] | None:
+        """Adam's and AdamW's (beta1, beta2) with their source (spec, or assumed: PyTorch's defaults); None for the others."""
+        if self.optimizer not in BETAS_OPTIMIZERS:
+            return None
+        if self.betas is None:
+            return {"value": list(DEFAULT_ADAM_BETAS), "source": "assumed"}
+        return {"value": list(self.betas), "source": "spec"}
 
     def optimizer_momentum(self) -> dict[str, Any] | None:
         """The optimizer's momentum with its source (spec or assumed: SGD's DEFAULT_SGD_MOMENTUM, RMSprop's PyTorch

@@ -13,7 +13,7 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - per catalog model: its model_options (integers in [1, 10^6]) and the datasets of its input kind;
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
-  with `reference_lr`; `momentum` with optimizer `sgd`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
+  with `reference_lr`; `momentum` with optimizer `sgd` or `rmsprop`; `betas` with `adam` or `adamw`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
 - `loss`: a catalog loss name or an allowlisted `package.module:function`.
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
@@ -175,7 +175,7 @@ def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
 
 def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
     """max_lr needs reference_lr (the cap is their ratio); momentum is SGD's and RMSprop's (optimizer sgd or rmsprop, or
-    left out: its default)."""
+    left out: its default); betas are Adam's and AdamW's (optimizer adam or adamw, given)."""
     training = copy.deepcopy(base)
     training["allOf"] = [
         {"anyOf": [
@@ -183,6 +183,7 @@ def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
             {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
         ]},
         {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"enum": ["sgd", "rmsprop"]}}}]},
+        {"anyOf": [{"properties": {"betas": _NULL}}, {"properties": {"optimizer": {"enum": ["adam", "adamw"]}}, "required": ["optimizer"]}]},
     ]  # fmt: skip
     return training
 
