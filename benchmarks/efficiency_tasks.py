@@ -243,6 +243,12 @@ TASKS: dict[str, Task] = {
     # nothing in the service was changed after it was measured
     "digits_cnn_adam_b95": Task("digits_x16", "small_cnn", "adam", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
                                 max_epochs=400, reference_batch=32, reference_lr=2e-3, betas=(0.9, 0.95)),
+    # added 2026-12-06, last (--add): the GPT under AdamW as large language models are trained, betas (0.9, 0.95) and
+    # weight decay 0.1, on the stdlib bytes and target of stdlib_gpt_adamw (held-out loss 2.5) and its LR_ref (3e-3),
+    # untuned (a one-off check of two seeds: 2.5 epochs at 32); nothing in the service was changed after it was measured
+    "stdlib_gpt_adamw_llm": Task("stdlib_bytes", "gpt", "adamw", 2048, 256, 2.5, "val_loss", powers_of_two(16, 512),
+                                 max_epochs=100, reference_batch=32, reference_lr=3e-3,
+                                 model_options={"layers": 2, "width": 32, "heads": 4}, seq_len=32, weight_decay=0.1, betas=(0.9, 0.95)),
     "digits_mlp_rmsprop": Task("digits_x16_flat", "mlp1d", "rmsprop", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                                max_epochs=400, reference_batch=32, reference_lr=1e-3),
 }  # fmt: skip

@@ -112,10 +112,10 @@ RMSPROP_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 28 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 29 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 18.8% to 10.5%, 23 of 28 tasks within 15%, the worst 18.9% (from 142% on a GRU "
-    "under SGD); one at 2x helped less (20.2%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 18.1% to 10.3%, 24 of 29 tasks within 15%, the worst 18.9% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (19.9%, worst 161%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
