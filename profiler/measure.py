@@ -92,6 +92,11 @@ def default_momentum(optimizer: str) -> float | None:
 DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BETAS (PyTorch's)
 
 
+def default_betas(optimizer: str) -> tuple[float, float] | None:
+    """The betas a request without them trains with: Adam's and AdamW's, PyTorch's; None for the others."""
+    return DEFAULT_ADAM_BETAS if optimizer in ("adam", "adamw") else None
+
+
 def make_optimizer(name: str, params, lr: float, momentum: float | None = None, betas: Any = None) -> torch.optim.Optimizer:
     """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer), RMSprop with
     its momentum (0, PyTorch's default, when not given), Adam and AdamW with the spec's betas (PyTorch's when not given)."""

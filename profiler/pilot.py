@@ -47,11 +47,11 @@ import torch
 from models.workload import build_workload
 from profiler.gradstats import GradientNoiseEstimator, two_batch_estimates
 from profiler.measure import (
-    DEFAULT_ADAM_BETAS,
     MIN_MICRO_BATCH,
     SCHEMA_VERSION,
     Trainer,
     apply_threads,
+    default_betas,
     default_momentum,
     host_load,
     is_out_of_memory,
@@ -260,15 +260,16 @@ def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
     warmup_given = request.get("warmup_steps")
     warmup = int(warmup_given) if warmup_given is not None else warmup_steps_for(pilot_steps)
     optimizer_name = request.get("optimizer", "sgd")
+    momentum, betas = default_momentum(optimizer_name), default_betas(optimizer_name)  # None: the optimizer has none
     base = {
         "schema_version": SCHEMA_VERSION,
         "kind": "pilot",
         "batch_size": int(request["batch_size"]),
         "optimizer": optimizer_name,
-        "momentum": ({"value": default_momentum(optimizer_name) if request.get("momentum") is None else float(request["momentum"]),
-                      "source": request.get("momentum_source", "assumed")} if default_momentum(optimizer_name) is not None else None),
-        "betas": ({"value": list(DEFAULT_ADAM_BETAS) if request.get("betas") is None else [float(b) for b in request["betas"]],
-                   "source": request.get("betas_source", "assumed")} if optimizer_name in ("adam", "adamw") else None),
+        "momentum": None if momentum is None else {"value": momentum if request.get("momentum") is None else float(request["momentum"]),
+                                                   "source": request.get("momentum_source", "assumed")},
+        "betas": None if betas is None else {"value": list(betas) if request.get("betas") is None else [float(b) for b in request["betas"]],
+                                             "source": request.get("betas_source", "assumed")},
         "lr": {"value": lr, "source": request.get("lr_source", "spec" if lr_given is not None else "assumed")},
         "warmup": {
             "steps": warmup,

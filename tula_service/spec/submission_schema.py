@@ -34,7 +34,7 @@ from typing import Any
 from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
 from tula_service.settings import environment
-from tula_service.spec.job_spec import allowed_model_modules
+from tula_service.spec.job_spec import BETAS_OPTIMIZERS, MOMENTUM_OPTIMIZERS, allowed_model_modules
 from tula_service.spec.spec_limits import max_batch_sizes
 
 COMPONENT = "JobSubmission"
@@ -182,8 +182,8 @@ def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
             {"properties": {"max_lr": _NULL}},
             {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
         ]},
-        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"enum": ["sgd", "rmsprop"]}}}]},
-        {"anyOf": [{"properties": {"betas": _NULL}}, {"properties": {"optimizer": {"enum": ["adam", "adamw"]}}, "required": ["optimizer"]}]},
+        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"enum": list(MOMENTUM_OPTIMIZERS)}}}]},
+        {"anyOf": [{"properties": {"betas": _NULL}}, {"properties": {"optimizer": {"enum": list(BETAS_OPTIMIZERS)}}, "required": ["optimizer"]}]},
     ]  # fmt: skip
     return training
 
