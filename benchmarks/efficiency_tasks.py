@@ -84,7 +84,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from offline_data import data_shape, load_data, stdlib_corpus_info, write_stdlib_token_file  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
-from profiler.measure import DEFAULT_ADAM_BETAS  # noqa: E402
+from profiler.measure import DEFAULT_ADAM_BETAS, make_optimizer  # noqa: E402
 from profiler.preconditioner import is_adaptive, preconditioner  # noqa: E402
 
 DEFAULT_PATH = REPO / "docs" / "validation" / "statistical_efficiency" / "ground_truth.json"
@@ -118,8 +118,9 @@ class Task:
     seeds: int = 8
     model_options: dict[str, int] = field(default_factory=dict)
     seq_len: int = 64  # stdlib_bytes only
-    weight_decay: float = 0.0  # AdamW only
+    weight_decay: float = 0.0  # torch.optim's weight_decay, every optimizer (AdamW's decoupled, the others' an L2 term)
     momentum: float = MOMENTUM  # SGD only (heavy ball, PyTorch's); 0 is plain SGD
+    nesterov: bool = False  # SGD only: Nesterov momentum
     rmsprop_momentum: float = 0.0  # RMSprop only (PyTorch's momentum, on the preconditioned step); 0 is PyTorch's default
     betas: tuple[float, float] | None = None  # Adam and AdamW only; None is PyTorch's (0.9, 0.999)
     micro_batched: bool = False  # every seed trains as the accumulation loop (batch norm: see the module docstring)
@@ -252,6 +253,21 @@ TASKS: dict[str, Task] = {
     # 256 and 34-41 at 1024 with the square-root LR); nothing in the service was changed after it was measured
     "digits_mlp_rmsprop": Task("digits_x16_flat", "mlp1d", "rmsprop", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                                max_epochs=400, reference_batch=32, reference_lr=1e-3),
+    # added 2026-12-07 (--add): SGD as image classifiers are usually trained (Nesterov momentum 0.9, weight decay 5e-4,
+    # the CIFAR ResNet recipe), settings the spec now takes (training.nesterov, training.weight_decay), on the ResNet of
+    # digits_resnet_sgd, its target and LR_ref (0.05), untuned; nothing in the service was changed after it was measured
+    "digits_resnet_sgd_nesterov": Task("digits_x16", "resnet_cifar", "sgd", 1437, 360, 0.985, "test_acc", powers_of_two(16, 512),
+                                       max_epochs=400, reference_batch=32, reference_lr=0.05, nesterov=True, weight_decay=5e-4,
+                                       micro_batched=True),
+    # added 2026-12-07, later (--add): the same SGD recipe on a model without batch norm, the MNIST-1D MLP of
+    # mnist1d_mlp_sgd, its target and LR_ref (0.02), untuned; nothing in the service was changed after it was measured
+    "mnist1d_mlp_sgd_nesterov": Task("mnist1d", "mlp1d", "sgd", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
+                                     max_epochs=400, reference_batch=32, reference_lr=0.02, nesterov=True, weight_decay=5e-4),
+    # added 2026-12-07, later (--add): Adam with an L2 term in the gradient (torch.optim.Adam weight_decay 1e-4, coupled:
+    # the preconditioner scales it, unlike AdamW's), on the CNN of digits_cnn_adam, its target and LR_ref (2e-3),
+    # untuned; nothing in the service was changed after it was measured
+    "digits_cnn_adam_l2": Task("digits_x16", "small_cnn", "adam", 1437, 360, 0.97, "test_acc", powers_of_two(16, 512),
+                               max_epochs=400, reference_batch=32, reference_lr=2e-3, weight_decay=1e-4),
 }  # fmt: skip
 
 
@@ -274,17 +290,21 @@ def task_model(task: Task, seed: int) -> torch.nn.Module:
         return build_model(task.model, options=dict(task.model_options) or None, **data_shape(task.dataset, task.seq_len))
 
 
-def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def task_optimizer_settings(task: Task) -> dict[str, Any]:
+    """The task's optimizer settings as torch.optim (and the spec's training fields) name them; PyTorch's defaults for
+    the rest."""
     if task.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=task.momentum)
-    betas = task.betas or DEFAULT_ADAM_BETAS
-    if task.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr, betas=betas)
-    if task.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=task.weight_decay, betas=betas)
+        return {"momentum": task.momentum, "nesterov": task.nesterov, "weight_decay": task.weight_decay}
+    if task.optimizer in ("adam", "adamw"):
+        return {"betas": task.betas or DEFAULT_ADAM_BETAS, "weight_decay": task.weight_decay}
     if task.optimizer == "rmsprop":
-        return torch.optim.RMSprop(model.parameters(), lr=lr, momentum=task.rmsprop_momentum)
+        return {"momentum": task.rmsprop_momentum, "weight_decay": task.weight_decay}
     raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop")
+
+
+def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The task's optimizer, built as profiling points and the pilot build the spec's (profiler.measure.make_optimizer)."""
+    return make_optimizer(task.optimizer, model.parameters(), lr, task_optimizer_settings(task))
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,7 @@ class Task:
     lr: dict[int, float] = field(default_factory=dict)  # the LR each batch trained with (tuned)
     max_lr: float | None = None  # the largest LR that reached the target anywhere in the LR sweeps
     loss_curves: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # (epochs, window training loss), each batch's own run
+    optimizer_settings: dict[str, Any] = field(default_factory=dict)  # training.momentum, nesterov, betas, weight_decay, ... as trained
 
 
 # -- tasks --------------------------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def pollux_task(app: pollux_traces.Application, root: Path | None = None, target
 
 
 def cpu_tasks(path: Path) -> list[Task]:
-    from efficiency_tasks import as_one_run, load_ground_truth
+    from efficiency_tasks import as_one_run, load_ground_truth, task_from_json, task_optimizer_settings
 
     truth = load_ground_truth(path)
     tasks = []
@@ -162,6 +163,7 @@ def cpu_tasks(path: Path) -> list[Task]:
             lr={b: float(row["lr"]) for b, row in batches.items()}, max_lr=_sweep_max_lr(batches.values()),
             loss_curves={b: [(r["samples"] / int(task["dataset_size"]), float(r["loss"])) for r in row.get("trajectory") or []
                              if r.get("loss") is not None] for b, row in batches.items()},
+            optimizer_settings=task_optimizer_settings(task_from_json(task["task"])),
         ))  # fmt: skip
     return tasks
 
@@ -246,11 +248,12 @@ def _or_inf(value: float | None) -> float:
 
 def reference_spec(task: Task, reference_batch: int, records: list[dict], with_max_lr: bool = False,
                    other_runs: dict[int, float] | None = None) -> JobSpec:  # fmt: skip
-    """The job a user would submit with this reference run (see the module docstring); with_max_lr adds the
+    """The job a user would submit with this reference run (see the module docstring), with the optimizer settings it
+    trained with (the CPU tasks'; the Pollux traces name none, so the spec's defaults); with_max_lr adds the
     reference run's LR and the LR sweep's largest as training.reference_lr and training.max_lr; other_runs (batch ->
     epochs) go as training.other_runs."""
     training = {"reference_batch": reference_batch, "reference_epochs": task.epochs[reference_batch],
-                "optimizer": task.optimizer, "reference_run": {"gradient_stats": records},
+                "optimizer": task.optimizer, **task.optimizer_settings, "reference_run": {"gradient_stats": records},
                 "other_runs": [{"batch": b, "epochs": e} for b, e in sorted((other_runs or {}).items())]}  # fmt: skip
     if with_max_lr:
         reference_lr = task.lr[reference_batch]
@@ -795,7 +798,8 @@ def momentum_ablation(names: list[str], momentum: float = 0.0, truth_path: Path 
         efficiency_tasks.write_stdlib_token_file()
     jobs = []
     for name, spec in zip(names, specs):
-        scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * ablation_lr_scale(spec.momentum, momentum), momentum=momentum)
+        scaled = dataclasses.replace(spec, reference_lr=spec.reference_lr * ablation_lr_scale(spec.momentum, momentum), momentum=momentum,
+                                     nesterov=spec.nesterov and momentum > 0)  # torch's Nesterov needs a momentum
         jobs += [(name, b, {"task": dataclasses.asdict(scaled), "batch": b}) for b in spec.batches]
     rows: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in names}
     if workers > 1:
@@ -821,6 +825,7 @@ def _ablation_result(base: Task, rows: dict[int, dict[str, Any]], momentum: floa
         reference_batch=base.reference_batch, target=base.target, epochs={b: float(row["epochs"]) for b, row in reached.items()},
         epochs_range={b: (float(row["epochs_min"]), _or_inf(row["epochs_max"])) for b, row in reached.items()},
         seconds_per_epoch={}, trajectories={b: as_one_run(row["trajectory"], row) for b, row in rows.items()},
+        optimizer_settings={**base.optimizer_settings, "momentum": momentum, "nesterov": bool(base.optimizer_settings.get("nesterov")) and momentum > 0},
     )  # fmt: skip
     ref = base.reference_batch
     model, report = service_model(ablated, ref)

@@ -80,37 +80,35 @@ def squared_grad_norm(model: torch.nn.Module, scale: float = 1.0) -> float:
     return float(total) / scale**2
 
 
-DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a request without "momentum" is an older server's
-DEFAULT_RMSPROP_MOMENTUM = 0.0  # tula_service.spec.job_spec.DEFAULT_RMSPROP_MOMENTUM (PyTorch's)
-
-
-def default_momentum(optimizer: str) -> float | None:
-    """The momentum a request without one trains with: SGD's and RMSprop's defaults; None for the others."""
-    return {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM}.get(optimizer)
-
-
+DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a request without it is an older server's
 DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BETAS (PyTorch's)
+# The optimizer settings a request may carry, as torch.optim names them (tula_service.spec.job_spec.OPTIMIZER_SETTING_DEFAULTS)
+OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay")
+OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop}
 
 
-def default_betas(optimizer: str) -> tuple[float, float] | None:
-    """The betas a request without them trains with: Adam's and AdamW's, PyTorch's; None for the others."""
-    return DEFAULT_ADAM_BETAS if optimizer in ("adam", "adamw") else None
-
-
-def make_optimizer(name: str, params, lr: float, momentum: float | None = None, betas: Any = None) -> torch.optim.Optimizer:
-    """The spec's optimizer; SGD with the spec's heavy-ball momentum (0: plain SGD, no momentum buffer), RMSprop with
-    its momentum (0, PyTorch's default, when not given), Adam and AdamW with the spec's betas (PyTorch's when not given)."""
-    adam_betas = DEFAULT_ADAM_BETAS if betas is None else (float(betas[0]), float(betas[1]))
+def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    """The spec's optimizer with its settings (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha,
+    centered, amsgrad, weight_decay, as torch.optim names them); PyTorch's default for each one not given, but SGD's
+    momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no momentum buffer)."""
+    if name not in OPTIMIZER_CLASSES:
+        raise ValueError(f"optimizer '{name}' is not supported; known: {', '.join(sorted(OPTIMIZER_CLASSES))}")
+    kwargs = {key: value for key, value in (settings or {}).items() if value is not None}
+    if unknown := sorted(set(kwargs) - set(OPTIMIZER_SETTING_NAMES)):
+        raise ValueError(f"optimizer settings {unknown} are not known; known: {', '.join(OPTIMIZER_SETTING_NAMES)}")
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=DEFAULT_SGD_MOMENTUM if momentum is None else float(momentum))
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=adam_betas)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=adam_betas)
-    if name == "rmsprop":
-        # PyTorch's defaults otherwise: alpha 0.99, eps 1e-8, not centered
-        return torch.optim.RMSprop(params, lr=lr, momentum=DEFAULT_RMSPROP_MOMENTUM if momentum is None else float(momentum))
-    raise ValueError(f"optimizer '{name}' is not supported; known: adam, adamw, rmsprop, sgd")
+        kwargs.setdefault("momentum", DEFAULT_SGD_MOMENTUM)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(float(beta) for beta in kwargs["betas"])
+    return OPTIMIZER_CLASSES[name](params, lr=lr, **kwargs)
+
+
+def optimizer_settings_used(optimizer: torch.optim.Optimizer, sources: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The settings an optimizer trains with (its first param group), each {"value", "source"}: the request's source
+    (spec or assumed), "assumed" where the request gave none (PyTorch's default, or DEFAULT_SGD_MOMENTUM)."""
+    group = optimizer.param_groups[0]
+    return {name: {"value": list(group[name]) if isinstance(group[name], tuple) else group[name], "source": (sources or {}).get(name, "assumed")}
+            for name in OPTIMIZER_SETTING_NAMES if name in group}  # fmt: skip
 
 
 def apply_threads(request: dict[str, Any]) -> int:
@@ -142,8 +140,7 @@ def profile_point(request: dict[str, Any]) -> dict[str, Any]:
             "dtype": request.get("dtype", "fp32"),
             "channels_last": bool(request.get("channels_last", False)),
             "optimizer": request.get("optimizer", "sgd"),
-            "momentum": request.get("momentum"),
-            "betas": request.get("betas"),
+            "optimizer_settings": request.get("optimizer_settings"),
         },
     }
     try:
@@ -195,7 +192,7 @@ class Trainer:
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.optimizer = make_optimizer(request.get("optimizer", "sgd"), self.model.parameters(), float(request.get("lr", 0.01)),
-                                        request.get("momentum"), request.get("betas"))  # fmt: skip
+                                        request.get("optimizer_settings"))  # fmt: skip
         dtype = request.get("dtype", "fp32")
         self.autocast_dtype = AUTOCAST_DTYPES.get(dtype)
         self.scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" and device.type == "cuda" else None

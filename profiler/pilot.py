@@ -22,11 +22,13 @@ LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta la
 one fixed batch of the reference batch's size, in full precision, goes into the last record as
 "stability_headroom", with its LR as "stability_lr" (and the pilot's "stability" says how it was measured). It runs after the budget, and
 costs about 40 backward passes of that batch. A pilot sees the start of the
-run, where the sharpness is still rising. Its SGD has the spec's momentum (training.momentum, 0.9 when not
-given, as every profiling point): the threshold (2 + 2 beta) / eta halves from beta 0.9 to plain SGD, so a
-plain-SGD job that leaves momentum out is told about twice its headroom. Its RMSprop has the spec's momentum too (0,
-PyTorch's default, when not given), with the same (2 + 2 beta) on the preconditioned Hessian; its Adam and AdamW the
-spec's betas (training.betas, PyTorch's (0.9, 0.999) when not given): beta1 sets their threshold, (2 + 2 beta1) / (1 - beta1). A measurement that fails (out of memory: the double backward
+run, where the sharpness is still rising. Its optimizer has the spec's settings (training.momentum, nesterov, betas,
+eps, alpha, centered, amsgrad, weight_decay; PyTorch's defaults where not given, but SGD's momentum 0.9, as every
+profiling point), reported with their sources as "optimizer_settings". They set the threshold: (2 + 2 beta) / eta
+halves from beta 0.9 to plain SGD, so a plain-SGD job that leaves momentum out is told about twice its headroom;
+Nesterov's is (2 + 2 beta) / ((1 + 2 beta) eta); RMSprop's is the heavy ball's on the preconditioned Hessian; Adam's
+and AdamW's is (2 + 2 beta1) / ((1 - beta1) eta); coupled weight decay adds weight_decay to the Hessian
+(profiler.sharpness). A measurement that fails (out of memory: the double backward
 needs more than a training step; a model without second derivatives) is reported, not raised.
 
 Records follow the shared gradient-statistics contract (`tula_service.spec.job_spec.GradientStatsRecord`).
@@ -51,10 +53,10 @@ from profiler.measure import (
     SCHEMA_VERSION,
     Trainer,
     apply_threads,
-    default_betas,
-    default_momentum,
+    make_optimizer,
     host_load,
     is_out_of_memory,
+    optimizer_settings_used,
     pick_device,
 )
 from profiler.memory import apply_memory_limit
@@ -260,16 +262,16 @@ def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
     warmup_given = request.get("warmup_steps")
     warmup = int(warmup_given) if warmup_given is not None else warmup_steps_for(pilot_steps)
     optimizer_name = request.get("optimizer", "sgd")
-    momentum, betas = default_momentum(optimizer_name), default_betas(optimizer_name)  # None: the optimizer has none
+    # what the pilot's optimizer trains with: the request's settings, PyTorch's defaults for the rest (an optimizer
+    # built on a stand-in parameter: the model is not loaded yet)
+    settings = optimizer_settings_used(make_optimizer(optimizer_name, [torch.zeros(1, requires_grad=True)], lr, request.get("optimizer_settings")),
+                                       request.get("optimizer_setting_sources"))  # fmt: skip
     base = {
         "schema_version": SCHEMA_VERSION,
         "kind": "pilot",
         "batch_size": int(request["batch_size"]),
         "optimizer": optimizer_name,
-        "momentum": None if momentum is None else {"value": momentum if request.get("momentum") is None else float(request["momentum"]),
-                                                   "source": request.get("momentum_source", "assumed")},
-        "betas": None if betas is None else {"value": list(betas) if request.get("betas") is None else [float(b) for b in request["betas"]],
-                                             "source": request.get("betas_source", "assumed")},
+        "optimizer_settings": settings,
         "lr": {"value": lr, "source": request.get("lr_source", "spec" if lr_given is not None else "assumed")},
         "warmup": {
             "steps": warmup,

@@ -12,6 +12,8 @@ Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, 
 Stability threshold (on a quadratic, the update diverges along the top eigenvector above it):
 - gradient descent:                       lambda_max < 2 / eta
 - heavy-ball momentum beta (PyTorch's):   lambda_max < (2 + 2 beta) / eta
+- Nesterov momentum beta (PyTorch's):     lambda_max < (2 + 2 beta) / ((1 + 2 beta) eta), from the characteristic
+  polynomial z^2 - (1 + beta - a (1 + beta)) z + beta (1 - a) of its update on a quadratic (a = eta lambda) at z = -1
 - Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta)
 - RMSprop with heavy-ball momentum mu (preconditioned; mu = 0 by default): lambda_max < (2 + 2 mu) / eta, the
   momentum form on P^(1/2) H P^(1/2), as its update is the heavy ball's on the preconditioned gradient
@@ -19,6 +21,12 @@ Stability threshold (on a quadratic, the update diverges along the top eigenvect
 Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the momentum and Adam forms.)
 
     headroom = threshold / lambda_max = (2 + 2 beta) / (eta lambda_max)   [/ (1 - beta1) for Adam]
+
+Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop: the gradient is g + wd theta), it adds wd
+to the Hessian: lambda_max is that of H + wd I (of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW: theta shrinks by
+(1 - eta wd) a step, outside the preconditioner), the same characteristic polynomial at z = -1 gives
+eta lambda_max < c (1 - eta wd / 2), c = eta threshold, so the LR can grow by c / (eta (lambda_max + c wd / 2)).
+Both are exact on a quadratic with the preconditioner frozen, and small where wd << lambda_max.
 
 is the factor by which the LR can grow, at the sharpness of this moment, before the top direction is
 unstable. It is a lower bound on what trains, not an upper one: sharpness adapts to the LR (it falls back
@@ -51,9 +59,10 @@ def top_hessian_eigenvalue(
     iterations: int = POWER_ITERATIONS,
     seed: int = 0,
     tolerance: float = RELATIVE_TOLERANCE,
+    weight_decay: float = 0.0,
 ) -> float:
-    """lambda_max of the Hessian of loss_fn() in params (of P^(1/2) H P^(1/2) when preconditioner P, a flat
-    tensor in the order of params, is given), by power iteration on Hessian-vector products, until lambda moves
+    """lambda_max of the Hessian of loss_fn() in params plus weight_decay I (of P^(1/2) (H + weight_decay I) P^(1/2)
+    when preconditioner P, a flat tensor in the order of params, is given), by power iteration on Hessian-vector products, until lambda moves
     by less than tolerance (relative) or after `iterations`. loss_fn builds
     the loss anew (one forward pass); the gradient graph is kept for the iterations. Attention layers run in
     PyTorch's math kernel here, because the fused CPU kernels have no second derivative."""
@@ -69,6 +78,8 @@ def top_hessian_eigenvalue(
         for _ in range(iterations):
             probe = vector * scale if scale is not None else vector
             product = _flat(torch.autograd.grad(grad @ probe, params, retain_graph=True)).detach()
+            if weight_decay:
+                product = product + weight_decay * probe
             if scale is not None:
                 product = product * scale
             previous, eigenvalue = eigenvalue, float(vector @ product)
@@ -83,15 +94,17 @@ def top_hessian_eigenvalue(
 
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
-    beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta1) / (1 - beta1) for
-    Adam/AdamW. None where no threshold is known here (Nesterov, dampened momentum, other optimizers)."""
+    beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 + 2 beta) for
+    SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW. None where no threshold is known here
+    (dampened momentum, other optimizers)."""
     group = optimizer.param_groups[0]
     if isinstance(optimizer, torch.optim.RMSprop):
         return 2.0 + 2.0 * float(group.get("momentum", 0.0))
     if isinstance(optimizer, torch.optim.SGD):
-        if group.get("nesterov") or group.get("dampening", 0.0):
+        if group.get("dampening", 0.0):
             return None
-        return 2.0 + 2.0 * float(group.get("momentum", 0.0))
+        momentum = float(group.get("momentum", 0.0))
+        return (2.0 + 2.0 * momentum) / (1.0 + 2.0 * momentum if group.get("nesterov") else 1.0)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         beta1 = float(group["betas"][0])
         return (2.0 + 2.0 * beta1) / (1.0 - beta1)
@@ -100,9 +113,9 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
 
 def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                        iterations: int = POWER_ITERATIONS, tolerance: float = RELATIVE_TOLERANCE) -> dict[str, float] | None:
-    """The headroom threshold / lambda_max at the optimizer's current LR (module docstring), with lambda_max
-    and that LR; None where no threshold is known, before an adaptive optimizer's first step, or when lambda_max <= 0 (no
-    unstable direction at this point)."""
+    """The headroom threshold / lambda_max at the optimizer's current LR (module docstring, with its weight decay), with
+    lambda_max (of H + wd I where the decay is coupled) and that LR; None where no threshold is known, before an
+    adaptive optimizer's first step, or when lambda_max <= 0 (no unstable direction at this point)."""
     threshold_times_lr = stability_threshold_times_lr(optimizer)
     if threshold_times_lr is None:
         return None
@@ -112,8 +125,13 @@ def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[tor
         preconditioner = optimizer_preconditioner(optimizer, params)
         if preconditioner is None:
             return None
-    eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance)
-    lr = float(optimizer.param_groups[0]["lr"])
+    group = optimizer.param_groups[0]
+    weight_decay = float(group.get("weight_decay", 0.0))
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance,
+                                        weight_decay=0.0 if decoupled else weight_decay)  # fmt: skip
+    lr = float(group["lr"])
     if not (math.isfinite(eigenvalue) and eigenvalue > 0.0 and lr > 0.0):
         return None
-    return {"stability_headroom": threshold_times_lr / (lr * eigenvalue), "sharpness": eigenvalue, "lr": lr}
+    decay_term = threshold_times_lr * weight_decay / 2.0 if decoupled else 0.0
+    return {"stability_headroom": threshold_times_lr / (lr * (eigenvalue + decay_term)), "sharpness": eigenvalue, "lr": lr}

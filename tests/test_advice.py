@@ -126,6 +126,8 @@ def test_an_sgd_lr_rule_says_which_momentum_it_is_for():
     assert plain["momentum"] == {"value": 0.0, "source": "spec"}
     adam = _plan(objective="min_time", training={"reference_batch": 8, "optimizer": "adam"})["training_advice"]["lr_rule"]
     assert adam.get("momentum") is None
+    assert adam["optimizer_settings"]["betas"] == {"value": [0.9, 0.999], "source": "assumed"}
+    assert plain["optimizer_settings"]["momentum"] == plain["momentum"] and plain["optimizer_settings"]["nesterov"]["value"] is False
 
 
 def test_max_lr_makes_the_plan_expect_more_epochs_at_large_batches_and_reports_the_gain():

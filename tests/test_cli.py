@@ -372,7 +372,8 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     small_reference = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_batch": 8}))
     raised = format_recommendation(plan(small_reference, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
     assert f"    - LR stability {LR_STABILITY_ASSUMED}" in raised
-    assert "    - SGD momentum 0.9 assumed (training.momentum; profiling and the advice use it)" in raised
+    assert ("    - sgd settings assumed (training.<name>; profiling, the pilot and the advice use them): momentum 0.9, nesterov false, "
+            "weight_decay 0") in raised  # fmt: skip
     stats = [{"samples": 25_000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 400.0 + 10 * i} for i in range(20)]
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

@@ -522,6 +522,10 @@ def test_the_ags_snippet_scales_the_update_when_variability_is_below_delta(tab, 
         steps.append((optimizer.last_decision.scaled, float((before - weight.detach())[0])))
     assert [scaled for scaled, _ in steps] == [False, True, False]
     assert [moved for _, moved in steps] == pytest.approx([0.1, 2.0 * 0.1 * 1.1, 0.1 * 5.0])
+    line = next(line for line in snippet.splitlines() if line.startswith("# optimizer = torch.optim."))
+    built = eval(line.removeprefix("# optimizer = "), {"torch": torch, "model": torch.nn.Linear(2, 1), "REFERENCE_LR": 0.1, **namespace})  # noqa: S307
+    settings = rec["training_advice"]["lr_rule"]["optimizer_settings"]  # the optimizer the plan is for, with its settings
+    assert settings and {name: built.param_groups[0][name] for name in settings} == {name: s["value"] for name, s in settings.items()}
 
 
 def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):

@@ -248,6 +248,20 @@ def test_rmsprop_reads_the_preconditioned_gradient_and_says_how_little_it_was_me
     assert RMSPROP_CAVEAT not in efficiency(measured)["warnings"]
 
 
+def test_adam_with_an_l2_term_says_it_was_measured_on_one_task_and_adamw_does_not():
+    from tula_service.fit.efficiency_evidence import COUPLED_WEIGHT_DECAY_CAVEAT
+
+    stats = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in records(lambda s: 500.0)]
+    caveat = COUPLED_WEIGHT_DECAY_CAVEAT.format(optimizer="adam", weight_decay=1e-4)
+    assert caveat in efficiency({"optimizer": "adam", "weight_decay": 1e-4, "reference_run": {"gradient_stats": stats}})["warnings"]
+    assert "rmsprop with weight_decay 0.001" in " ".join(
+        efficiency({"optimizer": "rmsprop", "weight_decay": 1e-3, "reference_run": {"gradient_stats": stats}})["warnings"])
+    for training in ({"optimizer": "adam"}, {"optimizer": "adamw", "weight_decay": 0.1}, {"optimizer": "adam", "weight_decay": 1e-4,
+                     "other_runs": [{"batch": 256, "epochs": 12.0}]}):  # fmt: skip
+        warnings = efficiency({**training, "reference_run": {"gradient_stats": stats}})["warnings"]
+        assert not any("an L2 term" in w for w in warnings), training
+
+
 def test_the_epochs_say_which_lr_they_are_predicted_for():
     from tula_service.fit.efficiency_evidence import ASSUMED_LR
 

@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import efficiency_tasks as et  # noqa: E402
 from offline_data import load_data, stdlib_bytes, stdlib_corpus_info, stdlib_files, write_stdlib_token_file  # noqa: E402
+from tests.handmade import spec_dict  # noqa: E402
+from tula_service.spec.job_spec import JobSpec  # noqa: E402
 
 RECORD_KEYS = {"samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step", "window_steps", "variability",
                "precond_grad_sqr", "precond_trace_sigma"}  # fmt: skip
@@ -245,6 +247,21 @@ def test_adding_a_task_keeps_the_others_and_says_what_was_added(tmp_path, monkey
     rmsprop = replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9)  # RMSprop's momentum is its own field: SGD's 0.9 default is not it
     assert et.task_optimizer(rmsprop, et.task_model(rmsprop, 0), 0.1).param_groups[0]["momentum"] == 0.9
     assert et.task_optimizer(replace(TINY, optimizer="rmsprop"), et.task_model(rmsprop, 0), 0.1).param_groups[0]["momentum"] == 0.0
+
+
+def test_a_tasks_optimizer_has_its_settings_as_the_spec_names_them():
+    """Built as profiling points and the pilot build the spec's optimizer (profiler.measure.make_optimizer), with the
+    task's settings under the spec's names: what a user of the task would submit as training.*."""
+    nesterov = replace(TINY, nesterov=True, weight_decay=5e-4)
+    group = et.task_optimizer(nesterov, et.task_model(nesterov, 0), 0.1).param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (et.MOMENTUM, True, 5e-4)
+    assert et.task_optimizer_settings(nesterov) == {"momentum": et.MOMENTUM, "nesterov": True, "weight_decay": 5e-4}
+    adamw = replace(TINY, optimizer="adamw", betas=(0.9, 0.95), weight_decay=0.1)
+    group = et.task_optimizer(adamw, et.task_model(adamw, 0), 0.1).param_groups[0]
+    assert isinstance(group, dict) and group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1 and group["decoupled_weight_decay"]
+    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9)):
+        training = {"reference_batch": 16, "reference_epochs": 3, "optimizer": task.optimizer, **et.task_optimizer_settings(task)}
+        assert JobSpec.model_validate(spec_dict(training=training)).training.optimizer == task.optimizer  # the spec takes them
 
 
 def test_the_momentum_ablation_in_worker_processes_gives_what_it_gives_in_one(tmp_path, monkeypatch):

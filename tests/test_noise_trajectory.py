@@ -210,6 +210,14 @@ def test_runs_at_several_batches_give_e_min_and_b_noise():
     assert not fit["lower_bound"] and fit["rms_log_error"] < 1e-6
 
 
+def test_epochs_that_blow_up_at_the_largest_batch_are_fitted_not_read_as_perfect_scaling():
+    """digits_resnet_sgd_nesterov's truth (benchmarks/efficiency_tasks.py): 37 epochs at 512 against 6.3 at 256 put the
+    straight line's intercept below 0; the fit once took that for perfect scaling (B_noise 512 000, a lower bound)."""
+    batches = [16, 32, 64, 128, 256, 512]
+    fit = fit_epochs_to_runs(batches, [3.12, 2.54, 2.94, 3.92, 6.32, 37.1])
+    assert not fit["lower_bound"] and 20 < fit["noise_scale"] < 200 and fit["rms_log_error"] < 0.5
+
+
 def test_runs_that_scale_perfectly_bound_b_noise_from_below():
     fit = fit_epochs_to_runs([32, 256], [10.0, 9.5])
     assert fit["lower_bound"] and fit["noise_scale"] == PERFECT_SCALING_NOISE_SCALE_FACTOR * 256

@@ -17,7 +17,7 @@ from tests.handmade import spec_dict  # noqa: E402
 from tests.processes import run_until_finished, submit  # noqa: E402
 from tula_service.dispatch.dispatcher import inferred_oom  # noqa: E402
 from tula_service.dispatch.executor import LocalExecutor  # noqa: E402
-from tula_service.dispatch.jobs import pilot_request  # noqa: E402
+from tula_service.dispatch.jobs import pilot_request, point_request  # noqa: E402
 from tula_service.spec.job_spec import GradientStatsRecord, JobSpec  # noqa: E402
 from tula_service.store.db import Job, Point  # noqa: E402
 
@@ -77,14 +77,29 @@ def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
     assert pilot["trajectory"][-1]["stability_headroom"] == stability["stability_headroom"]
     assert pilot["trajectory"][-1]["stability_lr"] == 0.01  # after the warm-up: the reference LR
     assert all("stability_headroom" not in r for r in pilot["trajectory"][:-1])
-    assert pilot["momentum"] == {"value": 0.9, "source": "assumed"}
+    assert pilot["optimizer_settings"] == {"momentum": {"value": 0.9, "source": "assumed"}, "nesterov": {"value": False, "source": "assumed"},
+                                           "weight_decay": {"value": 0.0, "source": "assumed"}}  # fmt: skip
 
 
 def test_a_plain_sgd_pilot_trains_without_momentum_and_its_threshold_is_two_over_the_lr():
-    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10, momentum=0.0, momentum_source="spec")
-    assert pilot["status"] == "ok" and pilot["momentum"] == {"value": 0.0, "source": "spec"}
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10, optimizer_settings={"momentum": 0.0},
+                   optimizer_setting_sources={"momentum": "spec"})  # fmt: skip
+    assert pilot["status"] == "ok" and pilot["optimizer_settings"]["momentum"] == {"value": 0.0, "source": "spec"}
     stability = pilot["stability"]  # plain SGD: lambda_max < 2 / eta
     assert stability["stability_headroom"] == pytest.approx(2.0 / (0.01 * stability["sharpness"]))
+
+
+def test_a_pilot_trains_with_nesterov_momentum_and_weight_decay_and_its_threshold_is_nesterovs():
+    settings = {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10, optimizer_settings=settings,
+                   optimizer_setting_sources={"nesterov": "spec", "weight_decay": "spec"})  # fmt: skip
+    assert pilot["status"] == "ok" and pilot["optimizer_settings"] == {
+        "momentum": {"value": 0.9, "source": "assumed"}, "nesterov": {"value": True, "source": "spec"},
+        "weight_decay": {"value": 5e-4, "source": "spec"}}  # fmt: skip
+    stability = pilot["stability"]  # Nesterov: lambda_max (of H + wd I) < (2 + 2 beta) / ((1 + 2 beta) eta)
+    assert stability["stability_headroom"] == pytest.approx(3.8 / 2.8 / (0.01 * stability["sharpness"]))
+    with pytest.raises(ValueError, match="not known"):
+        _pilot("small_cnn", IMAGES, 16, pilot_steps=2, optimizer_settings={"dampening": 0.5})
 
 
 def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_falls():
@@ -110,25 +125,26 @@ def test_cnn1d_pilot_with_rmsprop_records_its_preconditioned_pair_and_its_headro
 
 
 def test_an_rmsprop_pilot_trains_with_the_specs_momentum_and_its_threshold_has_it():
-    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-4, momentum=0.9, momentum_source="spec", pilot_steps=40,
-                   pilot_record_every=20)  # fmt: skip
-    assert pilot["status"] == "ok" and pilot["momentum"] == {"value": 0.9, "source": "spec"}
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-4, optimizer_settings={"momentum": 0.9},
+                   optimizer_setting_sources={"momentum": "spec"}, pilot_steps=40, pilot_record_every=20)  # fmt: skip
+    assert pilot["status"] == "ok" and pilot["optimizer_settings"]["momentum"] == {"value": 0.9, "source": "spec"}
     headroom = pilot["stability"]["stability_headroom"]  # RMSprop with momentum 0.9: (2 + 2 x 0.9) / (eta lambda_max), preconditioned
     assert headroom == pytest.approx(3.8 / (1e-4 * pilot["stability"]["sharpness"]))
     plain = _pilot("cnn1d", MNIST1D, 32, optimizer="rmsprop", lr=1e-4, pilot_steps=2, pilot_record_every=2)
-    assert plain["momentum"] == {"value": 0.0, "source": "assumed"}  # PyTorch's default
+    assert plain["optimizer_settings"]["momentum"] == {"value": 0.0, "source": "assumed"}  # PyTorch's default
 
 
 def test_an_adam_pilot_trains_with_the_specs_betas():
     """The same pilot (seed, batches) with beta2 0.95 and with PyTorch's 0.999: the preconditioned records differ, so the
     betas reached the optimizer; the threshold stays (2 + 2 beta1) / (1 - beta1) = 38 at beta1 0.9."""
     options = {"optimizer": "adam", "lr": 3e-3, "pilot_steps": 60, "pilot_record_every": 20}
-    pilot = _pilot("cnn1d", MNIST1D, 32, betas=[0.9, 0.95], betas_source="spec", **options)
-    assert pilot["status"] == "ok" and pilot["betas"] == {"value": [0.9, 0.95], "source": "spec"} and pilot["momentum"] is None
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer_settings={"betas": [0.9, 0.95]}, optimizer_setting_sources={"betas": "spec"}, **options)
+    settings = pilot["optimizer_settings"]
+    assert pilot["status"] == "ok" and settings["betas"] == {"value": [0.9, 0.95], "source": "spec"} and "momentum" not in settings
     headroom = pilot["stability"]["stability_headroom"]
     assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"]))
     default = _pilot("cnn1d", MNIST1D, 32, **options)
-    assert default["betas"] == {"value": [0.9, 0.999], "source": "assumed"}  # PyTorch's
+    assert default["optimizer_settings"]["betas"] == {"value": [0.9, 0.999], "source": "assumed"}  # PyTorch's
     assert [r["precond_grad_sqr"] for r in pilot["trajectory"]] != [r["precond_grad_sqr"] for r in default["trajectory"]]
 
 
@@ -230,17 +246,26 @@ def test_pilot_request_carries_the_budget_the_lr_and_its_source():
     assert (request["pilot_steps"], request["pilot_seconds"], request["pilot_record_every"]) == (50, 5, 5)
     assumed = pilot_request(JobSpec.model_validate(spec_dict(profiling={"pilot": True})))
     assert (assumed["lr"], assumed["lr_source"]) == (0.01, "assumed")
-    assert request["momentum"] is None and request["momentum_source"] is None  # AdamW has no SGD momentum
-    assert (assumed["momentum"], assumed["momentum_source"]) == (0.9, "assumed")
+
+    def setting(request, name):
+        return request["optimizer_settings"].get(name), request["optimizer_setting_sources"].get(name)
+
+    assert setting(request, "momentum") == (None, None)  # AdamW has no SGD momentum
+    assert setting(request, "weight_decay") == (0.01, "assumed")  # AdamW's PyTorch default
+    assert setting(assumed, "momentum") == (0.9, "assumed") and setting(assumed, "nesterov") == (False, "assumed")
     plain = pilot_request(JobSpec.model_validate(spec_dict(training={"momentum": 0}, profiling={"pilot": True})))
-    assert (plain["momentum"], plain["momentum_source"]) == (0.0, "spec")
-    rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9}, profiling={"pilot": True})))
-    assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.9, "spec")
+    assert setting(plain, "momentum") == (0.0, "spec")
+    rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9, "centered": True},
+                                                             profiling={"pilot": True})))  # fmt: skip
+    assert setting(rmsprop, "momentum") == (0.9, "spec") and setting(rmsprop, "centered") == (True, "spec")
     rmsprop = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"}, profiling={"pilot": True})))
-    assert (rmsprop["momentum"], rmsprop["momentum_source"]) == (0.0, "assumed")  # PyTorch's default
-    adamw = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "betas": [0.9, 0.95]}, profiling={"pilot": True})))
-    assert (adamw["betas"], adamw["betas_source"]) == ([0.9, 0.95], "spec") and request["betas_source"] == "assumed"
-    assert (assumed["betas"], assumed["betas_source"]) == (None, None)  # SGD has none
+    assert setting(rmsprop, "momentum") == (0.0, "assumed") and setting(rmsprop, "alpha") == (0.99, "assumed")  # PyTorch's defaults
+    adamw = pilot_request(JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1},
+                                                           profiling={"pilot": True})))  # fmt: skip
+    assert setting(adamw, "betas") == ([0.9, 0.95], "spec") and setting(request, "betas") == ([0.9, 0.999], "assumed")
+    assert setting(adamw, "weight_decay") == (0.1, "spec") and setting(assumed, "betas") == (None, None)  # SGD has none
+    eps = point_request(JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "eps": 1e-6})), 64)["optimizer_settings"]
+    assert eps == {"betas": [0.9, 0.999], "eps": 1e-6, "amsgrad": False, "weight_decay": 0.01}  # all of them: PyTorch's where not given
 
 
 def test_an_out_of_memory_is_never_inferred_for_or_from_a_pilot():

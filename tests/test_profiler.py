@@ -92,8 +92,8 @@ def test_static_memory_is_weights_grads_and_momentum(small_cnn_points):
 
 
 def test_plain_sgd_keeps_no_optimizer_state():
-    point = profile_point(_request(4, momentum=0.0))  # training.momentum 0: torch's SGD allocates no momentum buffer
-    assert point["memory"]["static_breakdown_bytes"]["optimizer_state"] == 0 and point["options"]["momentum"] == 0.0
+    point = profile_point(_request(4, optimizer_settings={"momentum": 0.0}))  # training.momentum 0: torch's SGD allocates no momentum buffer
+    assert point["memory"]["static_breakdown_bytes"]["optimizer_state"] == 0 and point["options"]["optimizer_settings"] == {"momentum": 0.0}
 
 
 def test_adam_keeps_two_state_tensors_per_weight():

@@ -1,8 +1,12 @@
+import math
+
 import pydantic
 import pytest
 
 from tests.handmade import spec_dict
-from tula_service.spec.job_spec import JobSpec
+from tula_service.plan.advice import variability_at_batch
+from tula_service.spec.job_spec import OPTIMIZER_SETTING_DEFAULTS, GradientStatsRecord, JobSpec, optimizer_setting_names
+from tula_service.spec.spec_limits import MAX_GRADIENT_STATISTIC
 
 
 def _errors(spec: dict) -> dict[tuple, str]:
@@ -80,21 +84,50 @@ def test_momentum_is_sgds_and_rmsprops_and_a_fraction_below_one():
     assert JobSpec.model_validate(spec_dict(training={"momentum": 0})).training.sgd_momentum() == {"value": 0.0, "source": "spec"}
     assert JobSpec.model_validate(spec_dict()).training.sgd_momentum() == {"value": 0.9, "source": "assumed"}
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.sgd_momentum() is None
-    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.optimizer_momentum() is None
-    assert "keeps its own settings" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
+    assert "momentum" not in JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.optimizer_settings()
+    assert "momentum is SGD's and RMSprop's; optimizer adamw has none" in _errors(spec_dict(training={"optimizer": "adamw", "momentum": 0.9}))[("training", "momentum")]
     rmsprop = JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9})).training
-    assert rmsprop.optimizer_momentum() == {"value": 0.9, "source": "spec"} and rmsprop.sgd_momentum() is None
-    assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_momentum() == {"value": 0.0, "source": "assumed"}
+    assert rmsprop.optimizer_settings()["momentum"] == {"value": 0.9, "source": "spec"} and rmsprop.sgd_momentum() is None
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_settings()["momentum"] == {"value": 0.0, "source": "assumed"}
     assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adagrad"}))
+
+
+def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
+    """Each setting of OPTIMIZER_SETTING_DEFAULTS is taken with the optimizers that have it, reported with its source,
+    and refused, naming the field and what the optimizer takes, with the others."""
+    for name, defaults in OPTIMIZER_SETTING_DEFAULTS.items():
+        for optimizer in ("sgd", "adam", "adamw", "rmsprop"):
+            given = {"betas": [0.8, 0.9], "nesterov": True, "centered": True, "amsgrad": True}.get(name, 0.25)
+            training = spec_dict(training={"optimizer": optimizer, name: given})
+            if optimizer not in defaults:
+                message = _errors(training)[("training", name)]
+                assert f"optimizer {optimizer} has none" in message and ", ".join(optimizer_setting_names(optimizer)) in message
+                continue
+            settings = JobSpec.model_validate(training).training.optimizer_settings()
+            assert settings[name] == {"value": given, "source": "spec"}, (name, optimizer)
+            default = JobSpec.model_validate(spec_dict(training={"optimizer": optimizer})).training.optimizer_settings()[name]
+            assert default == {"value": list(defaults[optimizer]) if name == "betas" else defaults[optimizer], "source": "assumed"}
+    assert set(JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_settings()) == {
+        "momentum", "eps", "alpha", "centered", "weight_decay"}  # fmt: skip
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adamw"})).training.optimizer_settings()["weight_decay"]["value"] == 0.01
+
+
+def test_optimizer_settings_are_checked_as_torch_would():
+    assert "needs momentum > 0" in _errors(spec_dict(training={"nesterov": True, "momentum": 0}))[("training", "nesterov")]
+    assert JobSpec.model_validate(spec_dict(training={"nesterov": True})).training.optimizer_settings()["momentum"]["value"] == 0.9
+    for name, bad in (("weight_decay", -0.1), ("weight_decay", float("inf")), ("eps", 0.0), ("alpha", 1.0), ("nesterov", "yes"), ("nesterov", 1)):
+        optimizer = {"eps": "adam", "alpha": "rmsprop"}.get(name, "sgd")
+        assert ("training", name) in _errors(spec_dict(training={"optimizer": optimizer, name: bad})), (name, bad)
+    assert "weight_decay" in str(_errors(spec_dict(training={"weight_decay": True})))  # a boolean is not a number
 
 
 def test_betas_are_adams_and_adamws_each_in_zero_one():
     adamw = JobSpec.model_validate(spec_dict(training={"optimizer": "adamw", "betas": [0.9, 0.95]})).training
-    assert adamw.adam_betas() == {"value": [0.9, 0.95], "source": "spec"} and adamw.optimizer_momentum() is None
-    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.adam_betas() == {"value": [0.9, 0.999], "source": "assumed"}
-    assert JobSpec.model_validate(spec_dict()).training.adam_betas() is None  # SGD
-    assert "betas are Adam's and AdamW's" in _errors(spec_dict(training={"betas": [0.9, 0.95]}))[("training", "betas")]
-    assert "betas are Adam's and AdamW's" in _errors(spec_dict(training={"optimizer": "rmsprop", "betas": [0.9, 0.95]}))[("training", "betas")]
+    assert adamw.optimizer_settings()["betas"] == {"value": [0.9, 0.95], "source": "spec"} and "momentum" not in adamw.optimizer_settings()
+    assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.optimizer_settings()["betas"] == {"value": [0.9, 0.999], "source": "assumed"}
+    assert "betas" not in JobSpec.model_validate(spec_dict()).training.optimizer_settings()  # SGD
+    assert "betas is Adam's and AdamW's" in _errors(spec_dict(training={"betas": [0.9, 0.95]}))[("training", "betas")]
+    assert "betas is Adam's and AdamW's" in _errors(spec_dict(training={"optimizer": "rmsprop", "betas": [0.9, 0.95]}))[("training", "betas")]
     for bad in ([0.9, 1.0], [-0.1, 0.9], [0.9, float("nan")]):
         assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": bad}))), bad
     assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": [0.9]})))
@@ -112,3 +145,13 @@ def test_step_placements_are_multi_device_placements_that_fit_the_cluster():
     assert list(too_big) == [("profiling", "step_placements", 0)] and "does not fit the cluster's 2 nodes of 4 GPUs" in too_big[("profiling", "step_placements", 0)]
     one_device = _errors(spec_dict(cluster=cluster, profiling={"step_placements": [[1]]}))
     assert "2 or more devices" in next(iter(one_device.values()))
+
+
+def test_a_records_variability_is_bounded_so_the_ags_delta_scaled_from_it_stays_finite():
+    """Schemathesis sent variability 1.8e308 at batch 73 to a plan at batch 1: the delta scaled to it,
+    v sqrt((b + B_noise) / (B + B_noise)), overflowed to infinity, which the response schema cannot carry."""
+    record = {"samples": 73, "batch": 73, "grad_sqr": 1.0, "trace_sigma": 1.0}
+    with pytest.raises(pydantic.ValidationError, match="variability"):
+        GradientStatsRecord.model_validate({**record, "variability": 1.7976931348623155e308})
+    largest = GradientStatsRecord.model_validate({**record, "variability": MAX_GRADIENT_STATISTIC}).variability
+    assert all(math.isfinite(v) for v in variability_at_batch([(largest, 73)], 1, 1e-300))

@@ -20,7 +20,7 @@ from models.registry import ALLOWED_MODULES_ENV, DATASETS, MODELS
 from tests.handmade import spec_dict
 from tests.schemathesis_hooks import meeting_the_rules
 from tula_service.api import Settings, create_app
-from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.job_spec import OPTIMIZER_SETTING_DEFAULTS, JobSpec
 from tula_service.spec.submission_schema import COMPONENT, SCHEMA_CANNOT_STATE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +98,12 @@ def test_the_schema_lists_the_rules_it_cannot_state(document):
         ("momentum for adam", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "adam", "momentum": 0.9}}),
         ("betas for sgd", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "sgd", "betas": [0.9, 0.95]}}),
         ("betas without an optimizer (sgd's default)", {"training": {"reference_batch": 64, "reference_epochs": 10, "betas": [0.9, 0.95]}}),
+        ("eps for sgd", {"training": {"reference_batch": 64, "reference_epochs": 10, "eps": 1e-6}}),
+        ("centered for adam", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "adam", "centered": True}}),
+        ("nesterov for rmsprop", {"training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": "rmsprop", "nesterov": True}}),
+        ("nesterov at momentum 0", {"training": {"reference_batch": 64, "reference_epochs": 10, "nesterov": True, "momentum": 0}}),
+        ("a negative weight decay", {"training": {"reference_batch": 64, "reference_epochs": 10, "weight_decay": -0.1}}),
+        ("nesterov as a string", {"training": {"reference_batch": 64, "reference_epochs": 10, "nesterov": "yes"}}),
         ("neither device memory nor a gpu_type", {"cluster": {"device_memory_gib": None}}),
         ("an unknown GPU", {"cluster": {"gpu_type": "tpu_v5", "device_memory_gib": 16}}),
         ("an unknown interconnect", {"cluster": {"intra_node_link": "carrier_pigeon"}}),
@@ -115,6 +121,16 @@ def test_a_spec_the_validators_refuse_for_a_rule_the_schema_states_is_schema_inv
             spec[key] = value
     assert not accepted(spec), why
     assert not schema.is_valid(spec), why
+
+
+def test_every_optimizer_setting_with_its_optimizer_is_valid_in_both(schema):
+    given = {"betas": [0.9, 0.95], "nesterov": True, "centered": True, "amsgrad": True, "momentum": 0.5}
+    for name, defaults in OPTIMIZER_SETTING_DEFAULTS.items():
+        for optimizer in defaults:
+            spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, name: given.get(name, 0.1)}}
+            assert accepted(spec) and schema.is_valid(spec), (name, optimizer)
+    spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "nesterov": True, "weight_decay": 5e-4}}
+    assert accepted(spec) and schema.is_valid(spec)  # sgd by default, its momentum 0.9 by default
 
 
 def test_momentum_for_sgd_and_rmsprop_and_betas_for_adam_and_adamw_are_valid_in_both(schema):

@@ -44,6 +44,15 @@ class ProgressPrinter:
             print(file=self.stream)
 
 
+def _setting(value) -> str:
+    """An optimizer setting as the spec writes it: true/false, [b1, b2], a number."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    return f"{value:g}"
+
+
 def format_recommendation(rec: dict[str, Any]) -> str:
     chosen = rec["chosen"]
     reliability = rec.get("reliability") or {}
@@ -87,8 +96,10 @@ def format_recommendation(rec: dict[str, Any]) -> str:
             + (f" = {lr['lr']['value']:.4g}" if lr.get("lr") else "")
             + f"; warm-up {advice['warmup']['steps']} steps; AGS delta={ags['delta']['value']:.3g} s={ags['s']['value']:.3g}"
         )
-        if (lr.get("momentum") or {}).get("source") == "assumed":
-            lines.append(f"    - SGD momentum {lr['momentum']['value']:g} assumed (training.momentum; profiling and the advice use it)")
+        assumed = {name: setting["value"] for name, setting in (lr.get("optimizer_settings") or {}).items() if setting["source"] == "assumed"}
+        if assumed:
+            lines.append(f"    - {lr['optimizer']} settings assumed (training.<name>; profiling, the pilot and the advice use them): "
+                         + ", ".join(f"{name} {_setting(value)}" for name, value in assumed.items()))
         if (lr.get("stability") or {}).get("source") in ("assumed", "measured"):
             lines.append(f"    - LR stability {lr['stability']['why']}")
         lines.append(f"  batch schedule: {schedule['recommended']} ({schedule['why']})")

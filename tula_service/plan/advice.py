@@ -31,8 +31,7 @@ from typing import Any
 import numpy as np
 
 from tula_service.fit.perfmodel.efficiency import EfficiencyModel
-
-OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop"}  # as the advice names them
+from tula_service.spec.job_spec import OPTIMIZER_NAMES
 
 LR_STABILITY_ASSUMED = (
     "assumed: the reference run shows the optimizer stable at the reference LR only, and this rule raises it. Measured "
@@ -74,6 +73,7 @@ def lr_rule(spec, global_batch: int, efficiency: EfficiencyModel) -> dict[str, A
     }
     if spec.training.optimizer == "sgd":
         result["momentum"] = spec.training.sgd_momentum()  # the LR is advised for SGD with this momentum
+    result["optimizer_settings"] = spec.training.optimizer_settings()
     if spec.training.reference_lr:
         lr = spec.training.reference_lr * factor
         result["lr"] = {"value": lr, "reference_lr": spec.training.reference_lr, "source": "predicted"}

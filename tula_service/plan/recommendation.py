@@ -137,6 +137,11 @@ class ExplainedSource(BaseModel):
     why: str
 
 
+class OptimizerSetting(BaseModel):
+    value: bool | float | list[float] = Field(description="as torch.optim takes it (betas as [beta1, beta2])")
+    source: Literal["spec", "assumed"] = Field(description="spec, or assumed: PyTorch's default (SGD's momentum: 0.9)")
+
+
 class LrRule(BaseModel):
     batch_ratio_k: float = Field(description="global batch / training.reference_batch")
     optimizer: Literal["sgd", "adam", "adamw", "rmsprop"]
@@ -145,6 +150,9 @@ class LrRule(BaseModel):
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")
     why: str
     momentum: SourcedValue | None = Field(None, description="SGD only: the heavy-ball momentum the advice is for (training.momentum: spec, or the assumed 0.9)")
+    optimizer_settings: dict[str, OptimizerSetting] | None = Field(
+        None, description="the optimizer's settings the advice, the profiling points and the pilot are for, as torch.optim "
+        "names them (training.momentum, nesterov, betas, eps, alpha, centered, amsgrad, weight_decay), each with its source")
     lr: LearningRate | None = Field(None, description="only with training.reference_lr")
     stability: ExplainedSource | None = Field(None, description="when the rule raises the LR: whether the raised LR is known to train (spec: capped at training.max_lr; measured: capped at the measured stability headroom) or assumed")
 

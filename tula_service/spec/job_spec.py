@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 
 from models.data_roots import check_submitted_path
 from models.registry import (
@@ -86,10 +86,34 @@ Precision = Literal["fp32", "bf16", "fp16"]
 DEFAULT_SGD_MOMENTUM = 0.9
 # RMSprop's where the spec gives none: PyTorch's default (torch.optim.RMSprop momentum=0).
 DEFAULT_RMSPROP_MOMENTUM = 0.0
-MOMENTUM_OPTIMIZERS = ("sgd", "rmsprop")  # the optimizers training.momentum is for
 # Adam's and AdamW's (beta1, beta2) where the spec gives none: PyTorch's defaults (torch.optim.Adam, AdamW).
 DEFAULT_ADAM_BETAS = (0.9, 0.999)
-BETAS_OPTIMIZERS = ("adam", "adamw")  # the optimizers training.betas is for
+# torch.optim's settings the spec takes beside the LR (their PyTorch names), the optimizers each is for, and the value
+# each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop), except SGD's
+# momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the pilot reports each with
+# its source.
+OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
+    "momentum": {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM},
+    "nesterov": {"sgd": False},
+    "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS},
+    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8},
+    "alpha": {"rmsprop": 0.99},
+    "centered": {"rmsprop": False},
+    "amsgrad": {"adam": False, "adamw": False},
+    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0},
+}
+OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop"}  # as messages and the advice name them
+
+
+def setting_optimizers(setting: str) -> tuple[str, ...]:
+    """The optimizers a setting of OPTIMIZER_SETTING_DEFAULTS is for, e.g. ("sgd", "rmsprop") for momentum."""
+    return tuple(OPTIMIZER_SETTING_DEFAULTS[setting])
+
+
+def optimizer_setting_names(optimizer: str) -> tuple[str, ...]:
+    """The settings of OPTIMIZER_SETTING_DEFAULTS an optimizer takes, e.g. momentum, nesterov, weight_decay for sgd."""
+    return tuple(name for name, defaults in OPTIMIZER_SETTING_DEFAULTS.items() if optimizer in defaults)
+
 Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False), BeforeValidator(reject_bool_number)]  # one of Adam's betas, in [0, 1)
 
 
@@ -356,7 +380,9 @@ class GradientStatsRecord(_Strict):
     step: Count | None = Field(None, ge=0)
     window_steps: PositiveInt | None = Field(None, description="optimizer steps the record averages")
     variability: MeasuredNumber | None = Field(
-        None, ge=0, allow_inf_nan=False, description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS)"
+        None, ge=0, le=MAX_GRADIENT_STATISTIC, allow_inf_nan=False,
+        description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS); bounded as |G|^2 is, so that the AGS delta "
+        "scaled to another batch stays finite",
     )
     precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
     precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: tr(P Sigma P) per sample")
@@ -408,9 +434,10 @@ class TrainingSpec(_Strict):
         "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
     )
     optimizer: Literal["sgd", "adam", "adamw", "rmsprop"] = Field(
-        "sgd", description="the reference run's optimizer, as PyTorch names it: sgd (with `momentum`), adam, adamw, rmsprop "
-        "(with `momentum`), adam and adamw (with `betas`); PyTorch's defaults assumed for the other settings (alpha, eps, "
-        "centered, weight decay)")
+        "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop), with "
+        "its settings below (each only for the optimizers that have it; PyTorch's default where left out, but SGD's "
+        f"momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, weight_decay; adam and adamw: betas, eps, amsgrad, "
+        "weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
@@ -418,11 +445,30 @@ class TrainingSpec(_Strict):
         f"{DEFAULT_RMSPROP_MOMENTUM:g}, PyTorch's, assumed); profiling points and the pilot train with it. Not for adam or "
         "adamw (their `betas`)",
     )
+    nesterov: StrictBool | None = Field(
+        None, description="sgd only: Nesterov momentum (torch.optim.SGD nesterov; needs momentum > 0); default false. The "
+        "stability threshold is then (2 + 2 beta) / ((1 + 2 beta) eta), not the heavy ball's (2 + 2 beta) / eta",
+    )
     betas: tuple[Beta, Beta] | None = Field(
         None,
         description="Adam's and AdamW's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, 0.95], as large language models "
         f"are often trained), each in [0, 1); profiling points and the pilot train with them, and beta1 sets the stability "
         f"threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with optimizer adam or adamw",
+    )
+    eps: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False,
+        description="adam, adamw and rmsprop: the term added to sqrt(v) in the preconditioner 1 / (sqrt(v) + eps); default "
+        "1e-8, PyTorch's (assumed)",
+    )
+    alpha: Beta | None = Field(None, description="rmsprop only: the smoothing constant of its mean square, in [0, 1); default 0.99, PyTorch's")
+    centered: StrictBool | None = Field(
+        None, description="rmsprop only: divide by the gradient's variance estimate, v = E[g^2] - E[g]^2 (Graves 2013); default false")
+    amsgrad: StrictBool | None = Field(None, description="adam and adamw only: the AMSGrad variant (the largest v so far); default false")
+    weight_decay: float | None = Field(
+        None, ge=0, le=10, allow_inf_nan=False,
+        description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam and "
+        "rmsprop; decoupled (the weights shrink by lr x weight_decay a step) for adamw. Default PyTorch's: 0, adamw 0.01 "
+        "(assumed). Profiling points and the pilot train with it; the gradient statistics are of the loss alone",
     )
     reference_run: ReferenceRunSpec | None = Field(
         None, description="gradient statistics along the reference run: the best evidence for the noise scale"
@@ -440,42 +486,37 @@ class TrainingSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _momentum_is_sgds_or_rmsprops(self) -> TrainingSpec:
-        if self.momentum is not None and self.optimizer not in MOMENTUM_OPTIMIZERS:
-            raise field_errors([(("momentum",), f"momentum is SGD's and RMSprop's; optimizer {self.optimizer} keeps its own "
-                                 "settings, PyTorch's defaults (betas 0.9, 0.999): leave momentum out")], "training_field")  # fmt: skip
+    def _settings_are_the_optimizers(self) -> TrainingSpec:
+        """Each optimizer setting only with an optimizer that has it (OPTIMIZER_SETTING_DEFAULTS), a 422 at its field."""
+        problems = []
+        for name in OPTIMIZER_SETTING_DEFAULTS:
+            if getattr(self, name) is None or self.optimizer in setting_optimizers(name):
+                continue
+            owners = [f"{OPTIMIZER_NAMES[owner]}'s" for owner in setting_optimizers(name)]
+            owners = ", ".join(owners[:-1]) + " and " + owners[-1] if len(owners) > 1 else owners[0]
+            own = ", ".join(optimizer_setting_names(self.optimizer))
+            problems.append(((name,), f"{name} is {owners}; optimizer {self.optimizer} has none: leave {name} out "
+                             f"({self.optimizer} takes {own})"))
+        if self.nesterov and self.optimizer == "sgd" and self.optimizer_settings()["momentum"]["value"] == 0:
+            problems.append((("nesterov",), "Nesterov momentum needs momentum > 0 (torch.optim.SGD refuses it at momentum 0)"))
+        if problems:
+            raise field_errors(problems, "training_field")
         return self
 
-    @model_validator(mode="after")
-    def _betas_are_adams(self) -> TrainingSpec:
-        if self.betas is None:
-            return self
-        if self.optimizer not in BETAS_OPTIMIZERS:
-            raise field_errors([(("betas",), f"betas are Adam's and AdamW's; optimizer {self.optimizer} has none: leave betas out "
-                                 "(momentum is SGD's and RMSprop's)")], "training_field")  # fmt: skip
-        return self
-
-    def adam_betas(self) -> dict[str, Any] | None:
-        """Adam's and AdamW's (beta1, beta2) with their source (spec, or assumed: PyTorch's defaults); None for the others."""
-        if self.optimizer not in BETAS_OPTIMIZERS:
-            return None
-        if self.betas is None:
-            return {"value": list(DEFAULT_ADAM_BETAS), "source": "assumed"}
-        return {"value": list(self.betas), "source": "spec"}
-
-    def optimizer_momentum(self) -> dict[str, Any] | None:
-        """The optimizer's momentum with its source (spec or assumed: SGD's DEFAULT_SGD_MOMENTUM, RMSprop's PyTorch
-        default 0), what profiling points and the pilot train with; None for Adam and AdamW."""
-        if self.optimizer not in MOMENTUM_OPTIMIZERS:
-            return None
-        if self.momentum is None:
-            return {"value": DEFAULT_SGD_MOMENTUM if self.optimizer == "sgd" else DEFAULT_RMSPROP_MOMENTUM, "source": "assumed"}
-        return {"value": self.momentum, "source": "spec"}
+    def optimizer_settings(self) -> dict[str, dict[str, Any]]:
+        """The optimizer's settings (OPTIMIZER_SETTING_DEFAULTS), each {"value", "source"}: spec, or assumed (its
+        default), what profiling points and the pilot train with; betas as a list."""
+        settings = {}
+        for name in optimizer_setting_names(self.optimizer):
+            given = getattr(self, name)
+            value = OPTIMIZER_SETTING_DEFAULTS[name][self.optimizer] if given is None else given
+            settings[name] = {"value": list(value) if isinstance(value, tuple) else value, "source": "assumed" if given is None else "spec"}
+        return settings
 
     def sgd_momentum(self) -> dict[str, Any] | None:
         """SGD's momentum with its source (spec or assumed), None for other optimizers: what SGD's LR advice and its
         caveats are for."""
-        return self.optimizer_momentum() if self.optimizer == "sgd" else None
+        return self.optimizer_settings()["momentum"] if self.optimizer == "sgd" else None
 
     @model_validator(mode="after")
     def _max_lr_above_reference(self) -> TrainingSpec:

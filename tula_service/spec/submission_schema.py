@@ -13,7 +13,8 @@ module publishes, from the catalogs, registry and limits the validators themselv
 - per catalog model: its model_options (integers in [1, 10^6]) and the datasets of its input kind;
 - cluster: `device_memory_gib` or a catalog `gpu_type`; pricing: a `price`, or kind `gpu_hour` with a
   `gpu_type` (its catalog price); objective `deadline`/`budget` with `deadline_h`/`budget_usd`; `max_lr`
-  with `reference_lr`; `momentum` with optimizer `sgd` or `rmsprop`; `betas` with `adam` or `adamw`; `batch_sizes` as a list of 2 or more, or `{min, max}`;
+  with `reference_lr`; each optimizer setting (`momentum`, `betas`, `weight_decay`, ...) with an optimizer that has it, `nesterov` true with a
+  momentum above 0; `batch_sizes` as a list of 2 or more, or `{min, max}`;
 - `loss`: a catalog loss name or an allowlisted `package.module:function`.
 
 What JSON Schema cannot state is listed in SCHEMA_CANNOT_STATE, and said in the schema's description:
@@ -34,7 +35,7 @@ from typing import Any
 from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
 from tula_service.settings import environment
-from tula_service.spec.job_spec import BETAS_OPTIMIZERS, MOMENTUM_OPTIMIZERS, allowed_model_modules
+from tula_service.spec.job_spec import OPTIMIZER_SETTING_DEFAULTS, allowed_model_modules, setting_optimizers
 from tula_service.spec.spec_limits import max_batch_sizes
 
 COMPONENT = "JobSubmission"
@@ -174,16 +175,25 @@ def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
-    """max_lr needs reference_lr (the cap is their ratio); momentum is SGD's and RMSprop's (optimizer sgd or rmsprop, or
-    left out: its default); betas are Adam's and AdamW's (optimizer adam or adamw, given)."""
+    """max_lr needs reference_lr (the cap is their ratio); each optimizer setting only with an optimizer that has it
+    (job_spec.OPTIMIZER_SETTING_DEFAULTS: the optimizer given, or left out where SGD, the default, has it); nesterov
+    true only with a momentum above 0 (or left out: SGD's default 0.9)."""
     training = copy.deepcopy(base)
+    settings = []
+    for name in OPTIMIZER_SETTING_DEFAULTS:
+        owners = setting_optimizers(name)
+        optimizer = {"properties": {"optimizer": {"enum": list(owners)}}}
+        settings.append({"anyOf": [{"properties": {name: _NULL}}, optimizer if "sgd" in owners else {**optimizer, "required": ["optimizer"]}]})
     training["allOf"] = [
         {"anyOf": [
             {"properties": {"max_lr": _NULL}},
             {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
         ]},
-        {"anyOf": [{"properties": {"momentum": _NULL}}, {"properties": {"optimizer": {"enum": list(MOMENTUM_OPTIMIZERS)}}}]},
-        {"anyOf": [{"properties": {"betas": _NULL}}, {"properties": {"optimizer": {"enum": list(BETAS_OPTIMIZERS)}}, "required": ["optimizer"]}]},
+        *settings,
+        {"anyOf": [
+            {"properties": {"nesterov": {"not": {"const": True}}}},
+            {"properties": {"momentum": _nullable({"type": "number", "exclusiveMinimum": 0})}},
+        ]},
     ]  # fmt: skip
     return training
 

@@ -323,7 +323,9 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
     E(B) = E_min + (E_min / B_noise) B, so a non-negative least-squares line through (B, E) starts it.
     When the epochs do not grow with the batch (slope <= 0), the runs show no loss of efficiency within
     their range: B_noise is then only bounded from below, and reported as
-    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set.
+    PERFECT_SCALING_NOISE_SCALE_FACTOR x the largest batch with `lower_bound` set. Epochs that grow faster than
+    linearly (a blow-up at the largest batch, which puts the line's intercept below 0) are fitted, not read as
+    perfect scaling.
 
     With a prior (what the gradient statistics read, as epochs_calibration.noise_scale_prior gives it: ln B_noise
     ~ N(ln center, sigma_log^2), and run_scatter_log, the scatter of one run's log epochs about the form), the fit is
@@ -343,7 +345,7 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
     if batch.size < 2 or np.unique(batch).size < 2:
         raise ValueError("fitting E_min and B_noise needs epochs at two or more distinct batches")
     slope, intercept = np.polyfit(batch, measured, 1)
-    if slope <= 0 or intercept <= 0:
+    if slope <= 0:
         noise_scale = PERFECT_SCALING_NOISE_SCALE_FACTOR * float(batch.max())
         min_epochs = float(np.exp(np.mean(np.log(measured / (1 + batch / noise_scale)))))
         alone = {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": True, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
@@ -353,7 +355,10 @@ def fit_epochs_to_runs(batches: list[int], epochs: list[float], prior: dict[str,
             min_epochs, noise_scale = np.exp(log_params)
             return np.log(min_epochs * (1 + batch / noise_scale)) - np.log(measured)
 
-        fit = least_squares(residuals, np.log([intercept, intercept / slope]))
+        # the line's intercept and slope start it; where the epochs grow faster than linearly (a large batch's blow-up
+        # puts the line's intercept at or below 0), the fewest epochs and the batch where the line doubles them do
+        start = [intercept, intercept / slope] if intercept > 0 else [float(measured.min()), float(measured.min()) / slope]
+        fit = least_squares(residuals, np.log(start))
         min_epochs, noise_scale = (float(v) for v in np.exp(fit.x))
         alone = {"min_epochs": min_epochs, "noise_scale": noise_scale, "lower_bound": False, "rms_log_error": _rms_log(batch, measured, min_epochs, noise_scale)}
     if prior is None:

@@ -149,6 +149,20 @@ export function cliCommand(jobId, whatIf, server) {
   return words.map(shellQuote).join(" ");
 }
 
+const TORCH_OPTIMIZERS = { sgd: "SGD", adam: "Adam", adamw: "AdamW", rmsprop: "RMSprop" };
+
+function pythonLiteral(value) {
+  if (typeof value === "boolean") return value ? "True" : "False";
+  if (Array.isArray(value)) return `(${value.map(pythonLiteral).join(", ")})`;
+  return String(value);
+}
+
+// The torch.optim constructor with the settings the plan is for (lr_rule.optimizer_settings: spec or assumed).
+export function optimizerLine(lr) {
+  const settings = Object.entries(lr.optimizer_settings || {}).map(([name, setting]) => `, ${name}=${pythonLiteral(setting.value)}`);
+  return `torch.optim.${TORCH_OPTIMIZERS[lr.optimizer]}(model.parameters(), lr=REFERENCE_LR * LR_MULTIPLIER${settings.join("")})`;
+}
+
 // A PyTorch snippet that applies this plan's AGS config with Tula's runtime (profiler/ags.py).
 export function agsSnippet(rec, jobId) {
   const { delta, s } = rec.training_advice.ags;
@@ -165,7 +179,7 @@ AGS_CONFIG = {
 }
 LR_MULTIPLIER = ${lr.multiplier.value}  # ${lr.multiplier.source}: ${lr.recommended} rule; multiply your reference LR by it
 
-# optimizer = torch.optim.SGD(model.parameters(), lr=REFERENCE_LR * LR_MULTIPLIER, momentum=0.9)
+# optimizer = ${optimizerLine(lr)}
 # optimizer = AdaptiveGradientScaler.wrap(optimizer, AGS_CONFIG)   # step() decides and scales first
 # for inputs, targets in loader:
 #     optimizer.zero_grad()
