@@ -262,6 +262,18 @@ def test_adam_with_an_l2_term_says_it_was_measured_on_one_task_and_adamw_does_no
         assert not any("an L2 term" in w for w in warnings), training
 
 
+def test_runs_that_do_not_follow_the_form_are_flagged_and_runs_that_do_are_not():
+    """The ResNet under SGD with Nesterov momentum of benchmarks/efficiency_tasks.py: 2.5 epochs at 32, 6.3 at 256 and 37 at
+    512, a blow-up; the same batches on the form E_min (1 + B / 100) carry no such warning."""
+    def warnings(epochs):
+        other_runs = [{"batch": b, "epochs": e} for b, e in epochs.items()]
+        return " ".join(efficiency({"reference_batch": 32, "reference_epochs": 2.54, "other_runs": other_runs})["warnings"])
+
+    assert "do not follow the form" in warnings({64: 2.94, 128: 3.92, 256: 6.32, 512: 37.1})
+    assert "do not follow the form" not in warnings({b: 2.54 * (1 + b / 100) / (1 + 32 / 100) for b in (64, 128, 256, 512)})
+    assert "do not follow the form" not in warnings({512: 37.1})  # two runs: nothing to check the fit against
+
+
 def test_the_epochs_say_which_lr_they_are_predicted_for():
     from tula_service.fit.efficiency_evidence import ASSUMED_LR
 
