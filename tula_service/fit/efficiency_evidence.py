@@ -58,7 +58,7 @@ while the reference runs read 78 and 29. The other way too: on a ResNet with bat
 the read with momentum 0.9, and 102 against 69 without it (predicted within 9% without momentum, 48% with). So for SGD a noise scale from gradient statistics carries
 MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); epochs measured at other
 batches (other_runs) hold the optimizer's behaviour and carry none. RMSprop is read as Adam is (the preconditioned
-gradient), on the evidence of three tasks so far, which it fits unevenly: RMSPROP_CAVEAT says so. Adam and RMSprop
+gradient), on the evidence of four tasks so far, which it fits unevenly: RMSPROP_CAVEAT says so. Adam and RMSprop
 with weight decay (an L2 term the preconditioner scales) carry COUPLED_WEIGHT_DECAY_CAVEAT: one task measured it.
 """
 
@@ -106,14 +106,16 @@ PLAIN_SGD_CAVEAT = (
 )
 RMSPROP_CAVEAT = (
     "rmsprop: read as Adam's is, from the preconditioned gradient P g, P = 1 / (sqrt(square_avg) + eps) "
-    "(profiler.preconditioner), and the LR advised by the square root of the AdaScale gain. Measured on three CPU tasks "
+    "(profiler.preconditioner), and the LR advised by the square root of the AdaScale gain. Measured on four CPU tasks "
     "only (docs/validation.md). Without momentum (PyTorch's default), a small CNN and an MLP on the digits: the noise "
     "scale read 1.12x below and 3.0x above the critical batch fitted to their epochs, 10.8% and 15.6% epochs error (the "
     "MLP's with the LR capped at the measured stability headroom; 26% without it, and the raw gradient's read, 1.7x, "
     "gave 16%). With momentum 0.9 (training.momentum), the same CNN to a test accuracy of 0.98: read 6.4x above its "
     "critical batch, 47% epochs error, the predicted epochs too low at large batches (the raw gradient's read, 4.0x, "
-    "43%). Centered was not measured. Epochs measured at 8x "
-    "the reference batch (next_run; training.other_runs) settle it: 10.4%, 13.1% and 11.4% there"
+    "43%). Centered (training.centered), on the MLP: its preconditioned statistics did not resolve (it divides by the "
+    "gradient's variance estimate, small where the gradient is consistent), so the raw gradient's read was used, 1.59x "
+    "above the critical batch, 14.9%. Epochs measured at 8x "
+    "the reference batch (next_run; training.other_runs) settle it: 10.4%, 13.1%, 11.4% and 10.0% there"
 )
 COUPLED_WEIGHT_DECAY_CAVEAT = (
     "{optimizer} with weight_decay {weight_decay:g} (an L2 term added to the gradient before the preconditioner, unlike "
@@ -125,10 +127,10 @@ COUPLED_WEIGHT_DECAY_CAVEAT = (
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 32 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 33 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 19.1% to 10.1%, 26 of 32 tasks within 15%, the worst 18.9% (from 142% on a GRU "
-    "under SGD); one at 2x helped less (19.0%, worst 158%): runs close together differ by little more than a run's scatter. A run is only as good "
+    "took the median epochs error from 18.6% to 10.0%, 27 of 33 tasks within 15%, the worst 19.0% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (19.9%, worst 160%): runs close together differ by little more than a run's scatter. A run is only as good "
     "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
