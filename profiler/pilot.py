@@ -53,9 +53,9 @@ from profiler.measure import (
     SCHEMA_VERSION,
     Trainer,
     apply_threads,
-    make_optimizer,
     host_load,
     is_out_of_memory,
+    make_optimizer,
     optimizer_settings_used,
     pick_device,
 )
