@@ -122,7 +122,7 @@ COUPLED_WEIGHT_DECAY_CAVEAT = (
     "AdamW's decoupled decay): measured on one CPU task only (docs/validation.md): the digits CNN under Adam with weight "
     "decay 1e-4 read its noise scale 3.0x above the critical batch fitted to its epochs (1.24x without the decay), "
     "18.6% epochs error, the predicted epochs too low at large batches. Epochs measured at 8x the reference batch "
-    "(next_run; training.other_runs) settle it: 9.6% there"
+    "(next_run; training.other_runs) settle it: 9.5% there"
 )
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
