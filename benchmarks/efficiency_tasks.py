@@ -106,7 +106,7 @@ SIGNIFICANT_DIGITS = 6
 class Task:
     dataset: str  # a dataset of benchmarks/offline_data.py
     model: str  # a models.zoo name
-    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw" or "rmsprop" (PyTorch's defaults)
+    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw", "rmsprop", "nadam" or "radam" (PyTorch's defaults)
     train_samples: int
     test_samples: int
     target: float  # test accuracy (higher is better) or held-out loss (lower is better)
@@ -123,7 +123,8 @@ class Task:
     nesterov: bool = False  # SGD only: Nesterov momentum
     rmsprop_momentum: float = 0.0  # RMSprop only (PyTorch's momentum, on the preconditioned step); 0 is PyTorch's default
     centered: bool = False  # RMSprop only: divide by the variance estimate E[g^2] - E[g]^2 (Graves 2013)
-    betas: tuple[float, float] | None = None  # Adam and AdamW only; None is PyTorch's (0.9, 0.999)
+    betas: tuple[float, float] | None = None  # Adam, AdamW, NAdam and RAdam only; None is PyTorch's (0.9, 0.999)
+    decoupled_weight_decay: bool = False  # NAdam and RAdam only: weight_decay decoupled, as AdamW's
     micro_batched: bool = False  # every seed trains as the accumulation loop (batch norm: see the module docstring)
 
     @property
@@ -274,6 +275,18 @@ TASKS: dict[str, Task] = {
     # after it was measured
     "digits_mlp_rmsprop_centered": Task("digits_x16_flat", "mlp1d", "rmsprop", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                                         max_epochs=400, reference_batch=32, reference_lr=1e-3, centered=True),
+    # added 2026-12-07, in a later session (--add), with the spec's NAdam and RAdam (training.optimizer nadam, radam):
+    # NAdam (PyTorch's defaults: momentum_decay 4e-3, no weight decay) on the CNN of digits_cnn_adam, its LR_ref (2e-3,
+    # NAdam's default too), untuned. Its target is 0.98, not the base task's 0.97: at 0.97 the tuned reference run
+    # (LR 5.7e-3) took 1.94 epochs, under the 2 every task's reference run must have (as for
+    # digits_cnn_rmsprop_momentum); that first truth was measured and read (14.3% epochs error) before the target moved,
+    # and docs/validation.md reports both. Nothing in the service was changed after either was measured
+    "digits_cnn_nadam": Task("digits_x16", "small_cnn", "nadam", 1437, 360, 0.98, "test_acc", powers_of_two(16, 512),
+                             max_epochs=400, reference_batch=32, reference_lr=2e-3),
+    # RAdam with decoupled weight decay 0.01 (AdamW's default decay, training.decoupled_weight_decay) on the MNIST-1D MLP
+    # of mnist1d_mlp_adamw, its target and LR_ref (1e-3), untuned; nothing in the service was changed after it was measured
+    "mnist1d_mlp_radam": Task("mnist1d", "mlp1d", "radam", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
+                              max_epochs=400, reference_batch=32, reference_lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True),
 }  # fmt: skip
 
 
@@ -303,9 +316,11 @@ def task_optimizer_settings(task: Task) -> dict[str, Any]:
         return {"momentum": task.momentum, "nesterov": task.nesterov, "weight_decay": task.weight_decay}
     if task.optimizer in ("adam", "adamw"):
         return {"betas": task.betas or DEFAULT_ADAM_BETAS, "weight_decay": task.weight_decay}
+    if task.optimizer in ("nadam", "radam"):
+        return {"betas": task.betas or DEFAULT_ADAM_BETAS, "decoupled_weight_decay": task.decoupled_weight_decay, "weight_decay": task.weight_decay}
     if task.optimizer == "rmsprop":
         return {"momentum": task.rmsprop_momentum, "centered": task.centered, "weight_decay": task.weight_decay}
-    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop")
+    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop, nadam, radam")
 
 
 def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -83,14 +83,17 @@ def squared_grad_norm(model: torch.nn.Module, scale: float = 1.0) -> float:
 DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a request without it is an older server's
 DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BETAS (PyTorch's)
 # The optimizer settings a request may carry, as torch.optim names them (tula_service.spec.job_spec.OPTIMIZER_SETTING_DEFAULTS)
-OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay")
-OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop}
+OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay", "momentum_decay",
+                           "decoupled_weight_decay")
+OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
+                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam}
 
 
 def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None = None) -> torch.optim.Optimizer:
     """The spec's optimizer with its settings (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha,
-    centered, amsgrad, weight_decay, as torch.optim names them); PyTorch's default for each one not given, but SGD's
-    momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no momentum buffer)."""
+    centered, amsgrad, weight_decay, momentum_decay (NAdam), decoupled_weight_decay (NAdam, RAdam), as torch.optim names
+    them); PyTorch's default for each one not given, but SGD's momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no
+    momentum buffer)."""
     if name not in OPTIMIZER_CLASSES:
         raise ValueError(f"optimizer '{name}' is not supported; known: {', '.join(sorted(OPTIMIZER_CLASSES))}")
     kwargs = {key: value for key, value in (settings or {}).items() if value is not None}
@@ -108,7 +111,13 @@ def optimizer_settings_used(optimizer: torch.optim.Optimizer, sources: dict[str,
     (spec or assumed), "assumed" where the request gave none (PyTorch's default, or DEFAULT_SGD_MOMENTUM)."""
     group = optimizer.param_groups[0]
     return {name: {"value": list(group[name]) if isinstance(group[name], tuple) else group[name], "source": (sources or {}).get(name, "assumed")}
-            for name in OPTIMIZER_SETTING_NAMES if name in group}  # fmt: skip
+            for name in OPTIMIZER_SETTING_NAMES if name in group and not _fixed_by_class(optimizer, name)}  # fmt: skip
+
+
+def _fixed_by_class(optimizer: torch.optim.Optimizer, name: str) -> bool:
+    """A group entry the optimizer's class fixes rather than the spec: torch's Adam and AdamW carry
+    decoupled_weight_decay (False, True) in their groups, a setting the spec has only for NAdam and RAdam."""
+    return name == "decoupled_weight_decay" and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def apply_threads(request: dict[str, Any]) -> int:

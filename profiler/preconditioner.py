@@ -7,8 +7,17 @@ preconditioned Hessian P^(1/2) H P^(1/2) (profiler.sharpness). P = diag(1 / (sqr
 
 - Adam and AdamW (Kingma & Ba 2015, alg. 1): v = exp_avg_sq / (1 - beta2^t), the bias-corrected EMA of g^2
   (max_exp_avg_sq in place of exp_avg_sq with amsgrad);
+- NAdam (Dozat 2016; torch.optim.NAdam): v = exp_avg_sq / (1 - beta2^t), as Adam's (it has no amsgrad): its step
+  divides both of its terms, g and the EMA of g, by sqrt(v) + eps;
 - RMSprop (Tieleman & Hinton 2012, lecture 6.5; PyTorch's torch.optim.RMSprop): v = square_avg, the EMA of g^2 with
   weight alpha, no bias correction; centered (Graves 2013, eq. 38-40): v = square_avg - grad_avg^2.
+
+RAdam (Liu et al. 2020, alg. 2; torch.optim.RAdam) puts eps outside the bias correction: its rectified step is
+eta rect_t m_hat sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps), m_hat = exp_avg / (1 - beta1^t), so its P is
+sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps), the denominator (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t). In its
+first steps (rho_t <= 5: t <= 5 at beta2 0.999) RAdam takes the un-preconditioned step eta m_hat, which does not
+divide by P; P is still read there, by the same formula from the same state, so that P g means the same thing at
+every step (profiler.sharpness gives no threshold for such a step).
 
 P is taken from the state as it is before the step (the step's own gradient is not in it yet), for the step the
 statistics describe; an optimizer that has taken no step has none.
@@ -20,17 +29,18 @@ from collections.abc import Sequence
 
 import torch
 
-ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam)
 
 
 def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer's update is a preconditioned gradient this module can read (Adam, AdamW, RMSprop)."""
+    """Whether the optimizer's update is a preconditioned gradient this module can read (Adam, AdamW, RMSprop, NAdam,
+    RAdam)."""
     return isinstance(optimizer, ADAPTIVE_OPTIMIZERS)
 
 
 def denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | None) -> torch.Tensor | None:
-    """sqrt(v) + eps for one parameter (module docstring), a new tensor; None while its state holds no second
-    moment (no step taken with a gradient for it)."""
+    """1 / P for one parameter (module docstring): sqrt(v) + eps, or RAdam's (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t);
+    a new tensor; None while its state holds no second moment (no step taken with a gradient for it)."""
     if not state:
         return None
     if isinstance(optimizer, torch.optim.RMSprop):
@@ -42,11 +52,18 @@ def denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | Non
         return second_moment.sqrt().add_(group["eps"])
     if "exp_avg_sq" not in state:
         return None
+    bias_correction = 1 - group["betas"][1] ** _step_count(state)
+    if isinstance(optimizer, torch.optim.RAdam):
+        return state["exp_avg_sq"].sqrt().add_(group["eps"]).div_(bias_correction**0.5)
     second_moment = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+    return (second_moment / bias_correction).sqrt_().add_(group["eps"])
+
+
+def _step_count(state: dict) -> float | torch.Tensor:
+    """The steps taken, t, as the optimizer reads it: a Python float where the state keeps it on the CPU (as Adam, NAdam
+    and RAdam do: 1 - beta2^t in float32 loses digits at small t), the tensor where it is on the device (capturable)."""
     step = state["step"]
-    if isinstance(step, torch.Tensor) and step.device.type == "cpu":
-        step = float(step)  # as Adam does: 1 - beta2^t in float32 loses digits at small t
-    return (second_moment / (1 - group["betas"][1] ** step)).sqrt_().add_(group["eps"])
+    return float(step) if isinstance(step, torch.Tensor) and step.device.type == "cpu" else step
 
 
 def preconditioner_squares(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:

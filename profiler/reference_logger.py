@@ -84,9 +84,10 @@ no-op if the loop already did, e.g. to clip), so `.grad` is the true gradient an
 by the scale squared. A step whose gradients are inf/nan (the scaler skips it) counts its samples
 but gives no statistics.
 
-Adam, AdamW, RMSprop. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
-P = diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (Adam: exp_avg_sq / (1 - beta2^t), max_exp_avg_sq
-with amsgrad; RMSprop: square_avg, less grad_avg^2 when centered: profiler.preconditioner)
+Adam, AdamW, RMSprop, NAdam, RAdam. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
+P = diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (Adam and NAdam: exp_avg_sq / (1 - beta2^t),
+max_exp_avg_sq with amsgrad; RMSprop: square_avg, less grad_avg^2 when centered; RAdam's P is
+sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps): profiler.preconditioner)
 from the optimizer state as it stands between backward() and step(); the same P for every
 micro-batch gradient and for g_B. On the first step the state is empty: null.
 
@@ -201,7 +202,7 @@ class GradientStatsLogger:
 
     path: the JSONL file (rank 0 writes it); None writes none (the records are only returned by step(), as
     TulaRun takes them). model: the module as trained (the DDP wrapper under DDP).
-    optimizer: for the precond pair of Adam, AdamW or RMSprop and for grad_scaler's unscaling; optional otherwise.
+    optimizer: for the precond pair of Adam, AdamW, RMSprop, NAdam or RAdam and for grad_scaler's unscaling; optional otherwise.
     every: optimizer steps per record. accumulation: micro-batches (backward calls) per optimizer step
     on each rank. device_batch: samples per micro-batch on one rank; None reads it from each forward
     pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's
@@ -337,7 +338,7 @@ class GradientStatsLogger:
         return torch.stack([norm.to(self._device, self._dtype) for norm in norms]).square().sum()
 
     def _adaptive_denominator(self, index: int, tally: _StepTally) -> torch.Tensor | None:
-        """sqrt(v) + eps of the adaptive optimizer's state before this step (profiler.preconditioner.denominator), computed
+        """1 / P (sqrt(v) + eps) of the adaptive optimizer's state before this step (profiler.preconditioner.denominator), computed
         once a step and kept in the step's tally for its other backward passes and its full gradient while the kept ones
         stay within DENOMINATOR_CACHE_BYTES (beyond, on a large model, computed again: memory before time, where a
         step's own cost dwarfs the few extra kernels)."""
@@ -711,8 +712,8 @@ def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
 
 
 def _adaptive_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
-    """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop: profiler.preconditioner);
-    empty for other optimizers (no precond pair)."""
+    """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop, NAdam, RAdam:
+    profiler.preconditioner); empty for other optimizers (no precond pair)."""
     if not preconditioner.is_adaptive(optimizer):
         return {}
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}

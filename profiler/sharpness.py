@@ -6,26 +6,53 @@ question about the loss surface, which the gradient noise scale does not answer:
 This module measures the answer from the run itself.
 
 Sharpness. lambda_max, the largest eigenvalue of the Hessian H of the training loss (of P^(1/2) H P^(1/2)
-for Adam, AdamW and RMSprop, P = 1 / (sqrt(v) + eps), the optimizer's own preconditioner: profiler.preconditioner), by power iteration on
-Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
+for Adam, AdamW, RMSprop, NAdam and RAdam, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) +
+eps), the optimizer's own preconditioner: profiler.preconditioner), by power iteration on Hessian-vector products
+(Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
 
 Stability threshold (on a quadratic, the update diverges along the top eigenvector above it):
 - gradient descent:                       lambda_max < 2 / eta
 - heavy-ball momentum beta (PyTorch's):   lambda_max < (2 + 2 beta) / eta
 - Nesterov momentum beta (PyTorch's):     lambda_max < (2 + 2 beta) / ((1 + 2 beta) eta), from the characteristic
   polynomial z^2 - (1 + beta - a (1 + beta)) z + beta (1 - a) of its update on a quadratic (a = eta lambda) at z = -1
-- Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta)
+- Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta), once 1 - beta1^t ~ 1 (torch
+  steps by eta / (1 - beta1^t), which lowers the threshold of step t by 1 - beta1^t; not applied here)
 - RMSprop with heavy-ball momentum mu (preconditioned; mu = 0 by default): lambda_max < (2 + 2 mu) / eta, the
   momentum form on P^(1/2) H P^(1/2), as its update is the heavy ball's on the preconditioned gradient
+- NAdam (preconditioned; Dozat 2016, torch.optim.NAdam): m = beta1 m + (1 - beta1) g, then the step
+  -eta P (c1 g + c2 m), with c1 = (1 - mu_t) / (1 - mu_product_t), c2 = mu_{t+1} / (1 - mu_product_t mu_{t+1}),
+  mu_t = beta1 (1 - 0.5 0.96^(t psi)) (psi = momentum_decay), mu_product_t = mu_1 ... mu_t. On a quadratic (a = eta
+  lambda, u = eta P m): theta' = (1 - a c1) theta - c2 u, u = beta1 u_prev + (1 - beta1) a theta, whose characteristic
+  polynomial z^2 - (1 + beta1 - a (c1 + c2 (1 - beta1))) z + beta1 (1 - c1 a) leaves the unit circle at z = -1
+  (at z = 1 it is a (1 - beta1)(c1 + c2) > 0, and complex roots have |z|^2 = beta1 (1 - c1 a) < 1 below this edge):
+      lambda_max < (2 + 2 beta1) / ((c1 (1 + beta1) + c2 (1 - beta1)) eta)
+  (c1 = 0, c2 = 1 gives Adam's; mu_t -> beta1, mu_product_t -> 0 gives (2 + 2 beta1) / ((1 + 2 beta1) (1 - beta1)
+  eta), Nesterov's over 1 - beta1; at the default psi = 0.004, mu_t stays within 0.5-0.58 beta1 for the first
+  thousand steps, and at beta1 0.9 the threshold is 3.5 / eta at t = 10-100 and 3.9 / eta at t = 1000, where Adam's
+  is 38 / eta: NAdam weights the fresh gradient by c1 ~ 1 - mu_t, not 1 - beta1)
+- RAdam (preconditioned; Liu et al. 2020, "On the Variance of the Adaptive Learning Rate and Beyond", alg. 2,
+  torch.optim.RAdam): Adam's step on m_hat = m / (1 - beta1^t) with the LR times rect_t, rect_t = sqrt((rho_t - 4)
+  (rho_t - 2) rho_inf / ((rho_inf - 4) (rho_inf - 2) rho_t)), rho_inf = 2 / (1 - beta2) - 1, rho_t = rho_inf -
+  2 t beta2^t / (1 - beta2^t), so Adam's threshold with eta rect_t / (1 - beta1^t) for eta:
+      lambda_max < (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t eta)
+  At beta2 0.999 rect_t rises from 0.026 at t = 6 to 0.65 at t = 1000: this is 18x Adam's threshold at t = 6 and
+  1.5x at t = 1000. While rho_t <= 5 (t <= 5 at beta2 0.999) its step is eta m_hat, not preconditioned: no
+  threshold is given for it.
+NAdam's and RAdam's coefficients change with the step t; each threshold is the one of the coming step, t = the state's
+step + 1 (the first parameter's that has a state; t = 1, mu_product_0 = 1 before any step).
 (Cohen et al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability";
 Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the momentum and Adam forms.)
 
     headroom = threshold / lambda_max = (2 + 2 beta) / (eta lambda_max)   [/ (1 - beta1) for Adam]
 
-Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop: the gradient is g + wd theta), it adds wd
-to the Hessian: lambda_max is that of H + wd I (of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW: theta shrinks by
-(1 - eta wd) a step, outside the preconditioner), the same characteristic polynomial at z = -1 gives
-eta lambda_max < c (1 - eta wd / 2), c = eta threshold, so the LR can grow by c / (eta (lambda_max + c wd / 2)).
+Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop, and NAdam and RAdam with
+decoupled_weight_decay False: the gradient is g + wd theta), it adds wd to the Hessian: lambda_max is that of H + wd I
+(of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW, and NAdam and RAdam with decoupled_weight_decay True: theta shrinks
+by (1 - eta wd) a step, before and outside the preconditioned step), the same characteristic polynomial at z = -1 gives
+eta lambda_max < c (1 - eta wd / 2), c = eta threshold, so the LR can grow by c / (eta (lambda_max + c wd / 2)) (for
+NAdam, delta = eta wd: theta' = (1 - delta - a c1) theta - c2 u, so the polynomial is z^2 - (1 + beta1 - delta - a
+(c1 + c2 (1 - beta1))) z + beta1 (1 - delta - a c1), and at z = -1 (1 + beta1)(2 - delta) = a (c1 (1 + beta1) + c2
+(1 - beta1)): the threshold times (1 - delta / 2), as for Adam and RAdam (c1 = 0)).
 Both are exact on a quadratic with the preconditioner frozen, and small where wd << lambda_max.
 
 is the factor by which the LR can grow, at the sharpness of this moment, before the top direction is
@@ -92,12 +119,46 @@ def top_hessian_eigenvalue(
     return eigenvalue
 
 
+def nadam_momentum_weights(beta1: float, momentum_decay: float, steps_taken: float, mu_product: float) -> tuple[float, float]:
+    """(c1, c2), the weights of g and of m in NAdam's coming step t = steps_taken + 1 (torch.optim.NAdam), from the
+    mu_product of the steps taken: c1 = (1 - mu_t) / (1 - mu_product_t), c2 = mu_{t+1} / (1 - mu_product_t mu_{t+1}),
+    mu_product_t = mu_product mu_t, mu_t = beta1 (1 - 0.5 0.96^(t momentum_decay))."""
+    mu_now, mu_next = (beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay)) for step in (steps_taken + 1, steps_taken + 2))
+    mu_product_now = mu_product * mu_now
+    return (1.0 - mu_now) / (1.0 - mu_product_now), mu_next / (1.0 - mu_product_now * mu_next)
+
+
+def radam_rectification(beta2: float, step: float) -> float | None:
+    """RAdam's rect_t at step t (Liu et al. 2020, alg. 2; torch.optim.RAdam): sqrt((rho_t - 4) (rho_t - 2) rho_inf /
+    ((rho_inf - 4) (rho_inf - 2) rho_t)), rho_inf = 2 / (1 - beta2) - 1, rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t);
+    None while rho_t <= 5, where the step is not preconditioned (torch's cut; the paper's is 4)."""
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    rho = rho_inf - 2.0 * step * beta2**step / (1.0 - beta2**step)
+    if rho <= 5.0:
+        return None
+    return math.sqrt((rho - 4.0) * (rho - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho))
+
+
+def _first_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The state of the first parameter of the first param group that has taken a step; {} before any."""
+    for param in optimizer.param_groups[0]["params"]:
+        state = optimizer.state.get(param)
+        if state and "step" in state:
+            return state
+    return {}
+
+
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
     beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 + 2 beta) for
-    SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW. None where no threshold is known here
-    (dampened momentum, other optimizers)."""
+    SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW, (2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 -
+    beta1)) for NAdam's coming step and (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for RAdam's. None where no
+    threshold is known here (dampened momentum, RAdam's un-rectified first steps, other optimizers)."""
     group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.NAdam):
+        return _nadam_threshold_times_lr(group, _first_state(optimizer))
+    if isinstance(optimizer, torch.optim.RAdam):
+        return _radam_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RMSprop):
         return 2.0 + 2.0 * float(group.get("momentum", 0.0))
     if isinstance(optimizer, torch.optim.SGD):
@@ -109,6 +170,23 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
         beta1 = float(group["betas"][0])
         return (2.0 + 2.0 * beta1) / (1.0 - beta1)
     return None
+
+
+def _nadam_threshold_times_lr(group: dict, state: dict) -> float:
+    """(2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 - beta1)), c1 and c2 of the coming step (nadam_momentum_weights)."""
+    beta1 = float(group["betas"][0])
+    c1, c2 = nadam_momentum_weights(beta1, float(group["momentum_decay"]), float(state.get("step", 0.0)), float(state.get("mu_product", 1.0)))
+    return (2.0 + 2.0 * beta1) / (c1 * (1.0 + beta1) + c2 * (1.0 - beta1))
+
+
+def _radam_threshold_times_lr(group: dict, state: dict) -> float | None:
+    """(2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for the coming step t; None while it is not rectified."""
+    beta1, beta2 = (float(beta) for beta in group["betas"])
+    step = float(state.get("step", 0.0)) + 1.0
+    rectification = radam_rectification(beta2, step)
+    if rectification is None:
+        return None
+    return (2.0 + 2.0 * beta1) * (1.0 - beta1**step) / ((1.0 - beta1) * rectification)
 
 
 def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,

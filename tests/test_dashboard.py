@@ -24,7 +24,7 @@ from tests.conftest import REPO, LiveServer
 from tests.handmade import measurement, spec_dict
 from tula_service.api.dashboard import plotly_js_path, plotly_js_url
 from tula_service.dispatch.dispatcher import Outcome, record_outcome
-from tula_service.spec.job_spec import JobSpec
+from tula_service.spec.job_spec import OPTIMIZER_NAMES, JobSpec, optimizer_setting_names
 from tula_service.store.db import Job, make_engine, make_session_factory
 from tula_service.store.states import TERMINAL_JOB_STATES
 from tula_service.store.tokens import create_token
@@ -526,6 +526,25 @@ def test_the_ags_snippet_scales_the_update_when_variability_is_below_delta(tab, 
     built = eval(line.removeprefix("# optimizer = "), {"torch": torch, "model": torch.nn.Linear(2, 1), "REFERENCE_LR": 0.1, **namespace})  # noqa: S307
     settings = rec["training_advice"]["lr_rule"]["optimizer_settings"]  # the optimizer the plan is for, with its settings
     assert settings and {name: built.param_groups[0][name] for name in settings} == {name: s["value"] for name, s in settings.items()}
+
+
+def test_the_snippets_optimizer_line_builds_every_optimizer_the_spec_takes_with_its_settings(tab, server):
+    """recommendation.js's optimizerLine for each training.optimizer, with every setting the spec has for it given (not
+    its default), evaluated by Python: the torch optimizer it builds carries those settings."""
+    torch = pytest.importorskip("torch")
+    given = {"momentum": 0.5, "nesterov": True, "betas": [0.8, 0.95], "eps": 1e-6, "alpha": 0.9, "centered": True, "amsgrad": True,
+             "momentum_decay": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.05}  # fmt: skip
+    page = tab.open(f"/jobs/{server.handmade_id}")
+    wait_for_plan(page, "stored")
+    for optimizer in OPTIMIZER_NAMES:
+        training = {"reference_batch": 32, "reference_epochs": 3, "optimizer": optimizer, **{name: given[name] for name in optimizer_setting_names(optimizer)}}
+        settings = JobSpec.model_validate(spec_dict(training=training)).training.optimizer_settings()
+        line = page.evaluate("async (lr) => (await import('/static/js/recommendation.js')).optimizerLine(lr)",
+                             {"optimizer": optimizer, "optimizer_settings": settings})  # fmt: skip
+        built = eval(line, {"torch": torch, "model": torch.nn.Linear(2, 1), "REFERENCE_LR": 0.1, "LR_MULTIPLIER": 2.0})  # noqa: S307
+        group = built.param_groups[0]
+        assert type(built).__name__ == OPTIMIZER_NAMES[optimizer] and group["lr"] == pytest.approx(0.2), line
+        assert {name: list(group[name]) if name == "betas" else group[name] for name in settings} == {name: given[name] for name in settings}, line
 
 
 def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):

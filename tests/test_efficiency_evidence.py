@@ -262,6 +262,21 @@ def test_adam_with_an_l2_term_says_it_was_measured_on_one_task_and_adamw_does_no
         assert not any("an L2 term" in w for w in warnings), training
 
 
+def test_nadam_and_radam_read_the_preconditioned_gradient_and_their_l2_term_unless_decoupled():
+    from tula_service.fit.efficiency_evidence import ADAM_VARIANT_CAVEAT
+
+    stats = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in records(lambda s: 500.0)]
+    for optimizer in ("nadam", "radam"):
+        report = efficiency({"optimizer": optimizer, "reference_run": {"gradient_stats": stats}})
+        assert report["noise_scale"]["value"] == pytest.approx(400.0, rel=0.05)  # the preconditioned pair's, not the raw 500
+        assert ADAM_VARIANT_CAVEAT.format(optimizer=optimizer) in report["warnings"]
+        coupled = efficiency({"optimizer": optimizer, "weight_decay": 1e-3, "reference_run": {"gradient_stats": stats}})["warnings"]
+        assert f"{optimizer} with weight_decay 0.001" in " ".join(coupled)
+        decoupled = {"optimizer": optimizer, "weight_decay": 1e-3, "decoupled_weight_decay": True, "reference_run": {"gradient_stats": stats}}
+        assert not any("an L2 term" in w for w in efficiency(decoupled)["warnings"]), optimizer
+    assert not any("read as Adam's is" in w for w in efficiency({"optimizer": "adam", "reference_run": {"gradient_stats": stats}})["warnings"])
+
+
 def test_runs_that_do_not_follow_the_form_are_flagged_and_runs_that_do_are_not():
     """The ResNet under SGD with Nesterov momentum of benchmarks/efficiency_tasks.py: 2.5 epochs at 32, 6.3 at 256 and 37 at
     512, a blow-up; the same batches on the form E_min (1 + B / 100) carry no such warning."""

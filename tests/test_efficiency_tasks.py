@@ -259,7 +259,12 @@ def test_a_tasks_optimizer_has_its_settings_as_the_spec_names_them():
     adamw = replace(TINY, optimizer="adamw", betas=(0.9, 0.95), weight_decay=0.1)
     group = et.task_optimizer(adamw, et.task_model(adamw, 0), 0.1).param_groups[0]
     assert isinstance(group, dict) and group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1 and group["decoupled_weight_decay"]
-    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9)):
+    radam = replace(TINY, optimizer="radam", weight_decay=0.01, decoupled_weight_decay=True)
+    group = et.task_optimizer(radam, et.task_model(radam, 0), 0.1).param_groups[0]
+    assert group["decoupled_weight_decay"] and group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999)
+    nadam = replace(TINY, optimizer="nadam")
+    assert et.task_optimizer(nadam, et.task_model(nadam, 0), 0.1).param_groups[0]["momentum_decay"] == 4e-3  # PyTorch's
+    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9), radam, nadam):
         training = {"reference_batch": 16, "reference_epochs": 3, "optimizer": task.optimizer, **et.task_optimizer_settings(task)}
         assert JobSpec.model_validate(spec_dict(training=training)).training.optimizer == task.optimizer  # the spec takes them
 

@@ -146,6 +146,27 @@ def test_an_adam_pilot_trains_with_the_specs_betas():
     default = _pilot("cnn1d", MNIST1D, 32, **options)
     assert default["optimizer_settings"]["betas"] == {"value": [0.9, 0.999], "source": "assumed"}  # PyTorch's
     assert [r["precond_grad_sqr"] for r in pilot["trajectory"]] != [r["precond_grad_sqr"] for r in default["trajectory"]]
+    assert set(default["optimizer_settings"]) == {"betas", "eps", "amsgrad", "weight_decay"}  # the spec's for adam, no more
+
+
+def test_nadam_and_radam_pilots_report_the_settings_the_spec_has_for_them_and_record_the_preconditioned_pair():
+    options = {"lr": 2e-3, "pilot_steps": 30, "pilot_record_every": 10}
+    nadam = _pilot("cnn1d", MNIST1D, 32, optimizer="nadam", optimizer_settings={"momentum_decay": 0.01, "decoupled_weight_decay": True,
+                   "weight_decay": 0.01}, optimizer_setting_sources={"momentum_decay": "spec", "decoupled_weight_decay": "spec"}, **options)  # fmt: skip
+    assert nadam["status"] == "ok" and set(nadam["optimizer_settings"]) == {"betas", "eps", "momentum_decay", "decoupled_weight_decay", "weight_decay"}
+    assert nadam["optimizer_settings"]["momentum_decay"] == {"value": 0.01, "source": "spec"}
+    assert nadam["optimizer_settings"]["decoupled_weight_decay"] == {"value": True, "source": "spec"}
+    radam = _pilot("cnn1d", MNIST1D, 32, optimizer="radam", **options)
+    assert radam["status"] == "ok" and set(radam["optimizer_settings"]) == {"betas", "eps", "decoupled_weight_decay", "weight_decay"}
+    for pilot in (nadam, radam):
+        assert all(r["precond_grad_sqr"] is not None for r in pilot["trajectory"][1:]), pilot["optimizer_settings"]
+    # NAdam's edge at its coming step (profiler.sharpness), decoupled decay as AdamW's: c / (eta (lambda + c wd / 2))
+    mu = [0.9 * (1 - 0.5 * 0.96 ** (t * 0.01)) for t in range(1, 33)]  # mu_1 .. mu_32; the pilot took 30 steps
+    product = math.prod(mu[:31])
+    c1, c2 = (1 - mu[30]) / (1 - product), mu[31] / (1 - product * mu[31])
+    threshold_times_lr = 3.8 / (c1 * 1.9 + c2 * 0.1)
+    stability = nadam["stability"]
+    assert stability["stability_headroom"] == pytest.approx(threshold_times_lr / (2e-3 * (stability["sharpness"] + threshold_times_lr * 0.01 / 2)), rel=1e-3)
 
 
 def test_pilot_stops_at_its_time_budget():

@@ -1,4 +1,6 @@
-"""profiler.preconditioner: P = 1 / (sqrt(v) + eps) read from Adam's, AdamW's and RMSprop's state."""
+"""profiler.preconditioner: P = 1 / (sqrt(v) + eps) read from Adam's, AdamW's, RMSprop's, NAdam's and RAdam's state."""
+
+import math
 
 import pytest
 import torch
@@ -18,6 +20,31 @@ def _stepped(optimizer_class, steps: int = 1, **options) -> tuple[torch.nn.Linea
         gradients.append(torch.cat([p.grad.reshape(-1).clone() for p in layer.parameters()]))
         optimizer.step()
     return layer, optimizer, gradients
+
+
+def _next_update(optimizer_class, steps_taken: int, **options) -> tuple[torch.optim.Optimizer, torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    """A float64 layer stepped `steps_taken` times, then once more: the optimizer, the layer, and the flat update and
+    flat gradient of that last step. The state after it is the one that step divided by (its second moment, its t)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2, dtype=torch.float64)
+    optimizer = optimizer_class(layer.parameters(), lr=1e-3, **options)
+    for step in range(steps_taken + 1):
+        before = torch.cat([p.detach().reshape(-1).clone() for p in layer.parameters()])
+        optimizer.zero_grad()
+        layer(torch.randn(5, 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64)).square().mean().backward()
+        gradient = torch.cat([p.grad.reshape(-1).clone() for p in layer.parameters()])
+        optimizer.step()
+    update = torch.cat([p.detach().reshape(-1) for p in layer.parameters()]) - before
+    return optimizer, layer, update, gradient
+
+
+def _flat_state(optimizer, layer, key) -> torch.Tensor:
+    return torch.cat([optimizer.state[p][key].reshape(-1) for p in layer.parameters()])
+
+
+def _flat_denominator(optimizer, layer) -> torch.Tensor:
+    group = optimizer.param_groups[0]
+    return torch.cat([denominator(optimizer, group, optimizer.state[p]).reshape(-1) for p in layer.parameters()])
 
 
 def test_adam_after_one_step_divides_by_the_gradients_own_size():
@@ -53,6 +80,38 @@ def test_rmsprop_reads_its_uncorrected_mean_square_centered_or_not(centered):
     assert torch.allclose(denominator(optimizer, group, state), second_moment[:6].view(2, 3).sqrt() + eps, rtol=1e-4)
 
 
+def test_nadam_steps_by_its_two_terms_over_the_denominator_read_from_its_state():
+    """torch.optim.NAdam: theta -= lr (c1 g + c2 m) / (sqrt(v / (1 - beta2^t)) + eps), c1 = (1 - mu_t) / (1 - mu_1...mu_t),
+    c2 = mu_{t+1} / (1 - mu_1...mu_{t+1}), mu_t = beta1 (1 - 0.5 0.96^(t psi)); a large eps tells its place in the sum."""
+    optimizer, layer, update, gradient = _next_update(torch.optim.NAdam, 4, eps=0.1, momentum_decay=0.5)
+    beta1, psi, lr = optimizer.param_groups[0]["betas"][0], 0.5, 1e-3
+    mu = [beta1 * (1 - 0.5 * 0.96 ** (step * psi)) for step in range(7)]  # mu[t]; this step is t = 5
+    mu_product = math.prod(mu[1:6])
+    c1, c2 = (1 - mu[5]) / (1 - mu_product), mu[6] / (1 - mu_product * mu[6])
+    expected = -lr * (c1 * gradient + c2 * _flat_state(optimizer, layer, "exp_avg")) / _flat_denominator(optimizer, layer)
+    assert torch.allclose(update, expected, rtol=1e-9, atol=0)
+
+
+def test_radam_steps_by_its_rectified_update_over_the_denominator_read_from_its_state():
+    """torch.optim.RAdam, rectified (rho_t > 5): theta -= lr rect_t m_hat sqrt(1 - beta2^t) / (sqrt(v) + eps), so its
+    denominator is (sqrt(v) + eps) / sqrt(1 - beta2^t), eps outside the bias correction (a large eps tells)."""
+    optimizer, layer, update, _ = _next_update(torch.optim.RAdam, 7, eps=0.1)
+    (beta1, beta2), lr, step = optimizer.param_groups[0]["betas"], 1e-3, 8
+    rho_inf = 2 / (1 - beta2) - 1
+    rho = rho_inf - 2 * step * beta2**step / (1 - beta2**step)
+    rect = math.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+    m_hat = _flat_state(optimizer, layer, "exp_avg") / (1 - beta1**step)
+    expected = -lr * rect * m_hat / _flat_denominator(optimizer, layer)
+    assert rho > 5 and torch.allclose(update, expected, rtol=1e-9, atol=0)
+
+
+def test_radam_before_its_rectification_steps_unpreconditioned_yet_has_a_preconditioner():
+    optimizer, layer, update, _ = _next_update(torch.optim.RAdam, 2)  # t = 3: rho_3 = 3.0 <= 5
+    beta1 = optimizer.param_groups[0]["betas"][0]
+    assert torch.allclose(update, -1e-3 * _flat_state(optimizer, layer, "exp_avg") / (1 - beta1**3), rtol=1e-9, atol=0)
+    assert bool((preconditioner(optimizer, list(layer.parameters())) > 0).all())
+
+
 def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradient_yet():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.RMSprop(layer.parameters(), lr=1e-3)
@@ -67,5 +126,6 @@ def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradie
 
 def test_which_optimizers_are_adaptive():
     weight = torch.nn.Parameter(torch.zeros(2))
-    assert all(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
+    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam)
+    assert all(is_adaptive(make([weight], lr=0.1)) for make in adaptive)
     assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adagrad)) and not is_adaptive(None)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from profiler.preconditioner import preconditioner
-from profiler.sharpness import stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
+from profiler.sharpness import radam_rectification, stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
 
 
 def _least_squares(seed=0, samples=64, features=6):
@@ -131,6 +131,136 @@ def test_rmsprop_has_the_heavy_ball_threshold_on_its_preconditioned_hessian(mome
     expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())  # of P^(1/2) H P^(1/2)
     assert measured["sharpness"] == pytest.approx(expected, rel=1e-3)
     assert measured["stability_headroom"] == pytest.approx((2.0 + 2.0 * momentum) / (1e-2 * expected), rel=1e-3)
+
+
+def _warmed(optimizer_class, steps_taken, **settings):
+    """The quadratic of seed 2 and an optimizer at lr 1e-2 that has taken `steps_taken` steps on it."""
+    weight, loss_fn, _ = _least_squares(seed=2)
+    optimizer = optimizer_class([weight], lr=1e-2, **settings)
+    for _ in range(steps_taken):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+    return weight, loss_fn, optimizer
+
+
+def _exp_avg_sq_giving(optimizer, state, gradient, denominator):
+    """The exp_avg_sq x to hold before a step so that the step divides by `denominator`: the step makes it
+    v = beta2 x + (1 - beta2) g^2 at t + 1, and divides by sqrt(v / (1 - beta2^(t+1))) + eps (NAdam) or by
+    (sqrt(v) + eps) / sqrt(1 - beta2^(t+1)) (RAdam) (torch.optim.NAdam, torch.optim.RAdam)."""
+    group = optimizer.param_groups[0]
+    beta2, eps = group["betas"][1], group["eps"]
+    bias_correction = 1 - beta2 ** (float(state["step"]) + 1)
+    if isinstance(optimizer, torch.optim.RAdam):
+        second_moment = (denominator * bias_correction**0.5 - eps) ** 2
+    else:
+        second_moment = (denominator - eps) ** 2 * bias_correction
+    return (second_moment - (1 - beta2) * gradient**2) / beta2
+
+
+def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
+    """The loss after `steps` steps at `lr` that are all the coming step: its step count, NAdam's mu_product and the
+    preconditioner read now are put back before each one, so the steps are one linear iteration, whose edge the
+    threshold is."""
+    state, group = optimizer.state[weight], optimizer.param_groups[0]
+    frozen = {key: state[key].clone() for key in ("step", "mu_product") if key in state}
+    denominator = 1 / preconditioner(optimizer, [weight])
+    coupled_decay = 0.0 if group["decoupled_weight_decay"] else group["weight_decay"]
+    group["lr"] = lr
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        for key, value in frozen.items():
+            state[key].copy_(value)
+        gradient = weight.grad + coupled_decay * weight.detach()
+        state["exp_avg_sq"].copy_(_exp_avg_sq_giving(optimizer, state, gradient, denominator))
+        optimizer.step()
+    return float(loss_fn().detach())
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "steps_taken", "settings"),
+    [
+        (torch.optim.NAdam, 50, {"momentum_decay": 100.0}),  # mu_t ~ beta1 from the second step on
+        (torch.optim.NAdam, 10, {}),  # the default momentum_decay: mu_t ~ beta1 / 2 still
+        (torch.optim.NAdam, 2, {"momentum_decay": 5.0}),  # mu_t 0.53, 0.60, 0.66 at t = 1, 2, 3: the coming step's
+        (torch.optim.NAdam, 10, {"weight_decay": 1.0}),
+        (torch.optim.NAdam, 10, {"weight_decay": 10.0, "decoupled_weight_decay": True}),
+        (torch.optim.RAdam, 20, {}),
+        (torch.optim.RAdam, 8, {"weight_decay": 1.0}),  # just rectified: 1 - beta1^9 = 0.61
+        (torch.optim.RAdam, 20, {"weight_decay": 0.3, "decoupled_weight_decay": True}),
+    ],
+    ids=["nadam-ramped", "nadam-default", "nadam-ramping", "nadam-coupled-decay", "nadam-decoupled-decay", "radam", "radam-coupled-decay", "radam-decoupled-decay"],
+)
+def test_the_headroom_says_where_nadam_and_radam_diverge(optimizer_class, steps_taken, settings):
+    """With the coming step's coefficients and preconditioner held, the headroom is exact on a quadratic: 0.95x the edge
+    LR trains, 1.05x diverges; the sharpness is that of P^(1/2) (H + wd I) P^(1/2) with coupled decay, of P^(1/2) H
+    P^(1/2) with decoupled."""
+    weight, loss_fn, optimizer = _warmed(optimizer_class, steps_taken, **settings)
+    measured = stability_headroom(loss_fn, [weight], optimizer, iterations=500, tolerance=0.0)
+    coupled_decay = 0.0 if settings.get("decoupled_weight_decay") else settings.get("weight_decay", 0.0)
+    hessian = _least_squares(seed=2)[2] + coupled_decay * torch.eye(6, dtype=torch.float64)
+    scale = preconditioner(optimizer, [weight]).sqrt()
+    assert measured["sharpness"] == pytest.approx(float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max()), rel=1e-4)
+    edge_lr = 1e-2 * measured["stability_headroom"]
+    start = float(loss_fn().detach())
+    below = _frozen_run(*_warmed(optimizer_class, steps_taken, **settings), lr=0.95 * edge_lr)
+    above = _frozen_run(*_warmed(optimizer_class, steps_taken, **settings), lr=1.05 * edge_lr)
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+def test_nadams_threshold_weighs_its_gradient_and_momentum_terms():
+    """(2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for the coming step: before the first, t = 1, c1 = 1 and
+    c2 = mu_2 / (1 - mu_1 mu_2); once mu_t = beta1 and mu_1...mu_t ~ 0, Nesterov's (2 + 2 beta1) / (1 + 2 beta1) over
+    1 - beta1: 13.57 at beta1 0.9, not Adam's 38."""
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    nadam = torch.optim.NAdam([weight], lr=1e-2, betas=(0.9, 0.999), momentum_decay=0.05)
+    mu_1, mu_2 = (0.9 * (1 - 0.5 * 0.96 ** (step * 0.05)) for step in (1, 2))
+    assert stability_threshold_times_lr(nadam) == pytest.approx(3.8 / (1.9 + 0.1 * mu_2 / (1 - mu_1 * mu_2)), rel=1e-12)
+    nadam.param_groups[0]["momentum_decay"] = 100.0
+    for _ in range(300):
+        nadam.zero_grad()
+        weight.square().sum().backward()
+        nadam.step()
+    assert stability_threshold_times_lr(nadam) == pytest.approx(3.8 / (2.8 * 0.1), rel=1e-6)
+
+
+def test_radam_has_no_threshold_before_its_rectification():
+    """rho_t <= 5 for t <= 5 at beta2 0.999: those steps are not preconditioned, so no threshold; the sixth step's is
+    Adam's over rect_6 / (1 - beta1^6)."""
+    weight, loss_fn, _ = _least_squares(seed=3)
+    radam = torch.optim.RAdam([weight], lr=1e-2, betas=(0.9, 0.999))
+    for _ in range(5):
+        assert stability_threshold_times_lr(radam) is None and stability_headroom(loss_fn, [weight], radam) is None
+        radam.zero_grad()
+        loss_fn().backward()
+        radam.step()
+    rho_inf, rho_6 = 2 / 0.001 - 1, 2 / 0.001 - 1 - 12 * 0.999**6 / (1 - 0.999**6)
+    rect_6 = math.sqrt((rho_6 - 4) * (rho_6 - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_6))
+    assert radam_rectification(0.999, 5) is None and radam_rectification(0.999, 6) == pytest.approx(rect_6, rel=1e-12)
+    assert stability_threshold_times_lr(radam) == pytest.approx(38.0 * (1 - 0.9**6) / rect_6, rel=1e-12)
+    assert stability_headroom(loss_fn, [weight], radam, iterations=50) is not None
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.NAdam, torch.optim.RAdam])
+def test_nadam_and_radam_decay_as_their_decoupled_weight_decay_says(optimizer_class):
+    """decoupled_weight_decay False: wd joins the Hessian that P preconditions, as Adam's; True: the sharpness is
+    unchanged and the headroom is c / (eta (lambda + c wd / 2)), as AdamW's."""
+    weight, loss_fn, optimizer = _warmed(optimizer_class, 10)
+    group = optimizer.param_groups[0]
+    threshold = stability_threshold_times_lr(optimizer)
+    plain = stability_headroom(loss_fn, [weight], optimizer, iterations=300, tolerance=0.0)
+    group["weight_decay"], group["decoupled_weight_decay"] = 5.0, True
+    decoupled = stability_headroom(loss_fn, [weight], optimizer, iterations=300, tolerance=0.0)
+    group["decoupled_weight_decay"] = False
+    coupled = stability_headroom(loss_fn, [weight], optimizer, iterations=300, tolerance=0.0)
+    scale = preconditioner(optimizer, [weight]).sqrt()
+    decayed_hessian = _least_squares(seed=2)[2] + 5.0 * torch.eye(6, dtype=torch.float64)
+    expected = float(torch.linalg.eigvalsh(scale[:, None] * decayed_hessian * scale[None, :]).max())
+    assert decoupled["sharpness"] == pytest.approx(plain["sharpness"], rel=1e-9)
+    assert decoupled["stability_headroom"] == pytest.approx(threshold / (1e-2 * (plain["sharpness"] + threshold * 5.0 / 2)), rel=1e-9)
+    assert coupled["sharpness"] == pytest.approx(expected, rel=1e-4) and coupled["sharpness"] > 1.5 * plain["sharpness"]
+    assert coupled["stability_headroom"] == pytest.approx(threshold / (1e-2 * coupled["sharpness"]), rel=1e-9)
 
 
 def test_optimizers_without_a_known_threshold_get_no_headroom():

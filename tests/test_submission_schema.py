@@ -124,7 +124,7 @@ def test_a_spec_the_validators_refuse_for_a_rule_the_schema_states_is_schema_inv
 
 
 def test_every_optimizer_setting_with_its_optimizer_is_valid_in_both(schema):
-    given = {"betas": [0.9, 0.95], "nesterov": True, "centered": True, "amsgrad": True, "momentum": 0.5}
+    given = {"betas": [0.9, 0.95], "nesterov": True, "centered": True, "amsgrad": True, "decoupled_weight_decay": True, "momentum": 0.5}
     for name, defaults in OPTIMIZER_SETTING_DEFAULTS.items():
         for optimizer in defaults:
             spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, name: given.get(name, 0.1)}}
@@ -137,7 +137,7 @@ def test_momentum_for_sgd_and_rmsprop_and_betas_for_adam_and_adamw_are_valid_in_
     for optimizer in ("sgd", "rmsprop"):
         spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, "momentum": 0.9}}
         assert accepted(spec) and schema.is_valid(spec), optimizer
-    for optimizer in ("adam", "adamw"):
+    for optimizer in ("adam", "adamw", "nadam", "radam"):
         spec = {**spec_dict(), "training": {"reference_batch": 64, "reference_epochs": 10, "optimizer": optimizer, "betas": [0.9, 0.95]}}
         assert accepted(spec) and schema.is_valid(spec), optimizer
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from tula_service.measurement import Source, SourcedValue
-from tula_service.spec.job_spec import Objective, PricingKind
+from tula_service.spec.job_spec import Objective, OptimizerName, PricingKind
 
 # A number kept as it was written: the profiler writes byte counts as integers and times as floats, and
 # the recommendation passes them on unchanged (a `float` field would turn 1000 into 1000.0).
@@ -119,7 +119,7 @@ class Multipliers(BaseModel):
 
     linear: float = Field(description="k (Goyal et al. 2017)")
     sqrt: float = Field(description="sqrt(k)")
-    adascale: float | None = Field(None, description="the AdaScale gain (square root for Adam, AdamW and RMSprop), when the noise scale was measured")
+    adascale: float | None = Field(None, description="the AdaScale gain (square root for the adaptive optimizers: Adam, AdamW, RMSprop, NAdam, RAdam), when the noise scale was measured")
 
 
 class LearningRate(BaseModel):
@@ -144,7 +144,7 @@ class OptimizerSetting(BaseModel):
 
 class LrRule(BaseModel):
     batch_ratio_k: float = Field(description="global batch / training.reference_batch")
-    optimizer: Literal["sgd", "adam", "adamw", "rmsprop"]
+    optimizer: OptimizerName
     multipliers: Multipliers
     recommended: Literal["linear", "sqrt", "adascale"]
     multiplier: SourcedValue = Field(description="the recommended rule's multiplier")

@@ -88,21 +88,28 @@ DEFAULT_SGD_MOMENTUM = 0.9
 DEFAULT_RMSPROP_MOMENTUM = 0.0
 # Adam's and AdamW's (beta1, beta2) where the spec gives none: PyTorch's defaults (torch.optim.Adam, AdamW).
 DEFAULT_ADAM_BETAS = (0.9, 0.999)
+# NAdam's momentum_decay psi where the spec gives none: PyTorch's default. Its Nesterov coefficient ramps up as
+# mu_t = beta1 (1 - 0.5 x 0.96^(t psi)) (Dozat 2016), half of beta1 at the first step.
+DEFAULT_NADAM_MOMENTUM_DECAY = 4e-3
 # torch.optim's settings the spec takes beside the LR (their PyTorch names), the optimizers each is for, and the value
-# each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop), except SGD's
-# momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the pilot reports each with
-# its source.
+# each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, RAdam),
+# except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the pilot reports
+# each with its source.
 OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "momentum": {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM},
     "nesterov": {"sgd": False},
-    "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS},
-    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8},
+    "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS, "nadam": DEFAULT_ADAM_BETAS, "radam": DEFAULT_ADAM_BETAS},
+    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8, "nadam": 1e-8, "radam": 1e-8},
     "alpha": {"rmsprop": 0.99},
     "centered": {"rmsprop": False},
     "amsgrad": {"adam": False, "adamw": False},
-    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0},
+    "momentum_decay": {"nadam": DEFAULT_NADAM_MOMENTUM_DECAY},
+    "decoupled_weight_decay": {"nadam": False, "radam": False},
+    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0},
 }
-OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop"}  # as messages and the advice name them
+# as messages and the advice name them; the keys are the spec's `training.optimizer` choices
+OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "nadam": "NAdam", "radam": "RAdam"}
+OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam"]
 
 
 def setting_optimizers(setting: str) -> tuple[str, ...]:
@@ -384,8 +391,8 @@ class GradientStatsRecord(_Strict):
         description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS); bounded as |G|^2 is, so that the AGS delta "
         "scaled to another batch stays finite",
     )
-    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
-    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="Adam/AdamW/RMSprop: tr(P Sigma P) per sample")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers (Adam, AdamW, RMSprop, NAdam, RAdam): |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
+    precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers: tr(P Sigma P) per sample")
     stability_headroom: MeasuredNumber | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="the factor by which the LR could grow before the top Hessian direction is unstable, (2 + 2 beta) / (eta "
@@ -433,11 +440,12 @@ class TrainingSpec(_Strict):
         None, gt=0, description="the largest learning rate this model trains stably with (e.g. the edge of an LR "
         "sweep); needs reference_lr. It caps the LR advice and the speed-up per step a larger batch can buy"
     )
-    optimizer: Literal["sgd", "adam", "adamw", "rmsprop"] = Field(
-        "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop), with "
-        "its settings below (each only for the optimizers that have it; PyTorch's default where left out, but SGD's "
-        f"momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, weight_decay; adam and adamw: betas, eps, amsgrad, "
-        "weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay")
+    optimizer: OptimizerName = Field(
+        "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, "
+        "RAdam), with its settings below (each only for the optimizers that have it; PyTorch's default where left out, but "
+        f"SGD's momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, weight_decay; adam and adamw: betas, eps, "
+        "amsgrad, weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay; nadam: betas, eps, momentum_decay, "
+        "decoupled_weight_decay, weight_decay; radam: betas, eps, decoupled_weight_decay, weight_decay")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
@@ -451,24 +459,36 @@ class TrainingSpec(_Strict):
     )
     betas: tuple[Beta, Beta] | None = Field(
         None,
-        description="Adam's and AdamW's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, 0.95], as large language models "
-        f"are often trained), each in [0, 1); profiling points and the pilot train with them, and beta1 sets the stability "
-        f"threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with optimizer adam or adamw",
+        description="Adam's, AdamW's, NAdam's and RAdam's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, 0.95], as large "
+        f"language models are often trained), each in [0, 1); profiling points and the pilot train with them, and beta1 sets "
+        f"the stability threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with optimizer adam, adamw, "
+        "nadam or radam",
     )
     eps: float | None = Field(
         None, gt=0, le=1, allow_inf_nan=False,
-        description="adam, adamw and rmsprop: the term added to sqrt(v) in the preconditioner 1 / (sqrt(v) + eps); default "
-        "1e-8, PyTorch's (assumed)",
+        description="adam, adamw, rmsprop, nadam and radam: the term added to sqrt(v) in the preconditioner 1 / (sqrt(v) + "
+        "eps); default 1e-8, PyTorch's (assumed)",
     )
     alpha: Beta | None = Field(None, description="rmsprop only: the smoothing constant of its mean square, in [0, 1); default 0.99, PyTorch's")
     centered: StrictBool | None = Field(
         None, description="rmsprop only: divide by the gradient's variance estimate, v = E[g^2] - E[g]^2 (Graves 2013); default false")
     amsgrad: StrictBool | None = Field(None, description="adam and adamw only: the AMSGrad variant (the largest v so far); default false")
+    momentum_decay: float | None = Field(
+        None, ge=0, le=100, allow_inf_nan=False,
+        description="nadam only: psi in NAdam's momentum schedule mu_t = beta1 (1 - 0.5 x 0.96^(t psi)) (torch.optim.NAdam "
+        f"momentum_decay); default {DEFAULT_NADAM_MOMENTUM_DECAY:g}, PyTorch's (assumed). It sets how fast the Nesterov "
+        "coefficient, and with it the stability threshold, ramps up",
+    )
+    decoupled_weight_decay: StrictBool | None = Field(
+        None, description="nadam and radam only: weight_decay decoupled from the gradient, as AdamW's (the weights shrink by lr x "
+        "weight_decay a step); default false, PyTorch's: an L2 term added to the gradient",
+    )
     weight_decay: float | None = Field(
         None, ge=0, le=10, allow_inf_nan=False,
-        description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam and "
-        "rmsprop; decoupled (the weights shrink by lr x weight_decay a step) for adamw. Default PyTorch's: 0, adamw 0.01 "
-        "(assumed). Profiling points and the pilot train with it; the gradient statistics are of the loss alone",
+        description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam, "
+        "rmsprop, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
+        "step) for adamw. Default PyTorch's: 0, adamw 0.01 (assumed). Profiling points and the pilot train with it; the "
+        "gradient statistics are of the loss alone",
     )
     reference_run: ReferenceRunSpec | None = Field(
         None, description="gradient statistics along the reference run: the best evidence for the noise scale"

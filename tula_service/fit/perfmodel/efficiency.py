@@ -65,7 +65,8 @@ AdaScale gain (Johnson et al. 2020) of a batch k = B / B_ref times the reference
 
 sigma^2 = tr(Sigma) / B_ref, in [1, k]. SGD's LR grows by r, Adam's by sqrt(r) (Pollux/AdaptDL), and so does
 RMSprop's: the square-root scaling rule that Malladi et al. (2022, "On the SDEs and Scaling Rules for Adaptive
-Gradient Algorithms") derive for RMSprop and Adam alike. So the
+Gradient Algorithms") derive for RMSprop and Adam alike. NAdam and RAdam are Adam's update with a Nesterov
+coefficient and a rectified LR: they are assumed to scale as Adam does (not derived there). So the
 efficiency family has one interface (EfficiencyModel): predict epochs, the step gain and the LR multiplier
 of a batch, all from the one B_noise that tula_service.fit.efficiency_evidence chose by evidence; the planner
 and the advice read nothing else of it.
@@ -81,7 +82,7 @@ import numpy as np
 from tula_service.fit.perfmodel.noise_trajectory import pooled_ratio
 
 INTERVAL_Z = 1.2816  # the standard normal's 90% quantile: an 80% interval, as the calibrated one's (epochs_calibration.QUANTILES)
-OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw", "rmsprop")  # adaptive: the LR grows with sqrt(step gain) (module docstring)
+OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw", "rmsprop", "nadam", "radam")  # adaptive: the LR grows with sqrt(step gain) (module docstring)
 TINY_NOISE_SCALE = 1e-9  # x the reference batch: a B_noise this small gives E(B) = E_ref B / B_ref to 1e-9
 
 
@@ -91,7 +92,7 @@ def adascale_gain(k: float, noise_scale: float, reference_batch: int) -> float:
 
 
 def lr_multiplier_of_gain(gain: float, optimizer: str) -> float:
-    """The LR multiplier that buys a step gain r: r for SGD, sqrt(r) for Adam, AdamW and RMSprop."""
+    """The LR multiplier that buys a step gain r: r for SGD, sqrt(r) for the adaptive ones (OPTIMIZERS_WITH_SQRT_LR)."""
     return float(np.sqrt(gain)) if optimizer in OPTIMIZERS_WITH_SQRT_LR else gain
 
 
@@ -104,7 +105,7 @@ def capped_step_fraction(cap_gain: float, noise_scale: float, reference_batch: i
 
 def max_step_gain(optimizer: str, reference_lr: float | None, max_lr: float | None) -> float | None:
     """The most reference-run steps one step at a larger batch can be worth when the LR can grow by at most
-    max_lr / reference_lr: that ratio for SGD, its square for Adam, AdamW and RMSprop (the inverse of
+    max_lr / reference_lr: that ratio for SGD, its square for the adaptive optimizers (the inverse of
     lr_multiplier_of_gain); None without both LRs."""
     if max_lr is None or reference_lr is None:
         return None
