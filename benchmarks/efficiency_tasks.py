@@ -106,7 +106,7 @@ SIGNIFICANT_DIGITS = 6
 class Task:
     dataset: str  # a dataset of benchmarks/offline_data.py
     model: str  # a models.zoo name
-    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw", "rmsprop", "nadam" or "radam" (PyTorch's defaults)
+    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw", "rmsprop", "nadam", "radam" or "adamax" (PyTorch's defaults)
     train_samples: int
     test_samples: int
     target: float  # test accuracy (higher is better) or held-out loss (lower is better)
@@ -123,7 +123,7 @@ class Task:
     nesterov: bool = False  # SGD only: Nesterov momentum
     rmsprop_momentum: float = 0.0  # RMSprop only (PyTorch's momentum, on the preconditioned step); 0 is PyTorch's default
     centered: bool = False  # RMSprop only: divide by the variance estimate E[g^2] - E[g]^2 (Graves 2013)
-    betas: tuple[float, float] | None = None  # Adam, AdamW, NAdam and RAdam only; None is PyTorch's (0.9, 0.999)
+    betas: tuple[float, float] | None = None  # Adam, AdamW, NAdam, RAdam and Adamax only; None is PyTorch's (0.9, 0.999)
     decoupled_weight_decay: bool = False  # NAdam and RAdam only: weight_decay decoupled, as AdamW's
     micro_batched: bool = False  # every seed trains as the accumulation loop (batch norm: see the module docstring)
 
@@ -287,6 +287,11 @@ TASKS: dict[str, Task] = {
     # of mnist1d_mlp_adamw, its target and LR_ref (1e-3), untuned; nothing in the service was changed after it was measured
     "mnist1d_mlp_radam": Task("mnist1d", "mlp1d", "radam", 4000, 1000, 0.58, "test_acc", powers_of_two(16, 2048),
                               max_epochs=400, reference_batch=32, reference_lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True),
+    # added 2026-12-07, last (--add), with the spec's Adamax (training.optimizer adamax): PyTorch's defaults on the digits
+    # MLP of digits_mlp_sgd, its target (0.96) and Adamax's default LR (2e-3) as LR_ref, untuned; nothing in the service was
+    # changed after it was measured
+    "digits_mlp_adamax": Task("digits_x16_flat", "mlp1d", "adamax", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
+                              max_epochs=400, reference_batch=32, reference_lr=2e-3),
 }  # fmt: skip
 
 
@@ -314,13 +319,13 @@ def task_optimizer_settings(task: Task) -> dict[str, Any]:
     the rest."""
     if task.optimizer == "sgd":
         return {"momentum": task.momentum, "nesterov": task.nesterov, "weight_decay": task.weight_decay}
-    if task.optimizer in ("adam", "adamw"):
+    if task.optimizer in ("adam", "adamw", "adamax"):
         return {"betas": task.betas or DEFAULT_ADAM_BETAS, "weight_decay": task.weight_decay}
     if task.optimizer in ("nadam", "radam"):
         return {"betas": task.betas or DEFAULT_ADAM_BETAS, "decoupled_weight_decay": task.decoupled_weight_decay, "weight_decay": task.weight_decay}
     if task.optimizer == "rmsprop":
         return {"momentum": task.rmsprop_momentum, "centered": task.centered, "weight_decay": task.weight_decay}
-    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop, nadam, radam")
+    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop, nadam, radam, adamax")
 
 
 def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

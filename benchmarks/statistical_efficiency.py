@@ -365,7 +365,7 @@ def alternatives(task: Task, reference_batch: int) -> dict[str, float | None]:
         estimates[prefix_name(prefix)] = prefix_read(task, records, target_samples, prefix)
     if any(r.get("precond_grad_sqr") is not None for r in records):
         for statistic in ("raw", "preconditioned"):
-            estimates[f"Adam, AdamW, RMSprop, NAdam, RAdam: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
+            estimates[f"adaptive optimizers: {statistic} gradient, second half"] = TrajectoryNoiseScale(statistic=statistic).fit(records, target_samples).noise_scale_
     return estimates
 
 

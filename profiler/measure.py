@@ -84,16 +84,16 @@ DEFAULT_SGD_MOMENTUM = 0.9  # tula_service.spec.job_spec.DEFAULT_SGD_MOMENTUM: a
 DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BETAS (PyTorch's)
 # The optimizer settings a request may carry, as torch.optim names them (tula_service.spec.job_spec.OPTIMIZER_SETTING_DEFAULTS)
 OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay", "momentum_decay",
-                           "decoupled_weight_decay")
+                           "decoupled_weight_decay", "dampening")
 OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
-                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam}
+                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax}
 
 
 def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-    """The spec's optimizer with its settings (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha,
-    centered, amsgrad, weight_decay, momentum_decay (NAdam), decoupled_weight_decay (NAdam, RAdam), as torch.optim names
-    them); PyTorch's default for each one not given, but SGD's momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no
-    momentum buffer)."""
+    """The spec's optimizer (SGD, Adam, AdamW, RMSprop, NAdam, RAdam or Adamax) with its settings
+    (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha, centered, amsgrad, weight_decay, momentum_decay
+    (NAdam), decoupled_weight_decay (NAdam, RAdam), dampening (SGD), as torch.optim names them); PyTorch's default for
+    each one not given, but SGD's momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no momentum buffer)."""
     if name not in OPTIMIZER_CLASSES:
         raise ValueError(f"optimizer '{name}' is not supported; known: {', '.join(sorted(OPTIMIZER_CLASSES))}")
     kwargs = {key: value for key, value in (settings or {}).items() if value is not None}
@@ -108,7 +108,9 @@ def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None
 
 def optimizer_settings_used(optimizer: torch.optim.Optimizer, sources: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """The settings an optimizer trains with (its first param group), each {"value", "source"}: the request's source
-    (spec or assumed), "assumed" where the request gave none (PyTorch's default, or DEFAULT_SGD_MOMENTUM)."""
+    (spec or assumed), "assumed" where the request gave none (PyTorch's default, or DEFAULT_SGD_MOMENTUM). SGD reports
+    momentum, nesterov, weight_decay and dampening; Adamax betas, eps and weight_decay (its group holds no more of
+    OPTIMIZER_SETTING_NAMES)."""
     group = optimizer.param_groups[0]
     return {name: {"value": list(group[name]) if isinstance(group[name], tuple) else group[name], "source": (sources or {}).get(name, "assumed")}
             for name in OPTIMIZER_SETTING_NAMES if name in group and not _fixed_by_class(optimizer, name)}  # fmt: skip

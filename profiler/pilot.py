@@ -13,7 +13,7 @@ b = B / k samples (profiling.grad_microbatches, b >= 2), whose mean gradient is 
 (accumulation). Per step, the two-batch estimator (`profiler.gradstats.two_batch_estimates`) gives
 unbiased |G|^2 and tr(Sigma); a record averages them over `pilot_record_every` steps, numerator and
 denominator separately, so B_simple = trace_sigma / grad_sqr of a record is a pooled ratio, never a
-mean of per-step ratios. For Adam, AdamW, RMSprop, NAdam and RAdam the same pair is estimated for the preconditioned gradient
+mean of per-step ratios. For Adam, AdamW, RMSprop, NAdam, RAdam and Adamax the same pair is estimated for the preconditioned gradient
 P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment *before* the step (so a step's own
 gradient is not in its preconditioner; profiler.preconditioner), one P for all micro-batches and the full gradient of
 the step; the first step has no v yet, so its precond estimates are missing from the first record.
@@ -22,13 +22,14 @@ LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta la
 one fixed batch of the reference batch's size, in full precision, goes into the last record as
 "stability_headroom", with its LR as "stability_lr" (and the pilot's "stability" says how it was measured). It runs after the budget, and
 costs about 40 backward passes of that batch. A pilot sees the start of the
-run, where the sharpness is still rising. Its optimizer has the spec's settings (training.momentum, nesterov, betas,
+run, where the sharpness is still rising. Its optimizer has the spec's settings (training.momentum, nesterov, dampening, betas,
 eps, alpha, centered, amsgrad, weight_decay, momentum_decay, decoupled_weight_decay; PyTorch's defaults where not
 given, but SGD's momentum 0.9, as every profiling point), reported with their sources as "optimizer_settings". They set the threshold: (2 + 2 beta) / eta
 halves from beta 0.9 to plain SGD, so a plain-SGD job that leaves momentum out is told about twice its headroom;
 Nesterov's is (2 + 2 beta) / ((1 + 2 beta) eta); RMSprop's is the heavy ball's on the preconditioned Hessian; Adam's
 and AdamW's is (2 + 2 beta1) / ((1 - beta1) eta); NAdam's and RAdam's are those of their coming step (NAdam's from its
-momentum schedule, RAdam's from its rectification; none in RAdam's first, un-preconditioned steps); coupled weight
+momentum schedule, RAdam's from its rectification; none in RAdam's first, un-preconditioned steps); Adamax's Adam's
+with its bias correction 1 - beta1^t; SGD's dampening d divides the heavy ball's by 1 - d; coupled weight
 decay adds weight_decay to the Hessian (profiler.sharpness). A measurement that fails (out of memory: the double backward
 needs more than a training step; a model without second derivatives) is reported, not raised.
 

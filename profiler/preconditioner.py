@@ -1,9 +1,10 @@
 """The preconditioner of an adaptive optimizer, read from its state: the P in its update -eta P g.
 
 An adaptive optimizer divides each coordinate of the gradient by a running root mean square of its past
-gradients, so its noise-to-signal ratio (the noise scale the critical batch follows) is that of P g, not of g
-(tula_service.fit.efficiency_evidence; measured in docs/validation.md), and its stable range is set by the
-preconditioned Hessian P^(1/2) H P^(1/2) (profiler.sharpness). P = diag(1 / (sqrt(v) + eps)), with v:
+gradients (Adamax: by a decaying maximum of their sizes), so its noise-to-signal ratio (the noise scale the critical
+batch follows) is that of P g, not of g (tula_service.fit.efficiency_evidence; measured in docs/validation.md), and its
+stable range is set by the preconditioned Hessian P^(1/2) H P^(1/2) (profiler.sharpness). P = diag(1 / (sqrt(v) +
+eps)), with v:
 
 - Adam and AdamW (Kingma & Ba 2015, alg. 1): v = exp_avg_sq / (1 - beta2^t), the bias-corrected EMA of g^2
   (max_exp_avg_sq in place of exp_avg_sq with amsgrad);
@@ -19,6 +20,11 @@ first steps (rho_t <= 5: t <= 5 at beta2 0.999) RAdam takes the un-preconditione
 divide by P; P is still read there, by the same formula from the same state, so that P g means the same thing at
 every step (profiler.sharpness gives no threshold for such a step).
 
+Adamax (Kingma & Ba 2015, sec. 7.1, alg. 2; torch.optim.Adamax) divides by an infinity norm in place of sqrt(v):
+u = max(beta2 u, |g| + eps) (exp_inf; the paper has no eps, torch adds it to |g| inside the max), and steps by
+-eta / (1 - beta1^t) m / u, m the EMA of g as Adam's, so P = 1 / u, the denominator u itself (no bias correction, no
+square root, and no eps added: it is in u already); its 1 / (1 - beta1^t) is a factor of the LR (profiler.sharpness).
+
 P is taken from the state as it is before the step (the step's own gradient is not in it yet), for the step the
 statistics describe; an optimizer that has taken no step has none.
 """
@@ -29,20 +35,22 @@ from collections.abc import Sequence
 
 import torch
 
-ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam)
+ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
 
 
 def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether the optimizer's update is a preconditioned gradient this module can read (Adam, AdamW, RMSprop, NAdam,
-    RAdam)."""
+    RAdam, Adamax)."""
     return isinstance(optimizer, ADAPTIVE_OPTIMIZERS)
 
 
 def denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | None) -> torch.Tensor | None:
-    """1 / P for one parameter (module docstring): sqrt(v) + eps, or RAdam's (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t);
-    a new tensor; None while its state holds no second moment (no step taken with a gradient for it)."""
+    """1 / P for one parameter (module docstring): sqrt(v) + eps, RAdam's (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t), or
+    Adamax's u (exp_inf); a new tensor; None while its state holds no second moment (no step taken with a gradient for it)."""
     if not state:
         return None
+    if isinstance(optimizer, torch.optim.Adamax):
+        return state["exp_inf"].clone() if "exp_inf" in state else None
     if isinstance(optimizer, torch.optim.RMSprop):
         if "square_avg" not in state:
             return None

@@ -6,13 +6,20 @@ question about the loss surface, which the gradient noise scale does not answer:
 This module measures the answer from the run itself.
 
 Sharpness. lambda_max, the largest eigenvalue of the Hessian H of the training loss (of P^(1/2) H P^(1/2)
-for Adam, AdamW, RMSprop, NAdam and RAdam, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) +
-eps), the optimizer's own preconditioner: profiler.preconditioner), by power iteration on Hessian-vector products
-(Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
+for Adam, AdamW, RMSprop, NAdam, RAdam and Adamax, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) /
+(sqrt(exp_avg_sq) + eps), Adamax's 1 / u, the optimizer's own preconditioner: profiler.preconditioner), by power
+iteration on Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
 
 Stability threshold (on a quadratic, the update diverges along the top eigenvector above it):
 - gradient descent:                       lambda_max < 2 / eta
 - heavy-ball momentum beta (PyTorch's):   lambda_max < (2 + 2 beta) / eta
+- heavy-ball momentum beta with dampening d (torch.optim.SGD: buf = beta buf + (1 - d) g, the step -eta buf; its first
+  step sets buf = g, undampened, so this is the edge of every later step): the update's characteristic polynomial on a
+  quadratic, z^2 - (1 + beta - (1 - d) a) z + beta (a = eta lambda), is 2 + 2 beta - (1 - d) a at z = -1 and
+  (1 - d) a > 0 at z = 1, and complex roots have |z|^2 = beta < 1, so for d < 1
+      lambda_max < (2 + 2 beta) / ((1 - d) eta)
+  (d = 0 gives the heavy ball's; at d >= 1 the buffer takes no gradient, or its opposite: no threshold; without
+  momentum torch ignores d: 2 / eta; torch refuses Nesterov with d != 0)
 - Nesterov momentum beta (PyTorch's):     lambda_max < (2 + 2 beta) / ((1 + 2 beta) eta), from the characteristic
   polynomial z^2 - (1 + beta - a (1 + beta)) z + beta (1 - a) of its update on a quadratic (a = eta lambda) at z = -1
 - Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta), once 1 - beta1^t ~ 1 (torch
@@ -38,14 +45,20 @@ Stability threshold (on a quadratic, the update diverges along the top eigenvect
   At beta2 0.999 rect_t rises from 0.026 at t = 6 to 0.65 at t = 1000: this is 18x Adam's threshold at t = 6 and
   1.5x at t = 1000. While rho_t <= 5 (t <= 5 at beta2 0.999) its step is eta m_hat, not preconditioned: no
   threshold is given for it.
-NAdam's and RAdam's coefficients change with the step t; each threshold is the one of the coming step, t = the state's
-step + 1 (the first parameter's that has a state; t = 1, mu_product_0 = 1 before any step).
+- Adamax (preconditioned, P = 1 / u; Kingma & Ba 2015, sec. 7.1, torch.optim.Adamax): m = beta1 m + (1 - beta1) g,
+  u = max(beta2 u, |g| + eps), the step -eta / (1 - beta1^t) m / u: Adam's with P = 1 / u and the LR eta /
+  (1 - beta1^t), whose polynomial z^2 - (1 + beta1 - (1 - beta1) a') z + beta1 (a' = a / (1 - beta1^t)) gives
+      lambda_max < (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta)
+  (torch's bias correction applied here, unlike Adam's above: it lowers the first steps' threshold, 1 - beta1^t = 0.1,
+  0.65 and 0.99997 at t = 1, 10 and 100 at beta1 0.9)
+NAdam's, RAdam's and Adamax's coefficients change with the step t; each threshold is the one of the coming step,
+t = the state's step + 1 (the first parameter's that has a state; t = 1, mu_product_0 = 1 before any step).
 (Cohen et al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability";
 Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the momentum and Adam forms.)
 
     headroom = threshold / lambda_max = (2 + 2 beta) / (eta lambda_max)   [/ (1 - beta1) for Adam]
 
-Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop, and NAdam and RAdam with
+Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop, Adamax, and NAdam and RAdam with
 decoupled_weight_decay False: the gradient is g + wd theta), it adds wd to the Hessian: lambda_max is that of H + wd I
 (of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW, and NAdam and RAdam with decoupled_weight_decay True: theta shrinks
 by (1 - eta wd) a step, before and outside the preconditioned step), the same characteristic polynomial at z = -1 gives
@@ -150,26 +163,48 @@ def _first_state(optimizer: torch.optim.Optimizer) -> dict:
 
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
-    beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 + 2 beta) for
-    SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW, (2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 -
-    beta1)) for NAdam's coming step and (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for RAdam's. None where no
-    threshold is known here (dampened momentum, RAdam's un-rectified first steps, other optimizers)."""
+    beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 - d) for SGD with
+    dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW,
+    (2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's coming step, (2 + 2 beta1) (1 - beta1^t) / ((1 -
+    beta1) rect_t) for RAdam's and (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for Adamax's. None where no threshold is
+    known here (dampening d >= 1, RAdam's un-rectified first steps, other optimizers)."""
     group = optimizer.param_groups[0]
     if isinstance(optimizer, torch.optim.NAdam):
         return _nadam_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RAdam):
         return _radam_threshold_times_lr(group, _first_state(optimizer))
+    if isinstance(optimizer, torch.optim.Adamax):
+        return _adamax_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RMSprop):
         return 2.0 + 2.0 * float(group.get("momentum", 0.0))
     if isinstance(optimizer, torch.optim.SGD):
-        if group.get("dampening", 0.0):
-            return None
-        momentum = float(group.get("momentum", 0.0))
-        return (2.0 + 2.0 * momentum) / (1.0 + 2.0 * momentum if group.get("nesterov") else 1.0)
+        return _sgd_threshold_times_lr(group)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         beta1 = float(group["betas"][0])
         return (2.0 + 2.0 * beta1) / (1.0 - beta1)
     return None
+
+
+def _sgd_threshold_times_lr(group: dict) -> float | None:
+    """2 without momentum (torch.optim.SGD then ignores dampening), (2 + 2 beta) / (1 + 2 beta) with Nesterov momentum,
+    (2 + 2 beta) / (1 - d) with heavy-ball momentum beta and dampening d < 1; None for d >= 1, and for Nesterov with
+    d != 0 (torch refuses it)."""
+    momentum = float(group.get("momentum", 0.0))
+    if momentum == 0.0:
+        return 2.0
+    dampening = float(group.get("dampening", 0.0))
+    if group.get("nesterov"):
+        return None if dampening else (2.0 + 2.0 * momentum) / (1.0 + 2.0 * momentum)
+    if dampening >= 1.0:
+        return None
+    return (2.0 + 2.0 * momentum) / (1.0 - dampening)
+
+
+def _adamax_threshold_times_lr(group: dict, state: dict) -> float:
+    """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for the coming step t: Adam's with torch's LR eta / (1 - beta1^t)."""
+    beta1 = float(group["betas"][0])
+    step = float(state.get("step", 0.0)) + 1.0
+    return (2.0 + 2.0 * beta1) * (1.0 - beta1**step) / (1.0 - beta1)
 
 
 def _nadam_threshold_times_lr(group: dict, state: dict) -> float:

@@ -373,7 +373,7 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
     raised = format_recommendation(plan(small_reference, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()
     assert f"    - LR stability {LR_STABILITY_ASSUMED}" in raised
     assert ("    - sgd settings assumed (training.<name>; profiling, the pilot and the advice use them): momentum 0.9, nesterov false, "
-            "weight_decay 0") in raised  # fmt: skip
+            "dampening 0, weight_decay 0") in raised  # fmt: skip
     stats = [{"samples": 25_000 * (i + 1), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 400.0 + 10 * i} for i in range(20)]
     spec = JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], training={"reference_run": {"gradient_stats": stats}}))
     line = next(line for line in format_recommendation(plan(spec, [measurement(b) for b in (8, 16, 32, 64)])).splitlines()

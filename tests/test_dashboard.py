@@ -532,11 +532,12 @@ def test_the_snippets_optimizer_line_builds_every_optimizer_the_spec_takes_with_
     """recommendation.js's optimizerLine for each training.optimizer, with every setting the spec has for it given (not
     its default), evaluated by Python: the torch optimizer it builds carries those settings."""
     torch = pytest.importorskip("torch")
-    given = {"momentum": 0.5, "nesterov": True, "betas": [0.8, 0.95], "eps": 1e-6, "alpha": 0.9, "centered": True, "amsgrad": True,
-             "momentum_decay": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.05}  # fmt: skip
+    given = {"momentum": 0.5, "nesterov": True, "dampening": 0.0, "betas": [0.8, 0.95], "eps": 1e-6, "alpha": 0.9, "centered": True,
+             "amsgrad": True, "momentum_decay": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.05}  # fmt: skip
+    cases = [(optimizer, given) for optimizer in OPTIMIZER_NAMES] + [("sgd", {**given, "nesterov": False, "dampening": 0.3})]  # torch: not both
     page = tab.open(f"/jobs/{server.handmade_id}")
     wait_for_plan(page, "stored")
-    for optimizer in OPTIMIZER_NAMES:
+    for optimizer, given in cases:
         training = {"reference_batch": 32, "reference_epochs": 3, "optimizer": optimizer, **{name: given[name] for name in optimizer_setting_names(optimizer)}}
         settings = JobSpec.model_validate(spec_dict(training=training)).training.optimizer_settings()
         line = page.evaluate("async (lr) => (await import('/static/js/recommendation.js')).optimizerLine(lr)",

@@ -264,7 +264,10 @@ def test_a_tasks_optimizer_has_its_settings_as_the_spec_names_them():
     assert group["decoupled_weight_decay"] and group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999)
     nadam = replace(TINY, optimizer="nadam")
     assert et.task_optimizer(nadam, et.task_model(nadam, 0), 0.1).param_groups[0]["momentum_decay"] == 4e-3  # PyTorch's
-    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9), radam, nadam):
+    adamax = replace(TINY, optimizer="adamax", betas=(0.8, 0.99), weight_decay=1e-4)
+    group = et.task_optimizer(adamax, et.task_model(adamax, 0), 0.1).param_groups[0]
+    assert type(et.task_optimizer(adamax, et.task_model(adamax, 0), 0.1)).__name__ == "Adamax" and group["betas"] == (0.8, 0.99)
+    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9), radam, nadam, adamax):
         training = {"reference_batch": 16, "reference_epochs": 3, "optimizer": task.optimizer, **et.task_optimizer_settings(task)}
         assert JobSpec.model_validate(spec_dict(training=training)).training.optimizer == task.optimizer  # the spec takes them
 

@@ -78,7 +78,7 @@ def test_small_cnn_pilot_trains_its_step_budget_and_records_every_few_steps():
     assert pilot["trajectory"][-1]["stability_lr"] == 0.01  # after the warm-up: the reference LR
     assert all("stability_headroom" not in r for r in pilot["trajectory"][:-1])
     assert pilot["optimizer_settings"] == {"momentum": {"value": 0.9, "source": "assumed"}, "nesterov": {"value": False, "source": "assumed"},
-                                           "weight_decay": {"value": 0.0, "source": "assumed"}}  # fmt: skip
+                                           "dampening": {"value": 0, "source": "assumed"}, "weight_decay": {"value": 0.0, "source": "assumed"}}  # fmt: skip
 
 
 def test_a_plain_sgd_pilot_trains_without_momentum_and_its_threshold_is_two_over_the_lr():
@@ -95,11 +95,19 @@ def test_a_pilot_trains_with_nesterov_momentum_and_weight_decay_and_its_threshol
                    optimizer_setting_sources={"nesterov": "spec", "weight_decay": "spec"})  # fmt: skip
     assert pilot["status"] == "ok" and pilot["optimizer_settings"] == {
         "momentum": {"value": 0.9, "source": "assumed"}, "nesterov": {"value": True, "source": "spec"},
-        "weight_decay": {"value": 5e-4, "source": "spec"}}  # fmt: skip
+        "dampening": {"value": 0, "source": "assumed"}, "weight_decay": {"value": 5e-4, "source": "spec"}}  # fmt: skip
     stability = pilot["stability"]  # Nesterov: lambda_max (of H + wd I) < (2 + 2 beta) / ((1 + 2 beta) eta)
     assert stability["stability_headroom"] == pytest.approx(3.8 / 2.8 / (0.01 * stability["sharpness"]))
     with pytest.raises(ValueError, match="not known"):
-        _pilot("small_cnn", IMAGES, 16, pilot_steps=2, optimizer_settings={"dampening": 0.5})
+        _pilot("small_cnn", IMAGES, 16, pilot_steps=2, optimizer_settings={"maximize": True})
+
+
+def test_a_pilot_trains_with_dampened_momentum_and_its_threshold_is_divided_by_one_less_the_dampening():
+    pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10, optimizer_settings={"momentum": 0.9, "dampening": 0.5},
+                   optimizer_setting_sources={"dampening": "spec"})  # fmt: skip
+    assert pilot["status"] == "ok" and pilot["optimizer_settings"]["dampening"] == {"value": 0.5, "source": "spec"}
+    stability = pilot["stability"]  # heavy ball, dampened: lambda_max < (2 + 2 beta) / ((1 - d) eta)
+    assert stability["stability_headroom"] == pytest.approx(3.8 / 0.5 / (0.01 * stability["sharpness"]))
 
 
 def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_falls():

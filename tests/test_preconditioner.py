@@ -1,4 +1,5 @@
-"""profiler.preconditioner: P = 1 / (sqrt(v) + eps) read from Adam's, AdamW's, RMSprop's, NAdam's and RAdam's state."""
+"""profiler.preconditioner: P = 1 / (sqrt(v) + eps) read from Adam's, AdamW's, RMSprop's, NAdam's and RAdam's state, and
+Adamax's P = 1 / u."""
 
 import math
 
@@ -112,6 +113,27 @@ def test_radam_before_its_rectification_steps_unpreconditioned_yet_has_a_precond
     assert bool((preconditioner(optimizer, list(layer.parameters())) > 0).all())
 
 
+def test_adamax_reads_its_infinity_norm_with_eps_added_to_each_gradients_size():
+    """torch.optim.Adamax: u = max(beta2 u, |g| + eps), eps inside the max, and P = 1 / u (no eps added again: a large eps
+    tells); none before its first step."""
+    layer = torch.nn.Linear(3, 2)
+    assert preconditioner(torch.optim.Adamax(layer.parameters()), list(layer.parameters())) is None
+    layer, optimizer, gradients = _stepped(torch.optim.Adamax, steps=4, eps=0.1)
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    infinity_norm = torch.zeros_like(gradients[0])
+    for gradient in gradients:
+        infinity_norm = torch.maximum(beta2 * infinity_norm, gradient.abs() + 0.1)
+    assert torch.allclose(preconditioner(optimizer, list(layer.parameters())), 1 / infinity_norm, rtol=1e-6)
+
+
+def test_adamax_steps_by_its_first_moment_over_the_denominator_read_from_its_state():
+    """torch.optim.Adamax: theta -= lr / (1 - beta1^t) m / u, the step t = 5 dividing by the u its state holds after it."""
+    optimizer, layer, update, _ = _next_update(torch.optim.Adamax, 4, eps=0.1, weight_decay=0.5)
+    beta1, lr = optimizer.param_groups[0]["betas"][0], 1e-3
+    expected = -lr / (1 - beta1**5) * _flat_state(optimizer, layer, "exp_avg") / _flat_denominator(optimizer, layer)
+    assert torch.allclose(update, expected, rtol=1e-9, atol=0)
+
+
 def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradient_yet():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.RMSprop(layer.parameters(), lr=1e-3)
@@ -126,6 +148,6 @@ def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradie
 
 def test_which_optimizers_are_adaptive():
     weight = torch.nn.Parameter(torch.zeros(2))
-    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam)
+    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
     assert all(is_adaptive(make([weight], lr=0.1)) for make in adaptive)
     assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adagrad)) and not is_adaptive(None)

@@ -79,6 +79,51 @@ def test_the_headroom_says_where_sgd_with_nesterov_momentum_and_weight_decay_div
     assert below < start and (above > 1e3 * start or not math.isfinite(above))
 
 
+@pytest.mark.parametrize(("momentum", "dampening", "weight_decay"), [(0.9, 0.5, 0.0), (0.3, 0.5, 0.0), (0.9, 0.5, 0.3), (0.9, 0.8, 0.0)])
+def test_the_headroom_says_where_sgd_with_dampened_momentum_diverges(momentum, dampening, weight_decay):
+    """Dampening d: the buffer takes (1 - d) g after its first step (undampened), so the threshold is (2 + 2 beta) /
+    ((1 - d) eta), exact on a quadratic, with coupled weight decay added to the Hessian."""
+    weight, loss_fn, hessian = _least_squares(seed=2)
+    lam = float(torch.linalg.eigvalsh(hessian)[-1]) + weight_decay
+    settings = {"dampening": dampening, "weight_decay": weight_decay}
+    probe = torch.optim.SGD([weight], lr=0.01, momentum=momentum, **settings)
+    measured = stability_headroom(loss_fn, [weight], probe, iterations=500, tolerance=0.0)
+    assert measured["sharpness"] == pytest.approx(lam, rel=1e-4)
+    edge_lr = 0.01 * measured["stability_headroom"]
+    assert edge_lr == pytest.approx((2 + 2 * momentum) / ((1 - dampening) * lam), rel=1e-4)
+    below, *_ = _descend(0.95 * edge_lr, momentum, **settings)
+    above, *_ = _descend(1.05 * edge_lr, momentum, **settings)
+    start = float(loss_fn().detach())
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+def test_dampenings_threshold_and_where_it_has_none():
+    """(2 + 2 beta) / (1 - d) for d < 1; None at d >= 1 (the buffer never takes the gradient, or takes its opposite) and
+    for Nesterov with dampening (torch refuses it; only a group changed after the fact has it); without momentum torch
+    ignores dampening: 2."""
+    weight = torch.nn.Parameter(torch.zeros(2))
+    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=0.5)) == pytest.approx(7.6)
+    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.3, dampening=0.75)) == pytest.approx(10.4)
+    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.0, dampening=0.5)) == 2.0
+    for dampening in (1.0, 1.5):
+        assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=dampening)) is None
+    nesterov = torch.optim.SGD([weight], lr=0.1, momentum=0.9, nesterov=True)
+    nesterov.param_groups[0]["dampening"] = 0.5
+    assert stability_threshold_times_lr(nesterov) is None
+
+
+def test_plain_sgd_ignores_dampening_as_torch_does():
+    """momentum 0: torch.optim.SGD keeps no buffer and steps by -eta g whatever the dampening: 2 / eta."""
+    weight, loss_fn, hessian = _least_squares(seed=2)
+    edge_lr = 2 / float(torch.linalg.eigvalsh(hessian)[-1])
+    measured = stability_headroom(loss_fn, [weight], torch.optim.SGD([weight], lr=0.01, dampening=0.5), iterations=500, tolerance=0.0)
+    assert 0.01 * measured["stability_headroom"] == pytest.approx(edge_lr, rel=1e-4)
+    below, *_ = _descend(0.95 * edge_lr, 0.0, dampening=0.5)
+    above, *_ = _descend(1.05 * edge_lr, 0.0, dampening=0.5)
+    start = float(loss_fn().detach())
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
 def test_decoupled_weight_decay_lowers_adamws_headroom_by_its_own_term():
     """AdamW's decay shrinks the weights outside the preconditioner: headroom c / (eta (lambda + c wd / 2)), c = 38 at
     beta1 0.9, where Adam's coupled decay adds wd to the Hessian it preconditions; no decay, no change."""
@@ -161,11 +206,13 @@ def _exp_avg_sq_giving(optimizer, state, gradient, denominator):
 def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
     """The loss after `steps` steps at `lr` that are all the coming step: its step count, NAdam's mu_product and the
     preconditioner read now are put back before each one, so the steps are one linear iteration, whose edge the
-    threshold is."""
+    threshold is. Adamax's u is held as its state has it (exp_inf = u / beta2, so max(beta2 exp_inf, |g| + eps) = u),
+    which holds while |g| + eps <= u: the run stops where a gradient has outgrown it."""
     state, group = optimizer.state[weight], optimizer.param_groups[0]
     frozen = {key: state[key].clone() for key in ("step", "mu_product") if key in state}
     denominator = 1 / preconditioner(optimizer, [weight])
-    coupled_decay = 0.0 if group["decoupled_weight_decay"] else group["weight_decay"]
+    held_infinity_norm = state["exp_inf"].clone() if "exp_inf" in state else None
+    coupled_decay = 0.0 if group.get("decoupled_weight_decay", False) else group["weight_decay"]
     group["lr"] = lr
     for _ in range(steps):
         optimizer.zero_grad()
@@ -173,7 +220,12 @@ def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
         for key, value in frozen.items():
             state[key].copy_(value)
         gradient = weight.grad + coupled_decay * weight.detach()
-        state["exp_avg_sq"].copy_(_exp_avg_sq_giving(optimizer, state, gradient, denominator))
+        if held_infinity_norm is None:
+            state["exp_avg_sq"].copy_(_exp_avg_sq_giving(optimizer, state, gradient, denominator))
+        elif bool((gradient.abs() + group["eps"] > held_infinity_norm).any()):
+            break
+        else:
+            state["exp_inf"].copy_(held_infinity_norm / group["betas"][1])
         optimizer.step()
     return float(loss_fn().detach())
 
@@ -207,6 +259,53 @@ def test_the_headroom_says_where_nadam_and_radam_diverge(optimizer_class, steps_
     below = _frozen_run(*_warmed(optimizer_class, steps_taken, **settings), lr=0.95 * edge_lr)
     above = _frozen_run(*_warmed(optimizer_class, steps_taken, **settings), lr=1.05 * edge_lr)
     assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+ADAMAX_HELD_NORM_FACTOR = 1e6  # u held this far above the warm-up's, so a diverging run's gradient can grow as much under it
+
+
+def _warmed_adamax(steps_taken, **settings):
+    """_warmed's Adamax with its u scaled by ADAMAX_HELD_NORM_FACTOR: P and the edge LR scale by its inverse and by it,
+    so eta P, and the iteration on the quadratic, are the same."""
+    weight, loss_fn, optimizer = _warmed(torch.optim.Adamax, steps_taken, **settings)
+    optimizer.state[weight]["exp_inf"].mul_(ADAMAX_HELD_NORM_FACTOR)
+    return weight, loss_fn, optimizer
+
+
+@pytest.mark.parametrize(
+    ("steps_taken", "settings"),
+    [(20, {}), (3, {}), (5, {"betas": (0.5, 0.99)}), (10, {"weight_decay": 1.0})],
+    ids=["adamax", "adamax-early", "adamax-beta1-0.5", "adamax-coupled-decay"],
+)
+def test_the_headroom_says_where_adamax_diverges(steps_taken, settings):
+    """Adamax's edge is Adam's with its LR eta / (1 - beta1^t): (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta) on
+    P^(1/2) (H + wd I) P^(1/2), P = 1 / u, for the coming step t (1 - 0.9^4 = 0.34 at t = 4); with u and t held, 0.95x
+    the edge LR trains and 1.05x diverges on a quadratic."""
+    weight, loss_fn, optimizer = _warmed_adamax(steps_taken, **settings)
+    beta1, step = optimizer.param_groups[0]["betas"][0], steps_taken + 1
+    measured = stability_headroom(loss_fn, [weight], optimizer, iterations=500, tolerance=0.0)
+    hessian = _least_squares(seed=2)[2] + settings.get("weight_decay", 0.0) * torch.eye(6, dtype=torch.float64)
+    scale = (1 / optimizer.state[weight]["exp_inf"]).sqrt()
+    assert measured["sharpness"] == pytest.approx(float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max()), rel=1e-4)
+    edge_lr = 1e-2 * measured["stability_headroom"]
+    assert edge_lr == pytest.approx((2 + 2 * beta1) * (1 - beta1**step) / ((1 - beta1) * measured["sharpness"]), rel=1e-9)
+    start = float(loss_fn().detach())
+    below = _frozen_run(*_warmed_adamax(steps_taken, **settings), lr=0.95 * edge_lr)
+    above = _frozen_run(*_warmed_adamax(steps_taken, **settings), lr=1.05 * edge_lr)
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+def test_adamaxs_threshold_follows_its_bias_correction_and_it_has_no_headroom_before_its_first_step():
+    """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for the coming step: 3.8 at t = 1, 38 (1 - 0.9^4) at t = 4."""
+    weight, loss_fn, _ = _least_squares(seed=3)
+    adamax = torch.optim.Adamax([weight], lr=1e-2)
+    assert stability_threshold_times_lr(adamax) == pytest.approx(3.8, rel=1e-12)
+    assert preconditioner(adamax, [weight]) is None and stability_headroom(loss_fn, [weight], adamax) is None
+    for _ in range(3):
+        adamax.zero_grad()
+        loss_fn().backward()
+        adamax.step()
+    assert stability_threshold_times_lr(adamax) == pytest.approx(38.0 * (1 - 0.9**4), rel=1e-12)
 
 
 def test_nadams_threshold_weighs_its_gradient_and_momentum_terms():
@@ -265,7 +364,7 @@ def test_nadam_and_radam_decay_as_their_decoupled_weight_decay_says(optimizer_cl
 
 def test_optimizers_without_a_known_threshold_get_no_headroom():
     weight, loss_fn, _ = _least_squares()
-    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=0.5)) is None
+    assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=1.0)) is None
     assert stability_headroom(loss_fn, [weight], torch.optim.Adagrad([weight], lr=0.1)) is None
 
 

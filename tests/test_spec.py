@@ -114,6 +114,8 @@ def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
         "betas", "eps", "momentum_decay", "decoupled_weight_decay", "weight_decay"}  # fmt: skip
     assert set(JobSpec.model_validate(spec_dict(training={"optimizer": "radam"})).training.optimizer_settings()) == {
         "betas", "eps", "decoupled_weight_decay", "weight_decay"}  # fmt: skip
+    assert set(JobSpec.model_validate(spec_dict(training={"optimizer": "adamax"})).training.optimizer_settings()) == {"betas", "eps", "weight_decay"}
+    assert set(JobSpec.model_validate(spec_dict()).training.optimizer_settings()) == {"momentum", "nesterov", "dampening", "weight_decay"}
     assert "momentum_decay is NAdam's; optimizer radam has none" in _errors(spec_dict(training={"optimizer": "radam", "momentum_decay": 0.004}))[("training", "momentum_decay")]
     assert "decoupled_weight_decay is NAdam's and RAdam's; optimizer adam has none" in _errors(
         spec_dict(training={"optimizer": "adam", "decoupled_weight_decay": True}))[("training", "decoupled_weight_decay")]
@@ -121,9 +123,12 @@ def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
 
 def test_optimizer_settings_are_checked_as_torch_would():
     assert "needs momentum > 0" in _errors(spec_dict(training={"nesterov": True, "momentum": 0}))[("training", "nesterov")]
+    assert "needs dampening 0" in _errors(spec_dict(training={"nesterov": True, "dampening": 0.1}))[("training", "dampening")]
+    assert JobSpec.model_validate(spec_dict(training={"nesterov": True, "dampening": 0})).training.optimizer_settings()["dampening"]["value"] == 0
     assert JobSpec.model_validate(spec_dict(training={"nesterov": True})).training.optimizer_settings()["momentum"]["value"] == 0.9
     for name, bad in (("weight_decay", -0.1), ("weight_decay", float("inf")), ("eps", 0.0), ("alpha", 1.0), ("nesterov", "yes"), ("nesterov", 1),
-                      ("momentum_decay", -0.001), ("momentum_decay", float("nan")), ("decoupled_weight_decay", "true")):
+                      ("momentum_decay", -0.001), ("momentum_decay", float("nan")), ("decoupled_weight_decay", "true"),
+                      ("dampening", 1.5), ("dampening", -0.1)):
         optimizer = {"eps": "adam", "alpha": "rmsprop", "momentum_decay": "nadam", "decoupled_weight_decay": "radam"}.get(name, "sgd")
         assert ("training", name) in _errors(spec_dict(training={"optimizer": optimizer, name: bad})), (name, bad)
     assert "weight_decay" in str(_errors(spec_dict(training={"weight_decay": True})))  # a boolean is not a number
@@ -134,8 +139,8 @@ def test_betas_are_adams_and_adamws_each_in_zero_one():
     assert adamw.optimizer_settings()["betas"] == {"value": [0.9, 0.95], "source": "spec"} and "momentum" not in adamw.optimizer_settings()
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "adam"})).training.optimizer_settings()["betas"] == {"value": [0.9, 0.999], "source": "assumed"}
     assert "betas" not in JobSpec.model_validate(spec_dict()).training.optimizer_settings()  # SGD
-    assert "betas is Adam's, AdamW's, NAdam's and RAdam's" in _errors(spec_dict(training={"betas": [0.9, 0.95]}))[("training", "betas")]
-    assert "betas is Adam's, AdamW's, NAdam's and RAdam's" in _errors(spec_dict(training={"optimizer": "rmsprop", "betas": [0.9, 0.95]}))[("training", "betas")]
+    assert "betas is Adam's, AdamW's, NAdam's, RAdam's and Adamax's" in _errors(spec_dict(training={"betas": [0.9, 0.95]}))[("training", "betas")]
+    assert "betas is Adam's, AdamW's, NAdam's, RAdam's and Adamax's" in _errors(spec_dict(training={"optimizer": "rmsprop", "betas": [0.9, 0.95]}))[("training", "betas")]
     for bad in ([0.9, 1.0], [-0.1, 0.9], [0.9, float("nan")]):
         assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": bad}))), bad
     assert any(key[:2] == ("training", "betas") for key in _errors(spec_dict(training={"optimizer": "adam", "betas": [0.9]})))

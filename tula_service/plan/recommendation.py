@@ -119,7 +119,7 @@ class Multipliers(BaseModel):
 
     linear: float = Field(description="k (Goyal et al. 2017)")
     sqrt: float = Field(description="sqrt(k)")
-    adascale: float | None = Field(None, description="the AdaScale gain (square root for the adaptive optimizers: Adam, AdamW, RMSprop, NAdam, RAdam), when the noise scale was measured")
+    adascale: float | None = Field(None, description="the AdaScale gain (square root for the adaptive optimizers: Adam, AdamW, RMSprop, NAdam, RAdam, Adamax), when the noise scale was measured")
 
 
 class LearningRate(BaseModel):

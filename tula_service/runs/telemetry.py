@@ -64,7 +64,7 @@ class TelemetryRecord(_Strict):
     lr: MeasuredNumber | None = Field(None, gt=0, allow_inf_nan=False)
     grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="|G|^2 (two-batch estimate)")
     trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="tr(Sigma) per sample (two-batch estimate)")
-    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers (Adam, AdamW, RMSprop, NAdam, RAdam): |P G|^2")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers (Adam, AdamW, RMSprop, NAdam, RAdam, Adamax): |P G|^2")
     precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers: tr(P Sigma P) per sample")
     variability: MeasuredNumber | None = Field(None, ge=0, allow_inf_nan=False, description="| |g_t| - |g_t-1| | / |g_t-1| (AGS)")
     stability_headroom: MeasuredNumber | None = Field(

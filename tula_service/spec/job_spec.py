@@ -92,24 +92,27 @@ DEFAULT_ADAM_BETAS = (0.9, 0.999)
 # mu_t = beta1 (1 - 0.5 x 0.96^(t psi)) (Dozat 2016), half of beta1 at the first step.
 DEFAULT_NADAM_MOMENTUM_DECAY = 4e-3
 # torch.optim's settings the spec takes beside the LR (their PyTorch names), the optimizers each is for, and the value
-# each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, RAdam),
-# except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the pilot reports
-# each with its source.
+# each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, RAdam,
+# Adamax), except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the
+# pilot reports each with its source.
 OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "momentum": {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM},
     "nesterov": {"sgd": False},
-    "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS, "nadam": DEFAULT_ADAM_BETAS, "radam": DEFAULT_ADAM_BETAS},
-    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8, "nadam": 1e-8, "radam": 1e-8},
+    "dampening": {"sgd": 0.0},
+    "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS, "nadam": DEFAULT_ADAM_BETAS, "radam": DEFAULT_ADAM_BETAS,
+              "adamax": DEFAULT_ADAM_BETAS},
+    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8, "nadam": 1e-8, "radam": 1e-8, "adamax": 1e-8},
     "alpha": {"rmsprop": 0.99},
     "centered": {"rmsprop": False},
     "amsgrad": {"adam": False, "adamw": False},
     "momentum_decay": {"nadam": DEFAULT_NADAM_MOMENTUM_DECAY},
     "decoupled_weight_decay": {"nadam": False, "radam": False},
-    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0},
+    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0, "adamax": 0.0},
 }
 # as messages and the advice name them; the keys are the spec's `training.optimizer` choices
-OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "nadam": "NAdam", "radam": "RAdam"}
-OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam"]
+OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "nadam": "NAdam", "radam": "RAdam",
+                   "adamax": "Adamax"}
+OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam", "adamax"]
 
 
 def setting_optimizers(setting: str) -> tuple[str, ...]:
@@ -391,7 +394,7 @@ class GradientStatsRecord(_Strict):
         description="median over the window of | |g_t| - |g_t-1| | / |g_t-1| (AGS); bounded as |G|^2 is, so that the AGS delta "
         "scaled to another batch stays finite",
     )
-    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers (Adam, AdamW, RMSprop, NAdam, RAdam): |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
+    precond_grad_sqr: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers (Adam, AdamW, RMSprop, NAdam, RAdam, Adamax): |P G|^2, P = 1/(sqrt(v)+eps), v the optimizer's second moment")
     precond_trace_sigma: GradientStatistic | None = Field(None, allow_inf_nan=False, description="adaptive optimizers: tr(P Sigma P) per sample")
     stability_headroom: MeasuredNumber | None = Field(
         None, gt=0, allow_inf_nan=False,
@@ -442,10 +445,11 @@ class TrainingSpec(_Strict):
     )
     optimizer: OptimizerName = Field(
         "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, "
-        "RAdam), with its settings below (each only for the optimizers that have it; PyTorch's default where left out, but "
-        f"SGD's momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, weight_decay; adam and adamw: betas, eps, "
-        "amsgrad, weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay; nadam: betas, eps, momentum_decay, "
-        "decoupled_weight_decay, weight_decay; radam: betas, eps, decoupled_weight_decay, weight_decay")
+        "RAdam, Adamax), with its settings below (each only for the optimizers that have it; PyTorch's default where left "
+        f"out, but SGD's momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, dampening, weight_decay; adam and "
+        "adamw: betas, eps, amsgrad, weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay; nadam: betas, eps, "
+        "momentum_decay, decoupled_weight_decay, weight_decay; radam: betas, eps, decoupled_weight_decay, weight_decay; "
+        "adamax: betas, eps, weight_decay")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
@@ -457,17 +461,22 @@ class TrainingSpec(_Strict):
         None, description="sgd only: Nesterov momentum (torch.optim.SGD nesterov; needs momentum > 0); default false. The "
         "stability threshold is then (2 + 2 beta) / ((1 + 2 beta) eta), not the heavy ball's (2 + 2 beta) / eta",
     )
+    dampening: float | None = Field(
+        None, ge=0, le=1, allow_inf_nan=False,
+        description="sgd only: torch.optim.SGD dampening d, the momentum buffer takes (1 - d) of each gradient (not with "
+        "nesterov, which torch refuses); default 0. The stability threshold is then (2 + 2 beta) / ((1 - d) eta)",
+    )
     betas: tuple[Beta, Beta] | None = Field(
         None,
-        description="Adam's, AdamW's, NAdam's and RAdam's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, 0.95], as large "
-        f"language models are often trained), each in [0, 1); profiling points and the pilot train with them, and beta1 sets "
-        f"the stability threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with optimizer adam, adamw, "
-        "nadam or radam",
+        description="Adam's, AdamW's, NAdam's, RAdam's and Adamax's (beta1, beta2) (torch.optim.Adam betas; e.g. [0.9, "
+        f"0.95], as large language models are often trained), each in [0, 1); profiling points and the pilot train with "
+        f"them, and beta1 sets the stability threshold. Default {list(DEFAULT_ADAM_BETAS)}, PyTorch's (assumed). Only with "
+        "optimizer adam, adamw, nadam, radam or adamax",
     )
     eps: float | None = Field(
         None, gt=0, le=1, allow_inf_nan=False,
-        description="adam, adamw, rmsprop, nadam and radam: the term added to sqrt(v) in the preconditioner 1 / (sqrt(v) + "
-        "eps); default 1e-8, PyTorch's (assumed)",
+        description="adam, adamw, rmsprop, nadam, radam and adamax: the term added to sqrt(v) in the preconditioner 1 / "
+        "(sqrt(v) + eps) (Adamax's: to |g| in its infinity norm); default 1e-8, PyTorch's (assumed)",
     )
     alpha: Beta | None = Field(None, description="rmsprop only: the smoothing constant of its mean square, in [0, 1); default 0.99, PyTorch's")
     centered: StrictBool | None = Field(
@@ -486,7 +495,7 @@ class TrainingSpec(_Strict):
     weight_decay: float | None = Field(
         None, ge=0, le=10, allow_inf_nan=False,
         description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam, "
-        "rmsprop, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
+        "rmsprop, adamax, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
         "step) for adamw. Default PyTorch's: 0, adamw 0.01 (assumed). Profiling points and the pilot train with it; the "
         "gradient statistics are of the loss alone",
     )
@@ -519,6 +528,8 @@ class TrainingSpec(_Strict):
                              f"({self.optimizer} takes {own})"))
         if self.nesterov and self.optimizer == "sgd" and self.optimizer_settings()["momentum"]["value"] == 0:
             problems.append((("nesterov",), "Nesterov momentum needs momentum > 0 (torch.optim.SGD refuses it at momentum 0)"))
+        if self.nesterov and self.optimizer == "sgd" and self.dampening:
+            problems.append((("dampening",), "Nesterov momentum needs dampening 0 (torch.optim.SGD refuses both): leave dampening out"))
         if problems:
             raise field_errors(problems, "training_field")
         return self

@@ -35,7 +35,7 @@ from typing import Any
 from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
 from tula_service.settings import environment
-from tula_service.spec.job_spec import OPTIMIZER_SETTING_DEFAULTS, allowed_model_modules, setting_optimizers
+from tula_service.spec.job_spec import OPTIMIZER_NAMES, OPTIMIZER_SETTING_DEFAULTS, allowed_model_modules
 from tula_service.spec.spec_limits import max_batch_sizes
 
 COMPONENT = "JobSubmission"
@@ -174,25 +174,37 @@ def _cluster_schema(base: dict[str, Any]) -> dict[str, Any]:
     return cluster
 
 
+def _optimizer_settings_schema() -> dict[str, Any]:
+    """Each optimizer setting only with an optimizer that has it (job_spec.OPTIMIZER_SETTING_DEFAULTS): one branch per
+    optimizer, the settings it lacks absent or null; SGD's branch also holds where optimizer is left out (SGD is the
+    default). One anyOf of a branch per optimizer, not an anyOf per setting: schemathesis' canonicalizer gives up on an
+    allOf of ten or more anyOfs (their product), and it must generate requests from this schema."""
+    branches = []
+    for optimizer in OPTIMIZER_NAMES:
+        absent = {name: _NULL for name, defaults in OPTIMIZER_SETTING_DEFAULTS.items() if optimizer not in defaults}
+        branch = {"properties": {"optimizer": {"const": optimizer}, **absent}}
+        branches.append(branch if optimizer == "sgd" else {**branch, "required": ["optimizer"]})
+    return {"anyOf": branches}
+
+
 def _training_schema(base: dict[str, Any]) -> dict[str, Any]:
     """max_lr needs reference_lr (the cap is their ratio); each optimizer setting only with an optimizer that has it
-    (job_spec.OPTIMIZER_SETTING_DEFAULTS: the optimizer given, or left out where SGD, the default, has it); nesterov
-    true only with a momentum above 0 (or left out: SGD's default 0.9)."""
+    (_optimizer_settings_schema); nesterov true only with a momentum above 0 (or left out: SGD's default 0.9) and no
+    dampening."""
     training = copy.deepcopy(base)
-    settings = []
-    for name in OPTIMIZER_SETTING_DEFAULTS:
-        owners = setting_optimizers(name)
-        optimizer = {"properties": {"optimizer": {"enum": list(owners)}}}
-        settings.append({"anyOf": [{"properties": {name: _NULL}}, optimizer if "sgd" in owners else {**optimizer, "required": ["optimizer"]}]})
     training["allOf"] = [
         {"anyOf": [
             {"properties": {"max_lr": _NULL}},
             {"required": ["reference_lr"], "properties": {"reference_lr": {"type": "number", "exclusiveMinimum": 0}}},
         ]},
-        *settings,
+        _optimizer_settings_schema(),
         {"anyOf": [
             {"properties": {"nesterov": {"not": {"const": True}}}},
             {"properties": {"momentum": _nullable({"type": "number", "exclusiveMinimum": 0})}},
+        ]},
+        {"anyOf": [
+            {"properties": {"nesterov": {"not": {"const": True}}}},
+            {"properties": {"dampening": {"anyOf": [_NULL, {"const": 0}]}}},
         ]},
     ]  # fmt: skip
     return training
