@@ -202,7 +202,7 @@ class GradientStatsLogger:
 
     path: the JSONL file (rank 0 writes it); None writes none (the records are only returned by step(), as
     TulaRun takes them). model: the module as trained (the DDP wrapper under DDP).
-    optimizer: for the precond pair of Adam, AdamW, RMSprop, NAdam or RAdam and for grad_scaler's unscaling; optional otherwise.
+    optimizer: for the precond pair of an adaptive optimizer (profiler.preconditioner.is_adaptive) and for grad_scaler's unscaling; optional otherwise.
     every: optimizer steps per record. accumulation: micro-batches (backward calls) per optimizer step
     on each rank. device_batch: samples per micro-batch on one rank; None reads it from each forward
     pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's

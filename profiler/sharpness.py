@@ -200,11 +200,14 @@ def _sgd_threshold_times_lr(group: dict) -> float | None:
     return (2.0 + 2.0 * momentum) / (1.0 - dampening)
 
 
-def _adamax_threshold_times_lr(group: dict, state: dict) -> float:
-    """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for the coming step t: Adam's with torch's LR eta / (1 - beta1^t)."""
-    beta1 = float(group["betas"][0])
-    step = float(state.get("step", 0.0)) + 1.0
+def _bias_corrected_adam_threshold_times_lr(beta1: float, step: float) -> float:
+    """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) at step t: Adam's form with torch's LR eta / (1 - beta1^t)."""
     return (2.0 + 2.0 * beta1) * (1.0 - beta1**step) / (1.0 - beta1)
+
+
+def _adamax_threshold_times_lr(group: dict, state: dict) -> float:
+    """Adamax's threshold for the coming step t: the bias-corrected Adam form (its P = 1 / u)."""
+    return _bias_corrected_adam_threshold_times_lr(float(group["betas"][0]), float(state.get("step", 0.0)) + 1.0)
 
 
 def _nadam_threshold_times_lr(group: dict, state: dict) -> float:
@@ -221,7 +224,7 @@ def _radam_threshold_times_lr(group: dict, state: dict) -> float | None:
     rectification = radam_rectification(beta2, step)
     if rectification is None:
         return None
-    return (2.0 + 2.0 * beta1) * (1.0 - beta1**step) / ((1.0 - beta1) * rectification)
+    return _bias_corrected_adam_threshold_times_lr(beta1, step) / rectification
 
 
 def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,

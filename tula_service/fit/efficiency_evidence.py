@@ -60,7 +60,8 @@ MOMENTUM_CAVEAT in its warnings (PLAIN_SGD_CAVEAT when training.momentum is 0); 
 batches (other_runs) hold the optimizer's behaviour and carry none. RMSprop is read as Adam is (the preconditioned
 gradient), on the evidence of four tasks so far, which it fits unevenly: RMSPROP_CAVEAT says so; NAdam and RAdam
 too, and Adamax, on one task each: ADAM_VARIANT_CAVEAT. Adam, RMSprop, and NAdam and RAdam without decoupled_weight_decay, with
-weight decay (an L2 term the preconditioner scales) carry COUPLED_WEIGHT_DECAY_CAVEAT: one task measured it.
+weight decay (an L2 term the preconditioner scales), and Adamax with it, carry COUPLED_WEIGHT_DECAY_CAVEAT: one task
+measured it.
 """
 
 from __future__ import annotations
@@ -527,8 +528,9 @@ def epoch_model(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMea
         summary["warnings"] = [*summary["warnings"], RMSPROP_CAVEAT]
     if training.optimizer in ADAM_VARIANTS_MEASURED and chosen is not None and chosen.source != "other_runs":
         summary["warnings"] = [*summary["warnings"], adam_variant_caveat(training.optimizer)]
-    if coupled_weight_decay(training) and chosen is not None and chosen.source != "other_runs":
-        summary["warnings"] = [*summary["warnings"], COUPLED_WEIGHT_DECAY_CAVEAT.format(optimizer=training.optimizer, weight_decay=coupled_weight_decay(training))]
+    weight_decay = coupled_weight_decay(training)
+    if weight_decay and chosen is not None and chosen.source != "other_runs":
+        summary["warnings"] = [*summary["warnings"], COUPLED_WEIGHT_DECAY_CAVEAT.format(optimizer=training.optimizer, weight_decay=weight_decay)]
     return epochs, summary
 
 
@@ -537,7 +539,8 @@ def coupled_weight_decay(training: TrainingSpec) -> float:
     and RAdam without decoupled_weight_decay; COUPLED_WEIGHT_DECAY_CAVEAT), 0 where there is none or it is decoupled
     (AdamW's) or the optimizer is SGD's (no preconditioner to scale it)."""
     settings = training.optimizer_settings()
-    if training.optimizer not in ("adam", "rmsprop", "nadam", "radam", "adamax") or settings.get("decoupled_weight_decay", {}).get("value"):
+    decoupled = settings.get("decoupled_weight_decay", {"value": training.optimizer == "adamw"})["value"]  # AdamW's by its class
+    if STATISTIC_FOR_OPTIMIZER[training.optimizer] != "preconditioned" or decoupled:
         return 0.0
     return float(settings["weight_decay"]["value"])
 
