@@ -7,7 +7,8 @@ says whether that LR still trains: on plain SGD the advice took 2.8x the epochs 
 reference batch (benchmarks/advised_lr.py). profiler/sharpness.py measures the stability headroom
 
     h = (2 + 2 beta) / (eta lambda_max)                      SGD, heavy-ball momentum beta (0: plain SGD)
-    h = (2 + 2 beta1) / ((1 - beta1) eta lambda_max)         Adam/AdamW, lambda_max of P^(1/2) H P^(1/2)
+    h = (2 + 2 beta1) / ((1 - beta1) eta lambda_max)         Adam/AdamW, lambda_max of P^(1/2) H P^(1/2) (times 1 - beta1^t,
+                                                             torch's bias correction, at the coming step t)
     h = 2 / (eta lambda_max)                                 RMSprop (no momentum), of P^(1/2) H P^(1/2)
 
 the factor by which the LR eta can grow before the top Hessian direction is unstable on a quadratic (Cohen et

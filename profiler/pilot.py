@@ -26,10 +26,10 @@ run, where the sharpness is still rising. Its optimizer has the spec's settings 
 eps, alpha, centered, amsgrad, weight_decay, momentum_decay, decoupled_weight_decay; PyTorch's defaults where not
 given, but SGD's momentum 0.9, as every profiling point), reported with their sources as "optimizer_settings". They set the threshold: (2 + 2 beta) / eta
 halves from beta 0.9 to plain SGD, so a plain-SGD job that leaves momentum out is told about twice its headroom;
-Nesterov's is (2 + 2 beta) / ((1 + 2 beta) eta); RMSprop's is the heavy ball's on the preconditioned Hessian; Adam's
-and AdamW's is (2 + 2 beta1) / ((1 - beta1) eta); NAdam's and RAdam's are those of their coming step (NAdam's from its
-momentum schedule, RAdam's from its rectification; none in RAdam's first, un-preconditioned steps); Adamax's Adam's
-with its bias correction 1 - beta1^t; SGD's dampening d divides the heavy ball's by 1 - d; coupled weight
+Nesterov's is (2 + 2 beta) / ((1 + 2 beta) eta); RMSprop's is the heavy ball's on the preconditioned Hessian; Adam's,
+AdamW's and Adamax's is (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta) for the coming step t; NAdam's and RAdam's are
+those of their coming step (NAdam's from its momentum schedule, RAdam's from its rectification; none in RAdam's first,
+un-preconditioned steps); the preconditioner is the coming step's, the gradient at the point folded in; SGD's dampening d divides the heavy ball's by 1 - d; coupled weight
 decay adds weight_decay to the Hessian (profiler.sharpness). A measurement that fails (out of memory: the double backward
 needs more than a training step; a model without second derivatives) is reported, not raised.
 

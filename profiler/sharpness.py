@@ -9,6 +9,13 @@ Sharpness. lambda_max, the largest eigenvalue of the Hessian H of the training l
 for Adam, AdamW, RMSprop, NAdam, RAdam and Adamax, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) /
 (sqrt(exp_avg_sq) + eps), Adamax's 1 / u, the optimizer's own preconditioner: profiler.preconditioner), by power
 iteration on Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
+Power iteration finds the eigenvalue of largest magnitude. Where that is negative (a saddle's direction outweighs the
+sharpest one), a second run on H - lambda_neg I, whose eigenvalues lie in [0, lambda_max - lambda_neg], gives lambda_max
+as its top eigenvalue plus lambda_neg (the shift: Golub & Van Loan, "Matrix Computations", sec. 7.3); before it the
+read was "no headroom" wherever a negative direction dominated (4 of 256 reads of the CPU tasks' reference runs).
+P is that of the coming step, with the gradient at the point folded into the optimizer's second moment as its step
+will fold it (profiler.preconditioner.coming_step_preconditioner): a coordinate whose second moment is stale, far
+below its gradient now, would otherwise count at up to 1 / eps.
 
 Stability threshold (on a quadratic, the update diverges along the top eigenvector above it):
 - gradient descent:                       lambda_max < 2 / eta
@@ -22,8 +29,9 @@ Stability threshold (on a quadratic, the update diverges along the top eigenvect
   momentum torch ignores d: 2 / eta; torch refuses Nesterov with d != 0)
 - Nesterov momentum beta (PyTorch's):     lambda_max < (2 + 2 beta) / ((1 + 2 beta) eta), from the characteristic
   polynomial z^2 - (1 + beta - a (1 + beta)) z + beta (1 - a) of its update on a quadratic (a = eta lambda) at z = -1
-- Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) / ((1 - beta1) eta), once 1 - beta1^t ~ 1 (torch
-  steps by eta / (1 - beta1^t), which lowers the threshold of step t by 1 - beta1^t; not applied here)
+- Adam/AdamW with beta1 (preconditioned): lambda_max < (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta) for the coming
+  step t (torch steps by eta / (1 - beta1^t), which lowers the threshold of step t by 1 - beta1^t: 0.1 at t = 1, 0.65
+  at t = 10; (2 + 2 beta1) / ((1 - beta1) eta) once beta1^t ~ 0)
 - RMSprop with heavy-ball momentum mu (preconditioned; mu = 0 by default): lambda_max < (2 + 2 mu) / eta, the
   momentum form on P^(1/2) H P^(1/2), as its update is the heavy ball's on the preconditioned gradient
 - NAdam (preconditioned; Dozat 2016, torch.optim.NAdam): m = beta1 m + (1 - beta1) g, then the step
@@ -81,8 +89,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from profiler.preconditioner import is_adaptive
-from profiler.preconditioner import preconditioner as optimizer_preconditioner
+from profiler.preconditioner import coming_step_preconditioner, is_adaptive
 
 POWER_ITERATIONS = 20
 RELATIVE_TOLERANCE = 1e-3  # stop when lambda moves less than this between iterations
@@ -95,40 +102,62 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def top_hessian_eigenvalue(
     loss_fn: Callable[[], torch.Tensor],
     params: Sequence[torch.nn.Parameter],
-    preconditioner: torch.Tensor | None = None,
+    preconditioner: torch.Tensor | Callable[[Sequence[torch.Tensor]], torch.Tensor | None] | None = None,
     iterations: int = POWER_ITERATIONS,
     seed: int = 0,
     tolerance: float = RELATIVE_TOLERANCE,
     weight_decay: float = 0.0,
 ) -> float:
-    """lambda_max of the Hessian of loss_fn() in params plus weight_decay I (of P^(1/2) (H + weight_decay I) P^(1/2)
-    when preconditioner P, a flat tensor in the order of params, is given), by power iteration on Hessian-vector products, until lambda moves
-    by less than tolerance (relative) or after `iterations`. loss_fn builds
-    the loss anew (one forward pass); the gradient graph is kept for the iterations. Attention layers run in
-    PyTorch's math kernel here, because the fused CPU kernels have no second derivative."""
+    """lambda_max, the largest eigenvalue of the Hessian of loss_fn() in params plus weight_decay I (of P^(1/2) (H +
+    weight_decay I) P^(1/2) when preconditioner P, a flat tensor in the order of params, is given, or a function of the
+    gradients at the point, one per param, that returns it), by power iteration on Hessian-vector products, until
+    lambda moves by less than tolerance (relative) or after `iterations`; where the eigenvalue of largest magnitude is
+    negative, by a second, shifted run (module docstring). NaN when P is None. loss_fn builds the loss anew (one
+    forward pass); the gradient graph is kept for the iterations. Attention layers run in PyTorch's math kernel here,
+    because the fused CPU kernels have no second derivative."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     params = [p for p in params if p.requires_grad]
     with sdpa_kernel(SDPBackend.MATH):
-        grad = _flat(torch.autograd.grad(loss_fn(), params, create_graph=True))
+        gradients = torch.autograd.grad(loss_fn(), params, create_graph=True)
+        if callable(preconditioner):
+            preconditioner = preconditioner([g.detach() for g in gradients])
+            if preconditioner is None:
+                return math.nan
+        grad = _flat(gradients)
         scale = preconditioner.detach().sqrt() if preconditioner is not None else None
-        vector = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(seed), dtype=grad.dtype)
-        vector = vector.to(grad.device) / vector.norm()
-        eigenvalue = math.nan
-        for _ in range(iterations):
+
+        def operator(vector: torch.Tensor) -> torch.Tensor:
             probe = vector * scale if scale is not None else vector
             product = _flat(torch.autograd.grad(grad @ probe, params, retain_graph=True)).detach()
             if weight_decay:
                 product = product + weight_decay * probe
-            if scale is not None:
-                product = product * scale
-            previous, eigenvalue = eigenvalue, float(vector @ product)
-            norm = float(product.norm())
-            if not math.isfinite(norm) or norm == 0.0:
-                break
-            vector = product / norm
-            if math.isfinite(previous) and abs(eigenvalue - previous) <= tolerance * abs(eigenvalue):
-                break
+            return product * scale if scale is not None else product
+
+        start = torch.randn(grad.numel(), generator=torch.Generator().manual_seed(seed), dtype=grad.dtype).to(grad.device)
+        eigenvalue = _power_iteration(operator, start, iterations, tolerance)
+        if math.isfinite(eigenvalue) and eigenvalue < 0.0:
+            eigenvalue = _power_iteration(operator, start, iterations, tolerance, shift=eigenvalue)
+    return eigenvalue
+
+
+def _power_iteration(operator: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor, iterations: int, tolerance: float,
+                     shift: float = 0.0) -> float:
+    """The eigenvalue of largest magnitude of operator - shift I, plus shift (the Rayleigh quotient v . A v of the last
+    iterate), until it moves by less than tolerance (relative) or after `iterations`; NaN if no product was finite."""
+    vector = start / start.norm()
+    eigenvalue = math.nan
+    for _ in range(iterations):
+        product = operator(vector)
+        if shift:
+            product = product - shift * vector
+        previous, eigenvalue = eigenvalue, float(vector @ product) + shift
+        norm = float(product.norm())
+        if not math.isfinite(norm) or norm == 0.0:
+            break
+        vector = product / norm
+        if math.isfinite(previous) and abs(eigenvalue - previous) <= tolerance * abs(eigenvalue):
+            break
     return eigenvalue
 
 
@@ -164,9 +193,10 @@ def _first_state(optimizer: torch.optim.Optimizer) -> dict:
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
     beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 - d) for SGD with
-    dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) / (1 - beta1) for Adam/AdamW,
+    dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for
+    Adam/AdamW's and Adamax's coming step t,
     (2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's coming step, (2 + 2 beta1) (1 - beta1^t) / ((1 -
-    beta1) rect_t) for RAdam's and (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for Adamax's. None where no threshold is
+    beta1) rect_t) for RAdam's. None where no threshold is
     known here (dampening d >= 1, RAdam's un-rectified first steps, other optimizers)."""
     group = optimizer.param_groups[0]
     if isinstance(optimizer, torch.optim.NAdam):
@@ -180,8 +210,7 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
     if isinstance(optimizer, torch.optim.SGD):
         return _sgd_threshold_times_lr(group)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        beta1 = float(group["betas"][0])
-        return (2.0 + 2.0 * beta1) / (1.0 - beta1)
+        return _bias_corrected_adam_threshold_times_lr(float(group["betas"][0]), float(_first_state(optimizer).get("step", 0.0)) + 1.0)
     return None
 
 
@@ -236,14 +265,18 @@ def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[tor
     if threshold_times_lr is None:
         return None
     params = [p for p in params if p.requires_grad]
-    preconditioner = None
-    if is_adaptive(optimizer):
-        preconditioner = optimizer_preconditioner(optimizer, params)
-        if preconditioner is None:
-            return None
     group = optimizer.param_groups[0]
     weight_decay = float(group.get("weight_decay", 0.0))
     decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    preconditioner = None
+    if is_adaptive(optimizer):
+        coupled_decay = 0.0 if decoupled else weight_decay
+
+        def preconditioner(gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
+            """The coming step's P, from the gradients the step will see (a coupled decay's wd theta added)."""
+            seen = [g + coupled_decay * p.detach() for g, p in zip(gradients, params, strict=True)] if coupled_decay else gradients
+            return coming_step_preconditioner(optimizer, params, seen)
+
     eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance,
                                         weight_decay=0.0 if decoupled else weight_decay)  # fmt: skip
     lr = float(group["lr"])

@@ -118,8 +118,8 @@ def test_cnn1d_pilot_with_adam_records_the_preconditioned_pair_and_the_loss_fall
     for record in records:
         assert math.isfinite(record["precond_grad_sqr"]) and record["precond_trace_sigma"] > 0
     assert records[-1]["loss"] < records[0]["loss"]  # it trains: the statistics are taken along training
-    headroom = pilot["stability"]["stability_headroom"]  # Adam: (2 + 2 beta1) / (1 - beta1) / (eta lambda_max), preconditioned
-    assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
+    headroom = pilot["stability"]["stability_headroom"]  # Adam: (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) / (eta lambda_max), t = 61
+    assert headroom == pytest.approx(38.0 * (1 - 0.9**61) / (3e-3 * pilot["stability"]["sharpness"])) and records[-1]["stability_headroom"] == headroom
 
 
 def test_cnn1d_pilot_with_rmsprop_records_its_preconditioned_pair_and_its_headroom():
@@ -144,13 +144,14 @@ def test_an_rmsprop_pilot_trains_with_the_specs_momentum_and_its_threshold_has_i
 
 def test_an_adam_pilot_trains_with_the_specs_betas():
     """The same pilot (seed, batches) with beta2 0.95 and with PyTorch's 0.999: the preconditioned records differ, so the
-    betas reached the optimizer; the threshold stays (2 + 2 beta1) / (1 - beta1) = 38 at beta1 0.9."""
+    betas reached the optimizer; the threshold stays (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) = 38 (1 - 0.9^61) at beta1
+    0.9, for its 61st step."""
     options = {"optimizer": "adam", "lr": 3e-3, "pilot_steps": 60, "pilot_record_every": 20}
     pilot = _pilot("cnn1d", MNIST1D, 32, optimizer_settings={"betas": [0.9, 0.95]}, optimizer_setting_sources={"betas": "spec"}, **options)
     settings = pilot["optimizer_settings"]
     assert pilot["status"] == "ok" and settings["betas"] == {"value": [0.9, 0.95], "source": "spec"} and "momentum" not in settings
     headroom = pilot["stability"]["stability_headroom"]
-    assert headroom == pytest.approx(38.0 / (3e-3 * pilot["stability"]["sharpness"]))
+    assert headroom == pytest.approx(38.0 * (1 - 0.9**61) / (3e-3 * pilot["stability"]["sharpness"]))
     default = _pilot("cnn1d", MNIST1D, 32, **options)
     assert default["optimizer_settings"]["betas"] == {"value": [0.9, 0.999], "source": "assumed"}  # PyTorch's
     assert [r["precond_grad_sqr"] for r in pilot["trajectory"]] != [r["precond_grad_sqr"] for r in default["trajectory"]]

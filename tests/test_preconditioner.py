@@ -1,12 +1,12 @@
 """profiler.preconditioner: P = 1 / (sqrt(v) + eps) read from Adam's, AdamW's, RMSprop's, NAdam's and RAdam's state, and
-Adamax's P = 1 / u."""
+Adamax's P = 1 / u; and the coming step's P, with its gradient folded in."""
 
 import math
 
 import pytest
 import torch
 
-from profiler.preconditioner import denominator, is_adaptive, preconditioner, preconditioner_squares
+from profiler.preconditioner import coming_step_preconditioner, denominator, is_adaptive, preconditioner, preconditioner_squares
 
 
 def _stepped(optimizer_class, steps: int = 1, **options) -> tuple[torch.nn.Linear, torch.optim.Optimizer, list[torch.Tensor]]:
@@ -151,3 +151,66 @@ def test_which_optimizers_are_adaptive():
     adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
     assert all(is_adaptive(make([weight], lr=0.1)) for make in adaptive)
     assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adagrad)) and not is_adaptive(None)
+
+
+COMING_STEP_CASES = [
+    (torch.optim.Adam, {}), (torch.optim.Adam, {"amsgrad": True}), (torch.optim.Adam, {"weight_decay": 0.5}),
+    (torch.optim.AdamW, {"weight_decay": 0.5}), (torch.optim.NAdam, {}), (torch.optim.RAdam, {}), (torch.optim.RMSprop, {}),
+    (torch.optim.RMSprop, {"centered": True, "momentum": 0.9}), (torch.optim.Adamax, {}), (torch.optim.Adamax, {"weight_decay": 0.5}),
+]
+
+
+@pytest.mark.parametrize(("optimizer_class", "options"), COMING_STEP_CASES,
+                         ids=["adam", "adam-amsgrad", "adam-coupled-decay", "adamw", "nadam", "radam", "rmsprop", "rmsprop-centered",
+                              "adamax", "adamax-coupled-decay"])  # fmt: skip
+def test_the_coming_steps_preconditioner_is_the_one_its_step_divides_by(optimizer_class, options):
+    """coming_step_preconditioner(state before, g) = preconditioner(state after torch's step with g): the step's own
+    gradient folded into the second moment (Adamax: the infinity norm) at t + 1; a coupled decay's wd theta is part of
+    the gradient it is given, as the optimizer adds it; the state is not changed by the read."""
+    layer, optimizer, _ = _stepped(optimizer_class, steps=4, **options)
+    params = list(layer.parameters())
+    optimizer.zero_grad()
+    layer(torch.randn(5, 3, generator=torch.Generator().manual_seed(99))).square().mean().backward()
+    decay = 0.0 if optimizer_class is torch.optim.AdamW else options.get("weight_decay", 0.0)
+    seen = [p.grad + decay * p.detach() for p in params]
+    state_before = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params}
+    coming = coming_step_preconditioner(optimizer, params, seen)
+    for p in params:
+        for key, value in state_before[id(p)].items():
+            assert torch.equal(optimizer.state[p][key], value) if torch.is_tensor(value) else optimizer.state[p][key] == value
+    optimizer.step()
+    assert torch.allclose(coming, preconditioner(optimizer, params), rtol=1e-5, atol=0.0)
+    assert not torch.allclose(coming, _preconditioner_of(state_before, optimizer, params), rtol=1e-3, atol=0.0)
+
+
+def _preconditioner_of(states: dict, optimizer: torch.optim.Optimizer, params: list) -> torch.Tensor:
+    group = optimizer.param_groups[0]
+    return torch.cat([denominator(optimizer, group, states[id(p)]).reciprocal().reshape(-1) for p in params])
+
+
+def test_a_stale_coordinate_counts_at_the_size_its_coming_step_gives_it_not_at_one_over_eps():
+    """A coordinate with no gradient for a while (a ReLU unit come back) keeps exp_avg_sq = 0, so the state's P there is
+    1 / eps = 1e8; Adam's coming step folds in (1 - beta2) g^2 first and divides by at least sqrt(1 - beta2) |g|."""
+    weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    adam = torch.optim.Adam([weight], lr=1e-2)
+    for _ in range(20):
+        adam.zero_grad()
+        (weight[0] - 1.0).square().backward()  # no gradient for weight[1]: its second moment stays 0
+        adam.step()
+    assert float(preconditioner(adam, [weight])[1]) == pytest.approx(1e8)
+    gradient = torch.tensor([0.0, 0.3], dtype=torch.float64)
+    coming = coming_step_preconditioner(adam, [weight], [gradient])
+    bias_correction = 1 - 0.999**21
+    assert float(coming[1]) == pytest.approx(1 / ((0.001 * 0.09 / bias_correction) ** 0.5 + 1e-8), rel=1e-9)
+    assert float(coming[1]) < 1e3
+
+
+def test_the_coming_step_has_no_preconditioner_before_the_first_step_and_zero_for_a_parameter_without_state():
+    layer = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    params = list(layer.parameters())
+    assert coming_step_preconditioner(adam, params, [torch.ones_like(p) for p in params]) is None
+    layer.weight.grad = torch.ones_like(layer.weight)  # the bias has no gradient: no state
+    adam.step()
+    coming = coming_step_preconditioner(adam, params, [torch.ones_like(p) for p in params])
+    assert bool((coming[: layer.weight.numel()] > 0).all()) and bool((coming[layer.weight.numel():] == 0).all())

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from profiler.preconditioner import preconditioner
+from profiler.preconditioner import coming_step_preconditioner, preconditioner
 from profiler.sharpness import radam_rectification, stability_headroom, stability_threshold_times_lr, top_hessian_eigenvalue
 
 
@@ -21,6 +21,12 @@ def _least_squares(seed=0, samples=64, features=6):
     return weight, loss_fn, hessian
 
 
+def _coming(optimizer, weight, loss_fn, coupled_decay=0.0):
+    """P of the optimizer's coming step with the gradient at the point (and a coupled decay's wd w) folded in."""
+    (gradient,) = torch.autograd.grad(loss_fn(), [weight])
+    return coming_step_preconditioner(optimizer, [weight], [gradient + coupled_decay * weight.detach()])
+
+
 def test_power_iteration_finds_the_top_eigenvalue_of_the_hessian():
     weight, loss_fn, hessian = _least_squares()
     exact = float(torch.linalg.eigvalsh(hessian)[-1])
@@ -33,6 +39,50 @@ def test_a_preconditioner_gives_the_top_eigenvalue_of_p_half_h_p_half():
     scale = precond.sqrt()
     exact = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :])[-1])
     assert top_hessian_eigenvalue(loss_fn, [weight], precond, iterations=500, tolerance=0.0) == pytest.approx(exact, rel=1e-4)
+
+
+def _indefinite(eigenvalues, seed=5):
+    """loss(w) = w^T H w / 2 with H = Q diag(eigenvalues) Q^T, Q a random rotation: a saddle where some are negative."""
+    generator = torch.Generator().manual_seed(seed)
+    rotation, _ = torch.linalg.qr(torch.randn(len(eigenvalues), len(eigenvalues), generator=generator, dtype=torch.float64))
+    hessian = rotation @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ rotation.T
+    weight = torch.nn.Parameter(torch.randn(len(eigenvalues), generator=generator, dtype=torch.float64))
+    return weight, lambda: weight @ hessian @ weight / 2, hessian
+
+
+def test_where_a_negative_direction_dominates_the_shifted_iteration_still_finds_the_top_eigenvalue():
+    """|lambda_min| = 5 > lambda_max = 2: plain power iteration converges to -5; the second run on H + 5 I finds 7 - 5.
+    With SGD that gives a headroom (before: none, as if no direction were unstable)."""
+    weight, loss_fn, hessian = _indefinite([-5.0, 2.0, 1.0, -0.5, 0.25])
+    assert top_hessian_eigenvalue(loss_fn, [weight], iterations=500, tolerance=0.0) == pytest.approx(2.0, rel=1e-6)
+    precond = torch.linspace(0.5, 2.0, 5, dtype=torch.float64)
+    scale = precond.sqrt()
+    exact = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :])[-1])
+    assert top_hessian_eigenvalue(loss_fn, [weight], precond, iterations=1000, tolerance=0.0) == pytest.approx(exact, rel=1e-6)
+    measured = stability_headroom(loss_fn, [weight], torch.optim.SGD([weight], lr=0.1, momentum=0.9), iterations=500, tolerance=0.0)
+    assert measured["sharpness"] == pytest.approx(2.0, rel=1e-6) and measured["stability_headroom"] == pytest.approx(3.8 / 0.2, rel=1e-6)
+
+
+def test_a_hessian_with_no_positive_eigenvalue_gives_no_headroom():
+    weight, loss_fn, _ = _indefinite([-5.0, -2.0, -1.0])
+    assert top_hessian_eigenvalue(loss_fn, [weight], iterations=500, tolerance=0.0) == pytest.approx(-1.0, rel=1e-6)
+    assert stability_headroom(loss_fn, [weight], torch.optim.SGD([weight], lr=0.1), iterations=500, tolerance=0.0) is None
+
+
+def test_a_stale_second_moment_does_not_collapse_adams_headroom():
+    """Adam warmed where weight[1] had no gradient (exp_avg_sq 0 there), then measured where it has one: the state's P
+    would count its curvature at 1 / eps; the coming step's counts it at P ~ 1 / (sqrt(1 - beta2) |g|)."""
+    weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    adam = torch.optim.Adam([weight], lr=1e-2)
+    for _ in range(200):
+        adam.zero_grad()
+        (weight[0] - 1.0).square().backward()
+        adam.step()
+    loss_fn = lambda: (weight[0] - 1.0).square() + (weight[1] - 0.5).square()  # noqa: E731
+    measured = stability_headroom(loss_fn, [weight], adam, iterations=500, tolerance=0.0)
+    coming = _coming(adam, weight, loss_fn)
+    assert measured["sharpness"] == pytest.approx(2.0 * float(coming.max()), rel=1e-6)
+    assert measured["sharpness"] < 1e-4 * 2.0 / 1e-8  # the state's P there, 1 / eps, would give 2e8
 
 
 def _descend(lr, momentum, steps=400, **settings):
@@ -135,31 +185,37 @@ def test_decoupled_weight_decay_lowers_adamws_headroom_by_its_own_term():
     plain = stability_headroom(loss_fn, [weight], adamw, iterations=200, tolerance=0.0)
     adamw.param_groups[0]["weight_decay"] = 5.0  # the same weights and second moment, decayed
     decayed = stability_headroom(loss_fn, [weight], adamw, iterations=200, tolerance=0.0)
+    threshold = 38.0 * (1 - 0.9**2)  # the second step's: torch's LR eta / (1 - beta1^t)
     assert decayed["sharpness"] == pytest.approx(plain["sharpness"], rel=1e-6)
-    assert plain["stability_headroom"] == pytest.approx(38.0 / (1e-2 * plain["sharpness"]))
-    assert decayed["stability_headroom"] == pytest.approx(38.0 / (1e-2 * (plain["sharpness"] + 38.0 * 5.0 / 2)))
+    assert plain["stability_headroom"] == pytest.approx(threshold / (1e-2 * plain["sharpness"]))
+    assert decayed["stability_headroom"] == pytest.approx(threshold / (1e-2 * (plain["sharpness"] + threshold * 5.0 / 2)))
     adam = torch.optim.Adam([weight], lr=1e-2, weight_decay=5.0)  # coupled: P^(1/2) (H + wd I) P^(1/2)
     adam.zero_grad()
     loss_fn().backward()
     adam.step()
-    scale = preconditioner(adam, [weight]).sqrt()
+    scale = _coming(adam, weight, loss_fn, coupled_decay=5.0).sqrt()
     decayed_hessian = hessian + 5.0 * torch.eye(hessian.shape[0], dtype=hessian.dtype)
     expected = float(torch.linalg.eigvalsh(scale[:, None] * decayed_hessian * scale[None, :]).max())
     coupled = stability_headroom(loss_fn, [weight], adam, iterations=300, tolerance=0.0)
     assert coupled["sharpness"] == pytest.approx(expected, rel=1e-3)
-    assert coupled["stability_headroom"] == pytest.approx(38.0 / (1e-2 * expected), rel=1e-3)
+    assert coupled["stability_headroom"] == pytest.approx(threshold / (1e-2 * expected), rel=1e-3)
 
 
 def test_adam_has_a_threshold_from_beta1_and_no_headroom_before_its_first_step():
     weight, loss_fn, _ = _least_squares(seed=3)
     adam = torch.optim.Adam([weight], lr=1e-2, betas=(0.9, 0.999))
-    assert stability_threshold_times_lr(adam) == pytest.approx(38.0)
+    assert stability_threshold_times_lr(adam) == pytest.approx(3.8, rel=1e-12)  # (2 + 2 beta1) (1 - beta1) / (1 - beta1)
     assert preconditioner(adam, [weight]) is None and stability_headroom(loss_fn, [weight], adam) is None
     adam.zero_grad()
     loss_fn().backward()
     adam.step()
     measured = stability_headroom(loss_fn, [weight], adam, iterations=100, tolerance=0.0)
-    assert measured is not None and measured["stability_headroom"] == pytest.approx(38.0 / (1e-2 * measured["sharpness"]))
+    assert measured is not None and measured["stability_headroom"] == pytest.approx(38.0 * (1 - 0.9**2) / (1e-2 * measured["sharpness"]))
+    for _ in range(300):
+        adam.zero_grad()
+        loss_fn().backward()
+        adam.step()
+    assert stability_threshold_times_lr(adam) == pytest.approx(38.0, rel=1e-12)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.5])
@@ -172,7 +228,7 @@ def test_rmsprop_has_the_heavy_ball_threshold_on_its_preconditioned_hessian(mome
     loss_fn().backward()
     rmsprop.step()
     measured = stability_headroom(loss_fn, [weight], rmsprop, iterations=200, tolerance=0.0)
-    scale = preconditioner(rmsprop, [weight]).sqrt()
+    scale = _coming(rmsprop, weight, loss_fn).sqrt()
     expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())  # of P^(1/2) H P^(1/2)
     assert measured["sharpness"] == pytest.approx(expected, rel=1e-3)
     assert measured["stability_headroom"] == pytest.approx((2.0 + 2.0 * momentum) / (1e-2 * expected), rel=1e-3)
@@ -205,14 +261,14 @@ def _exp_avg_sq_giving(optimizer, state, gradient, denominator):
 
 def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
     """The loss after `steps` steps at `lr` that are all the coming step: its step count, NAdam's mu_product and the
-    preconditioner read now are put back before each one, so the steps are one linear iteration, whose edge the
+    coming step's preconditioner (with the gradient now folded in) are put back before each one, so the steps are one linear iteration, whose edge the
     threshold is. Adamax's u is held as its state has it (exp_inf = u / beta2, so max(beta2 exp_inf, |g| + eps) = u),
     which holds while |g| + eps <= u: the run stops where a gradient has outgrown it."""
     state, group = optimizer.state[weight], optimizer.param_groups[0]
     frozen = {key: state[key].clone() for key in ("step", "mu_product") if key in state}
-    denominator = 1 / preconditioner(optimizer, [weight])
-    held_infinity_norm = state["exp_inf"].clone() if "exp_inf" in state else None
     coupled_decay = 0.0 if group.get("decoupled_weight_decay", False) else group["weight_decay"]
+    denominator = 1 / _coming(optimizer, weight, loss_fn, coupled_decay)
+    held_infinity_norm = denominator if "exp_inf" in state else None
     group["lr"] = lr
     for _ in range(steps):
         optimizer.zero_grad()
@@ -252,7 +308,7 @@ def test_the_headroom_says_where_nadam_and_radam_diverge(optimizer_class, steps_
     measured = stability_headroom(loss_fn, [weight], optimizer, iterations=500, tolerance=0.0)
     coupled_decay = 0.0 if settings.get("decoupled_weight_decay") else settings.get("weight_decay", 0.0)
     hessian = _least_squares(seed=2)[2] + coupled_decay * torch.eye(6, dtype=torch.float64)
-    scale = preconditioner(optimizer, [weight]).sqrt()
+    scale = _coming(optimizer, weight, loss_fn, coupled_decay).sqrt()
     assert measured["sharpness"] == pytest.approx(float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max()), rel=1e-4)
     edge_lr = 1e-2 * measured["stability_headroom"]
     start = float(loss_fn().detach())
@@ -285,7 +341,7 @@ def test_the_headroom_says_where_adamax_diverges(steps_taken, settings):
     beta1, step = optimizer.param_groups[0]["betas"][0], steps_taken + 1
     measured = stability_headroom(loss_fn, [weight], optimizer, iterations=500, tolerance=0.0)
     hessian = _least_squares(seed=2)[2] + settings.get("weight_decay", 0.0) * torch.eye(6, dtype=torch.float64)
-    scale = (1 / optimizer.state[weight]["exp_inf"]).sqrt()
+    scale = _coming(optimizer, weight, loss_fn, settings.get("weight_decay", 0.0)).sqrt()  # 1 / max(beta2 u, |g| + eps)
     assert measured["sharpness"] == pytest.approx(float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max()), rel=1e-4)
     edge_lr = 1e-2 * measured["stability_headroom"]
     assert edge_lr == pytest.approx((2 + 2 * beta1) * (1 - beta1**step) / ((1 - beta1) * measured["sharpness"]), rel=1e-9)
@@ -353,7 +409,7 @@ def test_nadam_and_radam_decay_as_their_decoupled_weight_decay_says(optimizer_cl
     decoupled = stability_headroom(loss_fn, [weight], optimizer, iterations=300, tolerance=0.0)
     group["decoupled_weight_decay"] = False
     coupled = stability_headroom(loss_fn, [weight], optimizer, iterations=300, tolerance=0.0)
-    scale = preconditioner(optimizer, [weight]).sqrt()
+    scale = _coming(optimizer, weight, loss_fn, coupled_decay=5.0).sqrt()
     decayed_hessian = _least_squares(seed=2)[2] + 5.0 * torch.eye(6, dtype=torch.float64)
     expected = float(torch.linalg.eigvalsh(scale[:, None] * decayed_hessian * scale[None, :]).max())
     assert decoupled["sharpness"] == pytest.approx(plain["sharpness"], rel=1e-9)

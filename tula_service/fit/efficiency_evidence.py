@@ -111,8 +111,8 @@ RMSPROP_CAVEAT = (
     "rmsprop: read as Adam's is, from the preconditioned gradient P g, P = 1 / (sqrt(square_avg) + eps) "
     "(profiler.preconditioner), and the LR advised by the square root of the AdaScale gain. Measured on four CPU tasks "
     "only (docs/validation.md). Without momentum (PyTorch's default), a small CNN and an MLP on the digits: the noise "
-    "scale read 1.12x below and 3.0x above the critical batch fitted to their epochs, 10.8% and 15.6% epochs error (the "
-    "MLP's with the LR capped at the measured stability headroom; 26% without it, and the raw gradient's read, 1.7x, "
+    "scale read 1.12x below and 3.0x above the critical batch fitted to their epochs, 10.8% and 23.0% epochs error (the "
+    "MLP's with the LR capped at the measured stability headroom, 1.43; 26% without it, and the raw gradient's read, 1.7x, "
     "gave 16%). With momentum 0.9 (training.momentum), the same CNN to a test accuracy of 0.98: read 6.4x above its "
     "critical batch, 47% epochs error, the predicted epochs too low at large batches (the raw gradient's read, 4.0x, "
     "43%). Centered (training.centered), on the MLP: its preconditioned statistics did not resolve (it divides by the "
@@ -142,9 +142,8 @@ ADAM_VARIANTS_MEASURED = {
               "measured": "with decoupled weight decay, an MLP on MNIST-1D read 1.35x below the critical batch fitted to its "
               "epochs, 13.4% epochs error", "settled": "9.7%"},
     "adamax": {"preconditioner": "P = 1 / u, u its exp_inf, an infinity norm of the gradients", "difference": "its infinity norm",
-               "measured": "the digits MLP read 1.69x below the critical batch fitted to its epochs, 93.9% epochs error, "
-               "because one stability headroom measured along its run, 0.13 at 5/8 of it where the others read 2.8-27, "
-               "capped the advised LR at the reference one (45.2% without the cap)", "settled": "15.1%"},
+               "measured": "the digits MLP read 1.69x below the critical batch fitted to its epochs, 45.2% epochs error, "
+               "the predicted epochs too high at large batches", "settled": "15.1%"},
 }
 
 
