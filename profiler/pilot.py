@@ -14,9 +14,12 @@ b = B / k samples (profiling.grad_microbatches, b >= 2), whose mean gradient is 
 unbiased |G|^2 and tr(Sigma); a record averages them over `pilot_record_every` steps, numerator and
 denominator separately, so B_simple = trace_sigma / grad_sqr of a record is a pooled ratio, never a
 mean of per-step ratios. For Adam, AdamW, RMSprop, NAdam, RAdam and Adamax the same pair is estimated for the preconditioned gradient
-P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment *before* the step (so a step's own
-gradient is not in its preconditioner; profiler.preconditioner), one P for all micro-batches and the full gradient of
-the step; the first step has no v yet, so its precond estimates are missing from the first record.
+P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment as the step divides by it, the step's own
+gradient folded in (profiler.preconditioner.coming_step_denominators), one P for all micro-batches and the full
+gradient of the step: the micro-batches' squares are summed per coordinate, then weighed by P^2 once the step's
+gradient is known. (P read before the step counted a coordinate whose second moment was still 0, a unit that had not
+yet had a gradient, at 1 / eps: a record's preconditioned noise scale reached 1e9 on the digits MLP under Adamax.) The
+first step has no v yet, so its precond estimates are missing from the first record.
 
 LR stability: after the last step, the stability headroom (2 + 2 beta) / (eta lambda_max) (profiler.sharpness) on
 one fixed batch of the reference batch's size, in full precision, goes into the last record as
@@ -62,7 +65,7 @@ from profiler.measure import (
     pick_device,
 )
 from profiler.memory import apply_memory_limit
-from profiler.preconditioner import is_adaptive, preconditioner_squares
+from profiler.preconditioner import coming_step_denominators, is_adaptive
 from profiler.sharpness import stability_headroom
 
 DEFAULT_LR = 0.01  # what the compute points train with when the spec gives no reference_lr
@@ -183,11 +186,20 @@ def settled(records: list[dict[str, Any]], record_steps: list[list[StepStats]], 
     return total_change < SETTLE_TOLERANCE and rel_stderr is not None and rel_stderr < SETTLE_TOLERANCE
 
 
-def _sq_norm(grads: list[torch.Tensor | None], weights: list[torch.Tensor] | None = None) -> float:
-    """sum |g|^2 over the parameters, or sum |P g|^2 with weights = P^2; a missing gradient counts 0."""
+def _sq_norm(grads: list[torch.Tensor | None], weights: list[torch.Tensor | None] | None = None, squared: bool = False) -> float:
+    """sum |g|^2 over the parameters, or sum |P g|^2 with weights = P^2; a missing gradient counts 0. squared: the
+    tensors hold g^2 already (_add_square's sums)."""
     weights = weights if weights is not None else [None] * len(grads)
     pairs = [(g, w) for g, w in zip(grads, weights) if g is not None]
-    return float(sum((g.float().square() * (1 if w is None else w)).sum() for g, w in pairs))
+    return float(sum(((g.float() if squared else g.float().square()) * (1 if w is None else w)).sum() for g, w in pairs))
+
+
+def _add_square(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """total + grad^2 (float32), per coordinate: the micro-batches' squares, which this step's P weighs once it is known."""
+    if grad is None:
+        return total
+    square = grad.float().square()
+    return square if total is None else total.add_(square)
 
 
 def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro_batch: int, precondition: bool) -> StepStats | None:
@@ -196,10 +208,10 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
     gradient is the scaler's business instead (it skips the step and lowers its scale): None."""
     model, optimizer = trainer.model, trainer.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    precond_sq = preconditioner_squares(optimizer, params) if precondition else None
     scale_sq = trainer.grad_scale**2
     summed: list[torch.Tensor | None] = [None] * len(params)
-    micro_sq, micro_precond_sq, losses = [], [], []
+    square_sums: list[torch.Tensor | None] = [None] * len(params)  # sum over micro-batches of g_b^2, per coordinate
+    micro_sq, losses = [], []
     for index in range(microbatches):
         piece = slice(index * micro_batch, (index + 1) * micro_batch)
         optimizer.zero_grad(set_to_none=True)
@@ -208,15 +220,23 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
         losses.append(float(loss.detach()))
         grads = [p.grad.detach().clone() if p.grad is not None else None for p in params]
         micro_sq.append(_sq_norm(grads) / scale_sq)
-        if precond_sq is not None:
-            micro_precond_sq.append(_sq_norm(grads, precond_sq) / scale_sq)
+        if precondition:
+            square_sums = [_add_square(total, g) for total, g in zip(square_sums, grads)]
         summed = [g if total is None else (total if g is None else total.add_(g)) for total, g in zip(summed, grads)]
     step_loss = float(np.mean(losses))
     if not math.isfinite(step_loss):
         raise FloatingPointError(f"the training loss is {step_loss}")
     full = [None if total is None else total.div_(microbatches) for total in summed]
     full_sq = _sq_norm(full) / scale_sq
-    full_precond_sq = _sq_norm(full, precond_sq) / scale_sq if precond_sq is not None else None
+    micro_precond_sq = full_precond_sq = None
+    if precondition and math.isfinite(full_sq):  # P of this step (profiler.preconditioner.coming_step_denominators)
+        scale = math.sqrt(scale_sq)
+        denominators = coming_step_denominators(optimizer, params, [None if g is None else g / scale for g in full])
+        kept = [i for i, d in enumerate(denominators) if d is not None]  # a param without a second moment yet: left out
+        if kept:
+            weights = [denominators[i].reciprocal().square() for i in kept]  # P^2
+            micro_precond_sq = _sq_norm([square_sums[i] for i in kept], weights, squared=True) / scale_sq / microbatches
+            full_precond_sq = _sq_norm([full[i] for i in kept], weights) / scale_sq
     for param, grad in zip(params, full):
         param.grad = grad  # the step's gradient: the mean of the micro-batch gradients
     if not math.isfinite(full_sq) or not all(map(math.isfinite, micro_sq)):
@@ -229,9 +249,7 @@ def accumulated_step(trainer: Trainer, inputs, targets, microbatches: int, micro
     grad_sqr, trace_sigma = two_batch_estimates(micro_sq, full_sq, micro_batch, batch)
     stats = StepStats(step_loss, grad_sqr, trace_sigma, math.sqrt(full_sq))
     if full_precond_sq is not None:
-        stats.precond_grad_sqr, stats.precond_trace_sigma = two_batch_estimates(
-            micro_precond_sq, full_precond_sq, micro_batch, batch
-        )
+        stats.precond_grad_sqr, stats.precond_trace_sigma = two_batch_estimates([micro_precond_sq], full_precond_sq, micro_batch, batch)
     return stats
 
 
@@ -375,7 +393,7 @@ def _train(request: dict[str, Any], device: torch.device, lr: float, warmup: int
             "micro_batches": microbatches,
             "micro_batch": micro_batch,
             "step_batch": step_batch,
-            "preconditioned": "the optimizer's second moment before the step (profiler.preconditioner)" if precondition else None,
+            "preconditioned": "the optimizer's second moment as the step divides by it, its gradient folded in (profiler.preconditioner)" if precondition else None,
         },
         "stability": stability,
         "options": {"dtype": request.get("dtype", "fp32"), "channels_last": bool(request.get("channels_last", False))},

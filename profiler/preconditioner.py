@@ -127,6 +127,35 @@ def _state_after(optimizer: torch.optim.Optimizer, group: dict, state: dict, gra
     return after
 
 
+def coupled_weight_decay(optimizer: torch.optim.Optimizer, group: dict) -> float:
+    """The weight decay the optimizer adds to the gradient before it folds it into its state (wd theta): its
+    weight_decay, unless decoupled (AdamW; NAdam and RAdam with decoupled_weight_decay), which shrinks theta outside."""
+    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    return 0.0 if decoupled else float(group.get("weight_decay", 0.0))
+
+
+def coming_step_denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | None, gradient: torch.Tensor) -> torch.Tensor | None:
+    """1 / P of the coming step for one parameter, `gradient` (as the optimizer sees it: with a coupled decay's wd theta)
+    folded into a copy of its state as the step folds it (module docstring); None while it has no second moment."""
+    if not state:
+        return None
+    return denominator(optimizer, group, _state_after(optimizer, group, state, gradient.detach()))
+
+
+def coming_step_denominators(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
+                             gradients: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """coming_step_denominator per param, each with its loss gradient plus its group's coupled weight decay wd theta (what
+    the optimizer folds in); None for a param without a gradient or without a second moment yet."""
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    denominators = []
+    for param, gradient in zip(params, gradients, strict=True):
+        group = group_of[id(param)]
+        decay = coupled_weight_decay(optimizer, group)
+        seen = None if gradient is None else (gradient + decay * param.detach() if decay else gradient)
+        denominators.append(None if seen is None else coming_step_denominator(optimizer, group, optimizer.state.get(param), seen))
+    return denominators
+
+
 def coming_step_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
                                gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """P of the optimizer's coming step with `gradients` (one per param that requires a gradient, as the optimizer will
@@ -136,8 +165,7 @@ def coming_step_preconditioner(optimizer: torch.optim.Optimizer, params: Sequenc
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     parts, any_state = [], False
     for param, gradient in zip([p for p in params if p.requires_grad], gradients, strict=True):
-        group, state = group_of[id(param)], optimizer.state.get(param)
-        denominator_ = denominator(optimizer, group, _state_after(optimizer, group, state, gradient.detach())) if state else None
+        denominator_ = coming_step_denominator(optimizer, group_of[id(param)], optimizer.state.get(param), gradient)
         if denominator_ is None:
             parts.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device))
             continue

@@ -88,8 +88,10 @@ Adam, AdamW, RMSprop, NAdam, RAdam, Adamax. precond_grad_sqr and precond_trace_s
 P = diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (Adam and NAdam: exp_avg_sq / (1 - beta2^t),
 max_exp_avg_sq with amsgrad; RMSprop: square_avg, less grad_avg^2 when centered; RAdam's P is
 sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps), Adamax's 1 / exp_inf: profiler.preconditioner)
-from the optimizer state as it stands between backward() and step(); the same P for every
-micro-batch gradient and for g_B. On the first step the state is empty: null.
+as the coming optimizer.step() divides by it: g_B folded into the second moment the way the step folds it
+(profiler.preconditioner.coming_step_denominators), the same P for every micro-batch gradient and for g_B. The hooks
+keep each adaptive parameter's micro-batch gradients squared and summed per coordinate until step() knows g_B. On the
+first step the state is empty: null.
 
 Windows. Every `every` optimizer steps one record: |G|^2 and tr(Sigma) averaged over the window's
 steps separately (never per-step ratios), samples (all ranks, cumulative), batch (global), step,
@@ -102,7 +104,9 @@ window: the service places the record's noise scale at statistics_samples). Step
 smaller batch) count their samples but are left out of the statistics. Rank 0 writes and flushes each
 line, so a crash loses at most one window; every rank gets the record back from step().
 
-Cost: per backward, one norm per parameter (two with Adam); per step, one pass over `.grad`; per
+Cost: per backward, one norm per parameter (with an adaptive optimizer also its gradient squared into a sum:
+one float32 copy of those parameters, held during a sampled step's backward passes); per step, one pass over `.grad`
+(two, and the preconditioner's few element-wise passes, with an adaptive optimizer); per
 window, one all-reduce of a (steps x 10) tensor. Sampling: with `sample_every=n` (n >= 2) only two
 consecutive steps in every n take statistics (steps s with s % n in {0, 1}, so the step-to-step
 variability keeps a pair); the others count their samples and loss, with the per-parameter hooks
@@ -159,17 +163,14 @@ DEVICE_COLUMNS = 4
 MICRO_SQ, FULL_SQ, PRE_MICRO_SQ, PRE_FULL_SQ = range(DEVICE_COLUMNS)  # device values: sums of squared norms
 LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_COLUMNS, DEVICE_COLUMNS + 6)  # host values
 
-# The preconditioner's denominators a sampled step keeps for its other backward passes (_adaptive_denominator). Read once
-# a step in place of three times, with the full gradient's raw norms in one torch._foreach_norm call, a sampled step cost
-# 3.7 ms beside a 5.0 ms plain step on the transformer under AdamW (5.0 ms before), 4.0 (5.8) on the GPT under AdamW,
-# 1.7 (2.6) on the digits CNN under Adam, and 2.4 (3.0) on the GPT under SGD, the foreach call alone
-# (benchmarks/client_overhead.py --rounds 30 --tasks ..., a sampled step's column; one CPU thread, batch 32). Fewer
-# seconds a sampled step let the overhead budget sample more steps. A model past this size reads them again each time
-# and holds no more memory than before: memory before time, where a step's own cost dwarfs the extra kernels. Within it,
-# the full gradient's P g norms are one foreach call too, and the hooks keep float32 norms, squared in one call at step()
-# (one kernel a norm in the hook, not three): a sampled step's extra cost, medians of three paired runs each way
-# (client_overhead.py --quick --rounds 30-40), 4.51 -> 3.80 ms on the transformer and 4.84 -> 3.93 ms on the GPT, AdamW.
-DENOMINATOR_CACHE_BYTES = 64 * 2**20
+# The precond pair weighs each micro-batch's gradient by the P of this step, which is known only once the step's
+# gradient is (the optimizer folds it into its second moment before it divides: profiler.preconditioner), so on a
+# sampled step the hooks keep, per adaptive parameter, the sum of its micro-batches' squared gradients (float32, one
+# parameter-sized tensor each, freed at step()) and step() weighs it by P^2. P read from the state before the step
+# instead counted a coordinate whose second moment was still 0 (a unit that had not had a gradient yet) at 1 / eps:
+# records' preconditioned noise scales of 1e7-1e9 on the digits MLP under Adamax and under centered RMSprop, and the
+# reference run read 18 483 and 20 917 where the P the steps divided by gives 54 and 118 (docs/validation.md, "The
+# coming step's preconditioner").
 
 ONE_GRADIENT = "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare."
 NOTHING_TO_COMPARE = (
@@ -183,18 +184,15 @@ NOTHING_TO_COMPARE = (
 @dataclass
 class _StepTally:
     """What the hooks saw since the last step(): backward calls per parameter, forward batch sizes,
-    squared norms of each backward's gradient per parameter (raw and preconditioned)."""
+    norms of each backward's gradient per parameter, and for the precond pair their squares summed per coordinate."""
 
     backward_counts: Counter[int] = field(default_factory=Counter)
     forward_sizes: list[int | None] = field(default_factory=list)
     micro_norms: list[torch.Tensor] = field(default_factory=list)  # float32 norms, squared in one call at step()
-    precond_micro_norms: list[torch.Tensor] = field(default_factory=list)
-    precond_missing: bool = False
+    # per adaptive parameter, the sum over this step's backward passes of its gradient squared (float32), which step()
+    # weighs by this step's P^2
+    square_sums: dict[int, torch.Tensor] = field(default_factory=dict)
     split_sizes: list[int] | None = None  # the halves backward() backpropagated one by one, on a sampled step
-    # sqrt(v) + eps per parameter, read once a step (the state does not change between a step's backward passes) and
-    # used again by its other micro-batches and by the full gradient, within DENOMINATOR_CACHE_BYTES
-    denominators: dict[int, torch.Tensor] = field(default_factory=dict)
-    denominator_bytes: int = 0
 
 
 class GradientStatsLogger:
@@ -288,11 +286,9 @@ class GradientStatsLogger:
         tally.backward_counts[index] += 1
         tally.micro_norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         if index in self._adaptive_groups:
-            denominator = self._adaptive_denominator(index, tally)
-            if denominator is None:
-                tally.precond_missing = True
-            else:
-                tally.precond_micro_norms.append(torch.linalg.vector_norm(grad / denominator, dtype=torch.float32))
+            square = grad.square() if grad.dtype == torch.float32 else grad.float().square()
+            kept = tally.square_sums.get(index)
+            tally.square_sums[index] = square if kept is None else kept.add_(square)
 
     def _hook_gradients(self, wanted: bool) -> None:
         """Registers the per-parameter hooks for a step that takes statistics, removes them for one that does not."""
@@ -336,23 +332,6 @@ class GradientStatsLogger:
         if self._one_device:
             return torch.stack(norms).to(self._device, self._dtype).square().sum()
         return torch.stack([norm.to(self._device, self._dtype) for norm in norms]).square().sum()
-
-    def _adaptive_denominator(self, index: int, tally: _StepTally) -> torch.Tensor | None:
-        """1 / P (sqrt(v) + eps) of the adaptive optimizer's state before this step (profiler.preconditioner.denominator), computed
-        once a step and kept in the step's tally for its other backward passes and its full gradient while the kept ones
-        stay within DENOMINATOR_CACHE_BYTES (beyond, on a large model, computed again: memory before time, where a
-        step's own cost dwarfs the few extra kernels)."""
-        denominator = tally.denominators.get(index)
-        if denominator is not None:
-            return denominator
-        param = self.parameters[index]
-        denominator = preconditioner.denominator(self.optimizer, self._adaptive_groups[index], self.optimizer.state.get(param))
-        if denominator is not None:
-            size = denominator.numel() * denominator.element_size()
-            if tally.denominator_bytes + size <= DENOMINATOR_CACHE_BYTES:
-                tally.denominators[index] = denominator
-                tally.denominator_bytes += size
-        return denominator
 
     def backward(self, losses: torch.Tensor) -> torch.Tensor:
         """The step's backward pass from its per-sample losses (reduction="none"; shape (batch, ...), a sample's
@@ -477,17 +456,26 @@ class GradientStatsLogger:
         with_grad = [(i, p.grad) for i, p in enumerate(self.parameters) if p.grad is not None]
         micro_sq = self._sum_of_squares(tally.micro_norms) * micro_factor
         full_sq = self._sum_of_squares(self._norms([g for _, g in with_grad])) * full_factor
-        precond_ok = bool(self._adaptive_groups) and bool(tally.precond_micro_norms) and not tally.precond_missing
-        if not precond_ok:
-            zero = torch.zeros((), device=self._device, dtype=self._dtype)
-            return torch.stack([micro_sq, full_sq, zero, zero]), False
-        pre_micro_sq = self._sum_of_squares(tally.precond_micro_norms) * micro_factor
         adaptive = [(i, g) for i, g in with_grad if i in self._adaptive_groups]
-        if all(i in tally.denominators for i, _ in adaptive):  # all kept: a model within DENOMINATOR_CACHE_BYTES, so is P g
-            pre_full = self._norms(torch._foreach_div([g for _, g in adaptive], [tally.denominators[i] for i, _ in adaptive]))
-        else:  # one denominator and one P g at a time: no copy of the whole gradient or of the optimizer's state
-            pre_full = [torch.linalg.vector_norm(g / self._adaptive_denominator(i, tally), dtype=torch.float32) for i, g in adaptive]
-        return torch.stack([micro_sq, full_sq, pre_micro_sq, self._sum_of_squares(pre_full) * full_factor]), True
+        zero = torch.zeros((), device=self._device, dtype=self._dtype)
+        if not adaptive or any(i not in tally.square_sums for i, _ in adaptive):
+            return torch.stack([micro_sq, full_sq, zero, zero]), False
+        true_scale = 1.0 if divided else 1.0 / micro_batches  # .grad holds g_B (or k g_B)
+        denominators = preconditioner.coming_step_denominators(
+            self.optimizer, [self.parameters[i] for i, _ in adaptive], [g * true_scale if true_scale != 1.0 else g for _, g in adaptive]
+        )  # this step's 1 / P: its gradient folded into the optimizer's second moment, as optimizer.step() will fold it
+        if any(d is None for d in denominators):  # the optimizer's first step: no second moment yet
+            return torch.stack([micro_sq, full_sq, zero, zero]), False
+        weights = [d.square_().reciprocal_() for d in denominators]  # P^2
+        pre_micro = [(tally.square_sums[i] * w).sum(dtype=torch.float32) for (i, _), w in zip(adaptive, weights)]
+        pre_full = [(g.float().square() * w).sum(dtype=torch.float32) for (_, g), w in zip(adaptive, weights)]
+        return torch.stack([micro_sq, full_sq, self._sum(pre_micro) * micro_factor, self._sum(pre_full) * full_factor]), True
+
+    def _sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of float32 scalars, in the rows' dtype on the rows' device."""
+        if self._one_device:
+            return torch.stack(values).to(self._device, self._dtype).sum()
+        return torch.stack([value.to(self._device, self._dtype) for value in values]).sum()
 
     def _norms(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Their float32 norms: one torch._foreach_norm call on one device (norms only, no copies), else one by one."""

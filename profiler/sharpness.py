@@ -89,7 +89,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from profiler.preconditioner import coming_step_preconditioner, is_adaptive
+from profiler.preconditioner import coming_step_preconditioner, coupled_weight_decay, is_adaptive
 
 POWER_ITERATIONS = 20
 RELATIVE_TOLERANCE = 1e-3  # stop when lambda moves less than this between iterations
@@ -267,18 +267,17 @@ def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[tor
     params = [p for p in params if p.requires_grad]
     group = optimizer.param_groups[0]
     weight_decay = float(group.get("weight_decay", 0.0))
-    decoupled = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    coupled_decay = coupled_weight_decay(optimizer, group)
+    decoupled = weight_decay > 0.0 and coupled_decay == 0.0
     preconditioner = None
     if is_adaptive(optimizer):
-        coupled_decay = 0.0 if decoupled else weight_decay
 
         def preconditioner(gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
             """The coming step's P, from the gradients the step will see (a coupled decay's wd theta added)."""
             seen = [g + coupled_decay * p.detach() for g, p in zip(gradients, params, strict=True)] if coupled_decay else gradients
             return coming_step_preconditioner(optimizer, params, seen)
 
-    eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance,
-                                        weight_decay=0.0 if decoupled else weight_decay)  # fmt: skip
+    eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance, weight_decay=coupled_decay)
     lr = float(group["lr"])
     if not (math.isfinite(eigenvalue) and eigenvalue > 0.0 and lr > 0.0):
         return None

@@ -399,3 +399,39 @@ def test_the_lookaheads_winner_stands_only_where_it_wins_on_every_seed(tmp_path,
     for batch in ("16", "64"):
         assert {k: v for k, v in retuned["tasks"]["tiny"]["batches"][batch].items() if k not in drop} == {
             k: v for k, v in fresh[batch].items() if k not in drop}, batch  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["digits_mlp_adamax", "digits_mlp_rmsprop_centered"])
+def test_the_users_logger_gives_the_ground_truths_preconditioned_records(name):
+    """The product's path (profiler.reference_logger in a plain accumulation loop) against the trajectory the benchmark
+    validated (the cached ground truth's reference run, its P read after each step): the first 8 records of the digits
+    MLP under Adamax and under centered RMSprop, where P read before the step (the logger's until 2026-12-07) gave
+    records' preconditioned noise scales of 1e7-1e9 and a read of 18 483 and 20 917 against 54 and 118."""
+    from profiler.reference_logger import GradientStatsLogger
+
+    torch.set_num_threads(1)
+    task, truth = et.TASKS[name], et.load_ground_truth(et.DEFAULT_PATH)["tasks"][name]
+    reference = truth["batches"][str(task.reference_batch)]
+    stored = reference["trajectory"][:8]
+    window, batch, k = stored[0]["window_steps"], task.reference_batch, et.micro_batches(task.reference_batch)
+    data, model = et.task_data(task), et.task_model(task, 0)
+    optimizer = et.task_optimizer(task, model, reference["lr"])
+    stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
+    records = []
+    with GradientStatsLogger(None, model, optimizer, every=window, accumulation=k) as logger:
+        for step in range(stored[-1]["step"]):
+            rows = stream.next(batch)
+            for group in optimizer.param_groups:
+                group["lr"] = et.scheduled_lr(task, batch, reference["lr"], step)
+            optimizer.zero_grad()
+            for x, y in zip(data["train_x"][rows].chunk(k), data["train_y"][rows].chunk(k)):
+                (et.mean_loss(model(x), y) / k).backward()
+            record = logger.step(loss=0.0)
+            optimizer.step()
+            records += [record] if record is not None else []
+    assert [r["step"] for r in records] == [r["step"] for r in stored]
+    for mine, theirs in zip(records[1:], stored[1:]):  # the first window's first step has no second moment in either
+        for prefix in ("", "precond_"):  # stored to 6 digits; |G|^2 is a difference, so within a share of tr(Sigma)
+            trace = theirs[prefix + "trace_sigma"]
+            assert mine[prefix + "trace_sigma"] == pytest.approx(trace, rel=1e-4)
+            assert mine[prefix + "grad_sqr"] == pytest.approx(theirs[prefix + "grad_sqr"], rel=1e-4, abs=1e-5 * abs(trace))
