@@ -158,17 +158,13 @@ def coming_step_denominators(optimizer: torch.optim.Optimizer, params: Sequence[
 
 def coming_step_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
                                gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """P of the optimizer's coming step with `gradients` (one per param that requires a gradient, as the optimizer will
-    see them: with a coupled weight decay's wd theta) folded into its state as the step folds them (module docstring),
-    flat in the order of those params; a param with no state yet gets 0, as in preconditioner_squares; None before the
+    """P of the optimizer's coming step, flat in the order of the params that require a gradient, with `gradients` (one
+    per such param: the loss's; coming_step_denominators adds a coupled decay's wd theta) folded into its state as the
+    step folds them (module docstring); a param with no state yet gets 0, as in preconditioner_squares; None before the
     optimizer's first step."""
-    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    parts, any_state = [], False
-    for param, gradient in zip([p for p in params if p.requires_grad], gradients, strict=True):
-        denominator_ = coming_step_denominator(optimizer, group_of[id(param)], optimizer.state.get(param), gradient)
-        if denominator_ is None:
-            parts.append(torch.zeros(param.numel(), dtype=param.dtype, device=param.device))
-            continue
-        any_state = True
-        parts.append(denominator_.reciprocal_().reshape(-1))
-    return torch.cat(parts) if any_state else None
+    params = [p for p in params if p.requires_grad]
+    denominators = coming_step_denominators(optimizer, params, gradients)
+    if all(d is None for d in denominators):
+        return None
+    return torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if d is None else d.reciprocal_().reshape(-1)
+                      for p, d in zip(params, denominators)])  # fmt: skip

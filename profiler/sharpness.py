@@ -273,9 +273,8 @@ def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[tor
     if is_adaptive(optimizer):
 
         def preconditioner(gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
-            """The coming step's P, from the gradients the step will see (a coupled decay's wd theta added)."""
-            seen = [g + coupled_decay * p.detach() for g, p in zip(gradients, params, strict=True)] if coupled_decay else gradients
-            return coming_step_preconditioner(optimizer, params, seen)
+            """The coming step's P, the gradients at the point folded in (with a coupled decay's wd theta)."""
+            return coming_step_preconditioner(optimizer, params, gradients)
 
     eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance, weight_decay=coupled_decay)
     lr = float(group["lr"])

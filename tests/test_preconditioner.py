@@ -165,16 +165,14 @@ COMING_STEP_CASES = [
                               "adamax", "adamax-coupled-decay"])  # fmt: skip
 def test_the_coming_steps_preconditioner_is_the_one_its_step_divides_by(optimizer_class, options):
     """coming_step_preconditioner(state before, g) = preconditioner(state after torch's step with g): the step's own
-    gradient folded into the second moment (Adamax: the infinity norm) at t + 1; a coupled decay's wd theta is part of
-    the gradient it is given, as the optimizer adds it; the state is not changed by the read."""
+    gradient folded into the second moment (Adamax: the infinity norm) at t + 1, with a coupled decay's wd theta added
+    as the optimizer adds it (AdamW's decoupled decay not); the state is not changed by the read."""
     layer, optimizer, _ = _stepped(optimizer_class, steps=4, **options)
     params = list(layer.parameters())
     optimizer.zero_grad()
     layer(torch.randn(5, 3, generator=torch.Generator().manual_seed(99))).square().mean().backward()
-    decay = 0.0 if optimizer_class is torch.optim.AdamW else options.get("weight_decay", 0.0)
-    seen = [p.grad + decay * p.detach() for p in params]
     state_before = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params}
-    coming = coming_step_preconditioner(optimizer, params, seen)
+    coming = coming_step_preconditioner(optimizer, params, [p.grad for p in params])  # the decay's wd theta: added inside
     for p in params:
         for key, value in state_before[id(p)].items():
             assert torch.equal(optimizer.state[p][key], value) if torch.is_tensor(value) else optimizer.state[p][key] == value
