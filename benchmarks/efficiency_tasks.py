@@ -292,6 +292,13 @@ TASKS: dict[str, Task] = {
     # changed after it was measured
     "digits_mlp_adamax": Task("digits_x16_flat", "mlp1d", "adamax", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
                               max_epochs=400, reference_batch=32, reference_lr=2e-3),
+    # added 2026-12-07, after the logger's preconditioner was fixed (--add): the LSTM language model of stdlib_lstm_sgd
+    # under Adam with PyTorch's defaults, as recurrent language models are usually trained, its target (2.0 nats) and
+    # the GPT's Adam LR_ref (3e-3), untuned; an embedding whose rare bytes' rows get a gradient now and then, where P
+    # read before the step went wrong; nothing in the service was changed after it was measured
+    "stdlib_lstm_adam": Task("stdlib_bytes", "lstm_lm", "adam", 2048, 256, 2.0, "val_loss", powers_of_two(16, 512),
+                             max_epochs=100, reference_batch=32, reference_lr=3e-3, model_options={"width": 64, "layers": 1},
+                             seq_len=32),
 }  # fmt: skip
 
 
