@@ -139,6 +139,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -170,7 +171,10 @@ LOSS_SUM, LOSS_COUNT, MICRO_COUNT, SAMPLES, SAMPLES_SQ, PRE_OK = range(DEVICE_CO
 # instead counted a coordinate whose second moment was still 0 (a unit that had not had a gradient yet) at 1 / eps:
 # records' preconditioned noise scales of 1e7-1e9 on the digits MLP under Adamax and under centered RMSprop, and the
 # reference run read 18 483 and 20 917 where the P the steps divided by gives 54 and 118 (docs/validation.md, "The
-# coming step's preconditioner").
+# coming step's preconditioner"). Those sums are memory the training loop did not budget for: past
+# PRECOND_SQUARES_BYTES (the adaptive parameters' float32 size) the logger gives no precond pair (the service then reads
+# the raw pair and says so) and warns, unless precond_max_bytes says otherwise.
+PRECOND_SQUARES_BYTES = 2**30
 
 ONE_GRADIENT = "one process with accumulation=1 has one gradient per step: the two-batch estimator has nothing to compare."
 NOTHING_TO_COMPARE = (
@@ -206,7 +210,9 @@ class GradientStatsLogger:
     pass's first tensor argument (its dim 0). loss_divided_by_accumulation: whether each micro-batch's
     loss is divided by `accumulation` before backward(). grad_scaler: torch.amp.GradScaler under AMP.
     start_step, start_samples: counts already done (a resumed run); append: add to an existing file.
-    sample_every, counts_only_records: see the module docstring (Sampling).
+    sample_every, counts_only_records: see the module docstring (Sampling). precond_max_bytes: the most memory the precond
+    pair's per-coordinate sums may take (float32, the size of the adaptive optimizer's parameters), PRECOND_SQUARES_BYTES
+    by default; a larger model gets no precond pair, with a warning; None: no limit.
     """
 
     def __init__(
@@ -225,6 +231,7 @@ class GradientStatsLogger:
         append: bool = False,
         sample_every: int = 1,
         counts_only_records: bool = False,
+        precond_max_bytes: int | None = PRECOND_SQUARES_BYTES,
     ):
         counts = {"every": (every, 1), "sample_every": (sample_every, 1), "accumulation": (accumulation, 1), "device_batch": (1 if device_batch is None else device_batch, 1),
                   "start_step": (start_step, 0), "start_samples": (start_samples, 0)}  # fmt: skip
@@ -253,6 +260,15 @@ class GradientStatsLogger:
         self._one_device = len({p.device for p in self.parameters}) == 1
         self._dtype = torch.float32 if self._device.type == "mps" else torch.float64
         self._adaptive_groups = _adaptive_groups(optimizer, self.parameters)
+        squares_bytes = 4 * sum(self.parameters[i].numel() for i in self._adaptive_groups)
+        if precond_max_bytes is not None and squares_bytes > precond_max_bytes:
+            warnings.warn(
+                f"the precond pair would keep {squares_bytes / 2**20:.0f} MiB of float32 sums on a sampled step, past "
+                f"precond_max_bytes ({precond_max_bytes / 2**20:.0f} MiB): the records carry no precond pair (the service reads "
+                "the raw gradient's and says so); pass precond_max_bytes=None (or larger) to keep it",
+                stacklevel=2,
+            )  # fmt: skip
+            self._adaptive_groups = {}
         self._rows_device: list[torch.Tensor] = []
         self._rows_host: list[list[float]] = []
         self._losses_device: list[tuple[int, torch.Tensor]] = []  # (row, loss) of the steps given a tensor loss

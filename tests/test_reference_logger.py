@@ -428,6 +428,23 @@ def test_the_precond_pair_weighs_by_the_p_the_step_divides_by_even_where_the_sta
     assert records[3]["precond_trace_sigma"] < 1e6  # the step input 7 turns on: bounded, not (g / eps)^2
 
 
+def test_a_model_whose_precond_sums_would_pass_the_memory_bound_gets_no_precond_pair_and_a_warning():
+    """The sums take the adaptive parameters' float32 size (the tiny model: 212 values, 848 bytes); past
+    precond_max_bytes the records carry a null pair and the raw one, and the logger says so at once."""
+    model = _tiny_model()
+    optimizer = _optimizer("adam", model)
+    with pytest.warns(UserWarning, match="precond_max_bytes"):
+        logger = GradientStatsLogger(None, model, optimizer, every=3, accumulation=2, precond_max_bytes=847)
+    records = _train(model, optimizer, logger, _batches(), micro_batches=2)
+    logger.close()
+    assert all(r["precond_grad_sqr"] is None and r["precond_trace_sigma"] is None and r["trace_sigma"] > 0 for r in records)
+    model = _tiny_model()
+    optimizer = _optimizer("adam", model)
+    with GradientStatsLogger(None, model, optimizer, every=3, accumulation=2, precond_max_bytes=848) as logger:
+        kept = _train(model, optimizer, logger, _batches(), micro_batches=2)
+    assert all(r["precond_grad_sqr"] is not None for r in kept)
+
+
 # -- a problem whose answer is known ---------------------------------------------------------------
 
 
