@@ -337,3 +337,39 @@ def test_a_stability_measurement_that_fails_is_reported_and_the_pilot_keeps_its_
     pilot = _pilot("small_cnn", IMAGES, 16, pilot_steps=20, pilot_record_every=10)
     assert pilot["status"] == "ok" and [r["step"] for r in pilot["trajectory"]] == [10, 20]
     assert "not implemented" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamax"])
+def test_a_pilot_steps_precond_pair_weighs_by_the_p_the_step_divides_by(optimizer):
+    """accumulated_step on a real Trainer against an oracle: P read from the optimizer's state right after the step
+    (what it divided by), the same micro-batches by their own autograd.grad. The MLP's inputs are 0 in feature 5 for
+    three steps, so its first-layer weights there keep a second moment of 0 until the feature turns on: P read before
+    the step counted them at 1 / eps."""
+    from models.workload import build_workload
+    from profiler.gradstats import two_batch_estimates
+    from profiler.measure import Trainer
+    from profiler.pilot import accumulated_step
+    from profiler.preconditioner import preconditioner
+
+    torch.manual_seed(0)
+    request = {"model": "mlp1d", "dataset": MNIST1D, "batch_size": 16, "device": "cpu", "optimizer": optimizer, "lr": 1e-3}
+    workload = build_workload(request)
+    trainer = Trainer(workload, request, torch.device("cpu"))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(3)
+    for step in range(6):
+        inputs, targets = workload.data.batch(16, generator)
+        if step < 3:
+            inputs = inputs.clone()
+            inputs[..., 5] = 0.0
+        micro = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(workload.loss_fn(trainer.model(x), y), params)]).double()
+                 for x, y in zip(inputs.chunk(4), targets.chunk(4))]  # fmt: skip
+        stats = accumulated_step(trainer, inputs, targets, microbatches=4, micro_batch=4, precondition=True)
+        if step == 0:
+            assert stats.precond_grad_sqr is None  # no second moment before the first step
+            continue
+        scale = preconditioner(trainer.optimizer, params).double()
+        full = torch.stack(micro).mean(0)
+        expected = two_batch_estimates([float(((g * scale) ** 2).sum()) for g in micro], float(((full * scale) ** 2).sum()), 4, 16)
+        assert stats.precond_trace_sigma == pytest.approx(expected[1], rel=1e-4)
+        assert stats.precond_grad_sqr == pytest.approx(expected[0], rel=1e-4, abs=1e-4 * abs(expected[1]))
