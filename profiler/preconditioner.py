@@ -25,8 +25,10 @@ u = max(beta2 u, |g| + eps) (exp_inf; the paper has no eps, torch adds it to |g|
 -eta / (1 - beta1^t) m / u, m the EMA of g as Adam's, so P = 1 / u, the denominator u itself (no bias correction, no
 square root, and no eps added: it is in u already); its 1 / (1 - beta1^t) is a factor of the LR (profiler.sharpness).
 
-P is taken from the state as it is before the step (the step's own gradient is not in it yet), for the step the
-statistics describe; an optimizer that has taken no step has none.
+preconditioner() and preconditioner_squares() read P from the state as it is: right after a step, the P that step
+divided by (as benchmarks/efficiency_tasks.py reads it); an optimizer that has taken no step has none. Before a step
+the state lacks that step's own gradient, so the user's logger, the pilot and profiler.sharpness, which run before
+it, take the coming step's P instead (below).
 
 The coming step's P (coming_step_preconditioner), for profiler.sharpness: the step folds its own gradient g into
 the state before it divides, v' = beta2 v + (1 - beta2) g^2 at t + 1 (Adam, AdamW, NAdam, RAdam; amsgrad's max of
