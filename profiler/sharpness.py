@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -193,23 +194,21 @@ def _first_state(optimizer: torch.optim.Optimizer) -> dict:
 def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | None:
     """eta * (the largest stable lambda_max) for the optimizer's first param group (module docstring): 2 + 2
     beta for SGD (beta = momentum, 0 for plain SGD) and RMSprop (its momentum), (2 + 2 beta) / (1 - d) for SGD with
-    dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for
-    Adam/AdamW's and Adamax's coming step t,
-    (2 + 2 beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's coming step, (2 + 2 beta1) (1 - beta1^t) / ((1 -
-    beta1) rect_t) for RAdam's. None where no threshold is
-    known here (dampening d >= 1, RAdam's un-rectified first steps, other optimizers)."""
+    dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) (1 - beta1^t) / (1 - beta1)
+    for the coming step t of Adam, AdamW and Adamax (one form: torch steps all three by eta / (1 - beta1^t)), (2 + 2
+    beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's, (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for
+    RAdam's. None where no threshold is known here (dampening d >= 1, RAdam's un-rectified first steps, other
+    optimizers)."""
     group = optimizer.param_groups[0]
     if isinstance(optimizer, torch.optim.NAdam):
         return _nadam_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RAdam):
         return _radam_threshold_times_lr(group, _first_state(optimizer))
-    if isinstance(optimizer, torch.optim.Adamax):
-        return _adamax_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RMSprop):
         return 2.0 + 2.0 * float(group.get("momentum", 0.0))
     if isinstance(optimizer, torch.optim.SGD):
         return _sgd_threshold_times_lr(group)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax)):
         return _bias_corrected_adam_threshold_times_lr(float(group["betas"][0]), float(_first_state(optimizer).get("step", 0.0)) + 1.0)
     return None
 
@@ -232,11 +231,6 @@ def _sgd_threshold_times_lr(group: dict) -> float | None:
 def _bias_corrected_adam_threshold_times_lr(beta1: float, step: float) -> float:
     """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) at step t: Adam's form with torch's LR eta / (1 - beta1^t)."""
     return (2.0 + 2.0 * beta1) * (1.0 - beta1**step) / (1.0 - beta1)
-
-
-def _adamax_threshold_times_lr(group: dict, state: dict) -> float:
-    """Adamax's threshold for the coming step t: the bias-corrected Adam form (its P = 1 / u)."""
-    return _bias_corrected_adam_threshold_times_lr(float(group["betas"][0]), float(state.get("step", 0.0)) + 1.0)
 
 
 def _nadam_threshold_times_lr(group: dict, state: dict) -> float:
@@ -269,13 +263,8 @@ def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[tor
     weight_decay = float(group.get("weight_decay", 0.0))
     coupled_decay = coupled_weight_decay(optimizer, group)
     decoupled = weight_decay > 0.0 and coupled_decay == 0.0
-    preconditioner = None
-    if is_adaptive(optimizer):
-
-        def preconditioner(gradients: Sequence[torch.Tensor]) -> torch.Tensor | None:
-            """The coming step's P, the gradients at the point folded in (with a coupled decay's wd theta)."""
-            return coming_step_preconditioner(optimizer, params, gradients)
-
+    # the coming step's P, the gradients at the point folded in (with a coupled decay's wd theta)
+    preconditioner = partial(coming_step_preconditioner, optimizer, params) if is_adaptive(optimizer) else None
     eigenvalue = top_hessian_eigenvalue(loss_fn, params, preconditioner, iterations, tolerance=tolerance, weight_decay=coupled_decay)
     lr = float(group["lr"])
     if not (math.isfinite(eigenvalue) and eigenvalue > 0.0 and lr > 0.0):
