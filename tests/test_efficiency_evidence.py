@@ -67,6 +67,23 @@ def test_a_reference_run_with_few_records_is_read_by_their_trend_and_says_it_res
     assert not any("records before the target" in w for w in dense["warnings"])
 
 
+def test_a_log_that_goes_on_past_the_target_brackets_a_window_with_one_record():
+    """One row before an early target and the log going on: the first row past the target joins the trend, which is
+    then interpolated at the window's middle (noise_trajectory, item 4) and not labelled extrapolated; the answer says
+    which record it took."""
+    grows = lambda s: 1000.0 * (s / TARGET_SAMPLES) ** 2  # noqa: E731  (a trend only a record past the target shows)
+    logged_on = [{"samples": int(f * TARGET_SAMPLES), "batch": 32, "grad_sqr": 1.0, "trace_sigma": grows(f * TARGET_SAMPLES),
+                  "window_steps": 5} for f in (0.3, 0.6, 1.4, 2.0)]  # one record in the window [T/2, T]  # fmt: skip
+    one_before = logged_on[:2]
+    report = efficiency({"reference_run": {"gradient_stats": logged_on}})
+    assert report["noise_scale"]["value"] == pytest.approx(grows(0.75 * TARGET_SAMPLES), rel=0.02)
+    read = next(c for c in report["evidence"]["candidates"] if c["source"] == "reference_run")["detail"]
+    assert read["records_past_target"] == 1 and not read["extrapolated"] and not report["weak"]
+    assert any("with the first record past the target" in w for w in report["warnings"]), report["warnings"]
+    stopped = efficiency({"reference_run": {"gradient_stats": one_before}})  # the same log cut at the target
+    assert stopped["noise_scale"]["value"] != pytest.approx(grows(0.75 * TARGET_SAMPLES), rel=0.1)
+
+
 def test_a_larger_noise_scale_along_training_predicts_fewer_epochs_at_large_batches():
     at_init = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time")), POINTS)
     trained = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={

@@ -172,6 +172,24 @@ def test_a_run_evaluated_a_few_times_is_read_by_the_trend_through_its_records_no
     assert low == pytest.approx(10.0) and high >= two.noise_scale_
 
 
+def test_a_window_with_too_few_records_is_bracketed_by_the_first_record_past_the_target():
+    """A trace with a row every few epochs can leave one row before an early target, and a log usually goes on past
+    the target. The first record past it then brackets the window's middle, and the trend through the records is
+    interpolated there instead of the one record's value standing for the run (noise_trajectory's docstring, item 4);
+    records further on are not used."""
+    target = 12.0
+    before, after = {"samples": 1.0, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 10.0}, {"samples": 24.0, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 240.0}
+    alone = TrajectoryNoiseScale().fit([before], target)
+    assert alone.noise_scale_ == pytest.approx(10.0) and alone.extrapolated_ and alone.records_past_target_ == 0
+    further = {"samples": 1e4, "batch": 32, "grad_sqr": 1e-6, "trace_sigma": 1.0}
+    bracketed = TrajectoryNoiseScale().fit([before, after, further], target)
+    assert bracketed.noise_scale_ == pytest.approx(10.0 * 0.75 * target)  # B = 10 x samples, read at 9
+    assert not bracketed.extrapolated_ and bracketed.coverage_ == 1.0 and bracketed.records_ == 1
+    assert bracketed.describe()["records_past_target"] == 1 and bracketed.describe()["covered_samples"] == 24.0
+    dense = power_law_records(30, 1e5)  # a window it can read: the records past the target change nothing
+    assert TrajectoryNoiseScale().fit(dense + [{**after, "samples": 2e5}], 1e5).records_past_target_ == 0
+
+
 def test_numerator_and_denominator_are_pooled_in_a_bin_before_dividing():
     # two records in one bin: |G|^2 of 2 and -0.5 (a noisy window) pool to 0.75, tr Sigma 150: B = 200
     records = [{"samples": 100, "batch": 8, "grad_sqr": 2.0, "trace_sigma": 100.0}, {"samples": 120, "batch": 8, "grad_sqr": -0.5, "trace_sigma": 50.0}]

@@ -264,7 +264,8 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
                         f"{MAX_RESOLVED_NOISE_SCALE:.0e} samples: the noise scale is not resolved")  # fmt: skip
     elif chosen.records_ < FEW_RECORDS:
         warnings.append(f"{source}: only {chosen.records_} record{'s' if chosen.records_ != 1 else ''} before the target: B_noise is the {chosen.method_} "
-                        f"({'extrapolated' if chosen.extrapolated_ else 'read'} at {chosen.run_fraction:.0%} of the run), "
+                        f"({'extrapolated' if chosen.extrapolated_ else 'read'} at {chosen.run_fraction:.0%} of the run"
+                        f"{', with the first record past the target' if chosen.records_past_target_ else ''}), "
                         "so one noisy record moves it; statistics logged more often give a steadier read")  # fmt: skip
     if chosen.noise_scale_ is not None and chosen.extrapolated_:
         warnings.append(
