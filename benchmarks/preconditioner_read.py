@@ -15,7 +15,7 @@ They differ where a coordinate's second moment is far below its gradient now: a 
 (ReLU), whose v is still 0, counts at 1 / eps = 1e8 before the step.
 
 Per adaptive task of efficiency_tasks.TASKS: seed 0 trains at its reference batch and tuned LR (the cached ground
-truth's) for the steps its cached trajectory has (seed 0's run to the target), each step as efficiency_tasks.accumulation_step (MICRO_BATCHES
+truth's, exactly as it trained: efficiency_tasks.trained_lr, not the 6 digits the truth stores) for the steps its cached trajectory has (seed 0's run to the target), each step as efficiency_tasks.accumulation_step (MICRO_BATCHES
 micro-batches, one torch thread), and every step's precond pair is estimated with both readings of P. The records
 (efficiency_tasks.trajectory_records' windows) go through the service's reader
 (statistical_efficiency.read_records: tula_service.fit.trajectory), once per reading. Reported: both reads, their
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         task, reference = et.TASKS[name], truth[name]["batches"][str(et.TASKS[name].reference_batch)]
         steps = int(reference["trajectory"][-1]["step"])  # seed 0's own run to the target, as its trajectory has it
-        jobs.append({"name": name, "task": asdict(task), "lr": reference["lr"], "steps": steps})
+        jobs.append({"name": name, "task": asdict(task), "lr": et.trained_lr(task, task.reference_batch, reference), "steps": steps})
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
         results = list(pool.map(measure_task, jobs))
     rows = [evaluate(result, truth[result["task"]]) for result in results]

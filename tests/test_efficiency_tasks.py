@@ -435,3 +435,13 @@ def test_the_users_logger_gives_the_ground_truths_preconditioned_records(name):
             trace = theirs[prefix + "trace_sigma"]
             assert mine[prefix + "trace_sigma"] == pytest.approx(trace, rel=1e-4)
             assert mine[prefix + "grad_sqr"] == pytest.approx(theirs[prefix + "grad_sqr"], rel=1e-4, abs=1e-5 * abs(trace))
+
+
+def test_a_stored_rows_lr_is_trained_again_at_the_lr_it_trained_at_not_its_six_digits():
+    """The truth keeps 6 digits of each row's LR, and a relative change of 1e-6 changes a run's epochs: a run trained
+    again takes the grid's LR, LR_STEP ** index x sqrt_scaled_lr (digits_cnn_rmsprop's reference batch: 0.001 x 2^2.5)."""
+    task = et.TASKS["digits_cnn_rmsprop"]
+    row = {"lr": 0.00565685, "lr_multiplier": 5.65685}  # as ground_truth.json stores its reference batch
+    assert et.trained_lr(task, 32, row) == pytest.approx(0.001 * 2**2.5, rel=1e-15)
+    assert abs(et.trained_lr(task, 32, row) / row["lr"] - 1) > 1e-7  # not the stored digits
+    assert et.trained_lr(task, 128, {"lr_multiplier": 0.707107}) == pytest.approx(0.001 * math.sqrt(128 / 32) / math.sqrt(2), rel=1e-15)
