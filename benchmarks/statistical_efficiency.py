@@ -984,8 +984,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any], calibrated: di
                   "target (fewest-most) and the median abs epochs error of each thinning, through the service's code path. "
                   "The Pollux applications also at the targets of the table above. Fewer than 6 records before the target are "
                   "each a bin of their own, and two bins make the trend read at the window's middle "
-                  "(tula_service/fit/perfmodel/noise_trajectory.py, item 2); where fewer than 2 lie in the window, the "
-                  "first record past the target joins them (item 4: the Pollux traces go on past it).", "", f"`{sparse_line(sparse)}`", "",
+                  "(tula_service/fit/perfmodel/noise_trajectory.py, item 2); where those before the target stop short of the "
+                  "window's middle, the first record past it joins them (item 4: the Pollux traces go on past it).", "", f"`{sparse_line(sparse)}`", "",
                   *sparse_table(sparse)]  # fmt: skip
     lines += ["", "### training.max_lr: the step floor E_ref B / (B_ref g), g = max_lr / reference_lr (squared for Adam, AdamW and RMSprop)", "",
               "max_lr = the largest LR that reached the target anywhere in the ground truth's LR sweeps (what a user's sweep finds).", "",

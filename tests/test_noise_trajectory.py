@@ -172,11 +172,11 @@ def test_a_run_evaluated_a_few_times_is_read_by_the_trend_through_its_records_no
     assert low == pytest.approx(10.0) and high >= two.noise_scale_
 
 
-def test_a_window_with_too_few_records_is_bracketed_by_the_first_record_past_the_target():
+def test_records_that_stop_short_of_the_windows_middle_are_bracketed_by_the_first_record_past_the_target():
     """A trace with a row every few epochs can leave one row before an early target, and a log usually goes on past
     the target. The first record past it then brackets the window's middle, and the trend through the records is
     interpolated there instead of the one record's value standing for the run (noise_trajectory's docstring, item 4);
-    records further on are not used."""
+    records further on are not used, nor any past the target where the records before it reach the middle."""
     target = 12.0
     before, after = {"samples": 1.0, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 10.0}, {"samples": 24.0, "batch": 32, "grad_sqr": 1.0, "trace_sigma": 240.0}
     alone = TrajectoryNoiseScale().fit([before], target)
@@ -188,6 +188,9 @@ def test_a_window_with_too_few_records_is_bracketed_by_the_first_record_past_the
     assert bracketed.describe()["records_past_target"] == 1 and bracketed.describe()["covered_samples"] == 24.0
     dense = power_law_records(30, 1e5)  # a window it can read: the records past the target change nothing
     assert TrajectoryNoiseScale().fit(dense + [{**after, "samples": 2e5}], 1e5).records_past_target_ == 0
+    late = {**before, "samples": 11.0, "trace_sigma": 110.0}  # one record, past the middle: nothing to bracket
+    assert TrajectoryNoiseScale().fit([late, after], target).records_past_target_ == 0
+    assert TrajectoryNoiseScale().fit([after], target).noise_scale_ is None  # none before the target: nothing read
 
 
 def test_numerator_and_denominator_are_pooled_in_a_bin_before_dividing():

@@ -4,8 +4,8 @@ The noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) grows 10-1
 one value read at initialization under-predicts the useful batch. The epochs model E(B) = E_min (1 + B /
 B_noise) needs one B_noise for the whole run to the target; this module reads it from the trajectory of a
 run at batch b (the user's reference run, or the pilot point). T = E_ref x D is the reference run's samples
-to the target; records past T (a run logged beyond the target) are not used, but for one that brackets a window
-with too few records (item 4).
+to the target; records past T (a run logged beyond the target) are not used, but for one that brackets the window's
+middle when the records before T stop short of it (item 4).
 
 1. Read (the default, WINDOW and WINDOW_AVERAGE = "progress"): the progress-weighted mean of the noise
    scale over the records between WINDOW[0] T and WINDOW[1] T, the second half of the run to the target.
@@ -71,16 +71,17 @@ with too few records (item 4).
 3. Interval: a seeded bootstrap (records of the window resampled with replacement, each with its n_i;
    bins for a trend), the INTERVAL_QUANTILES of the estimate: the statistical uncertainty, not the model's
    error.
-4. Records past the target, when the window holds fewer than MIN_RECORDS_PER_BIN records (a trace with a row every
-   few epochs, an early target): the first record past T joins the records for the trend, so that the window's
-   middle lies between records and the trend is interpolated there, not extended past the last record before T
-   (a log usually goes on past the target; records further on are left out, as the noise scale past the target is
-   not the run's to it). Measured on the Pollux applications at six targets, thinned to every 16th and 32nd row (one
-   or two rows before the target; benchmarks/statistical_efficiency.py, sparse_records, 2026-12-07): the worst median
-   |epochs error| went 150% -> 18% and 193% -> 22%, the median 6.0% -> 5.8% and 10.2% -> 8.5%; the CIFAR-10 run at
-   90% of its best accuracy, every 16th row, 75-151% -> 8-17%. The CPU tasks' runs stop at their target (some with
-   a last record just past it): their headline is unchanged, and thinned to every 16th record their median went
-   23.0% -> 23.5%. records_past_target_ says whether one was used.
+4. Records past the target, when the records before T stop short of the window's middle (a trace with a row every
+   few epochs, an early target): the first record past T joins the records for the trend, so that the middle lies
+   between records and the trend is interpolated there, not extended past the last record before T (a log usually
+   goes on past the target; records further on are left out, as the noise scale past the target is not the run's to
+   it). Where records before T reach the middle, or there are none, nothing past T is used. Measured on the Pollux
+   applications at six targets, thinned to every 16th and 32nd row (one or two rows before the target;
+   benchmarks/statistical_efficiency.py, sparse_records, 2026-12-07): the worst median |epochs error| went 150% ->
+   22% and 193% -> 22%, the median 6.0% -> 5.8% and 10.2% -> 7.3%; the CIFAR-10 run at 90% of its best accuracy,
+   every 16th row, 75-151% -> 8-17%. The CPU tasks' runs stop at their target (some with a last record just past
+   it): their headline is unchanged, and thinned to every 16th record their median went 23.0% -> 23.5%.
+   records_past_target_ says whether one was used.
 With window=None the power-law trend over all bins is read at run_fraction T instead; window_average
 "geometric", "median" or "pooled" read the window as before (alternatives the benchmark compares).
 """
@@ -271,7 +272,7 @@ class TrajectoryNoiseScale:
         self.at_samples_ = self.run_fraction * target_samples
         self.records_past_target_ = 0
         self.covered_samples_ = float(arrays["samples"].max()) if self.records_ else 0.0
-        if past.size and self.window is not None and self._window(arrays) is None:  # too few records in the window: bracket it (module docstring, item 4)
+        if past.size and self.window is not None and 0 < self.covered_samples_ < self.at_samples_:  # bracket the window's middle (item 4)
             nearest = past[np.argmin(everything["samples"][past])]
             arrays = {key: np.append(value, everything[key][nearest]) for key, value in arrays.items()}
             self.records_past_target_ = 1
@@ -351,7 +352,7 @@ class TrajectoryNoiseScale:
             "interval": list(self.interval_) if self.interval_ else None,
             "interval_quantiles": list(INTERVAL_QUANTILES),
             # the trajectory it was read from, for a plot: the pooled noise scale of each bin of records up to the target
-            # (and the first record past it, where it brackets a window with too few records: records_past_target)
+            # (and the first record past it, where it brackets the window's middle: records_past_target)
             # (bins_of: at most MAX_BINS, each at the geometric mean of its records' samples; unresolved bins left out)
             "bins": {"samples": [b.samples for b in self.bins_], "noise_scale": [b.noise_scale for b in self.bins_]},
             "covered_samples": self.covered_samples_,
