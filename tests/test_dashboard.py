@@ -81,6 +81,8 @@ def _noisy_finished_job(database_url: str) -> str:
 # noise scale grows along the run
 REFERENCE_RUN = [{"samples": 16_000 * i, "batch": 32, "grad_sqr": 4.0 / i, "trace_sigma": 200.0, "loss": 2.3 / (1 + 0.1 * i)}
                  for i in range(1, 41)]  # fmt: skip
+# a trace with a row every few epochs: two before the 10-epoch target, both short of the window's middle (7.5 epochs)
+SPARSE_RUN = [{"samples": 50_000 * epoch, "batch": 32, "grad_sqr": 4.0 / epoch, "trace_sigma": 200.0} for epoch in (1, 4, 14, 20)]
 
 
 def _job_planned_before_curves(database_url: str) -> str:
@@ -103,6 +105,7 @@ def server(tmp_path_factory):
     noisy_id = _noisy_finished_job(database_url)  # before the server starts, so its executor never sees the points
     older_id = _job_planned_before_curves(database_url)
     trajectory_id = finished_job(store_for(database_url), training={"reference_run": {"gradient_stats": REFERENCE_RUN}})
+    sparse_id = finished_job(store_for(database_url), training={"reference_run": {"gradient_stats": SPARSE_RUN}})
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
     # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
     live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
@@ -112,6 +115,7 @@ def server(tmp_path_factory):
     live.noisy_id = noisy_id
     live.older_id = older_id
     live.trajectory_id = trajectory_id
+    live.sparse_id = sparse_id
     yield live
     live.stop()
 
@@ -572,6 +576,24 @@ def test_the_model_curves_drawn_are_the_ones_the_server_evaluated(tab, server):
     chosen_epochs = server.api.get(f"/v1/jobs/{server.handmade_id}/recommendation")["chosen"]["epochs"]
     assert chosen_epochs["calibrated_interval"] == [chosen_epochs["value"]] * 2  # chosen at the reference batch: closed,
     assert page.locator("dl.facts .calibrated").count() == 0  # so not shown (the run to measure next has its own range)
+
+
+def test_a_sparse_trace_is_read_by_the_trend_through_the_first_record_past_the_target_and_says_so(tab, server):
+    """Two rows before the target, both short of the window's middle, and the trace going on: the read is the bins'
+    trend at 75% of the run, interpolated with the first row past the target, and the figure says so."""
+    rec = server.api.get(f"/v1/jobs/{server.sparse_id}/recommendation")
+    read = next(c for c in rec["models"]["efficiency"]["evidence"]["candidates"] if c["source"] == "reference_run")
+    assert read["detail"]["records_past_target"] == 1 and not read["detail"]["extrapolated"]
+    page = tab.open(f"/jobs/{server.sparse_id}")
+    wait_for_plan(page, "stored")
+    traces = tab.plot_data("plot-noise-trajectory")
+    [measured] = [t for t in traces if t["name"].startswith("reference run: B_simple, records pooled in")]
+    assert measured["x"] == pytest.approx([1.0, 4.0, 14.0])  # the row at 20 epochs is left out
+    [value] = [t for t in traces if t["name"].startswith("read: ")]
+    assert "(fitted; the bins' trend at 75% of the run, interpolated with the first record past the target)" in value["name"]
+    assert value["y"] == pytest.approx([read["noise_scale"]] * 2)
+    assert "interpolated with the first record past the target" in page.locator("#noise-trajectory-note").inner_text()
+    assert not tab.errors
 
 
 def test_the_noise_scale_is_drawn_along_the_reference_run_it_was_read_from(tab, server):

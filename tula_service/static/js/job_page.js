@@ -57,8 +57,10 @@ function renderNoiseTrajectory(rec) {
   $("noise-trajectory-note").textContent = (figure.used ? `The epochs model's B_noise was read from the ${from}'s records.`
     : used === "other_runs" ? `The ${from}'s records: their noise scale is the prior of the fit to your other runs.`
       : `The ${from}'s records did not give the noise scale used (${(used || "none").replace("_", " ")}): see the warnings.`)
-    + " The noise scale grows as the loss falls, so one value is read for the run to the target: over the shaded part of it,"
-    + " or, where the records stop short of it, the trend of the last bins extended (weak evidence).";
+    + " The noise scale grows as the loss falls, so one value is read for the run to the target: over the shaded part of it;"
+    + " with too few records there, the trend of the bins at its middle (interpolated with the first record past the target"
+    + " where the records before it stop short); or, where the records stop short and none go past, the trend of the last"
+    + " bins extended (weak evidence).";
 }
 
 function renderResult(rec, whatIf) {

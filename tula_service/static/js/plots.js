@@ -350,8 +350,11 @@ export function noiseTrajectoryFigure(rec, spec) {
   }
   const value = read.noise_scale;
   if (value) {
+    const trend = detail.method.startsWith("power-law trend");
+    const bracketed = detail.records_past_target ? ", interpolated with the first record past the target" : "";
     const how = detail.extrapolated ? `the bins' trend extended, slope ${significant(detail.slope)}`
-      : span ? "over the shaded part of the run" : detail.method;
+      : trend ? `the bins' trend at ${Math.round(100 * detail.run_fraction)}% of the run${bracketed}`
+        : span ? "over the shaded part of the run" : detail.method;
     const name = `read: ${significant(value)} (fitted; ${how})`;
     const style = { line: { color: COLORS.fitted, width: 2, dash: detail.extrapolated ? "dash" : "solid" }, hoverinfo: "name" };
     data.push(detail.extrapolated || !span
