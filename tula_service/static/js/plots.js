@@ -350,7 +350,7 @@ export function noiseTrajectoryFigure(rec, spec) {
   }
   const value = read.noise_scale;
   if (value) {
-    const trend = detail.method.startsWith("power-law trend");
+    const trend = (detail.method || "").startsWith("power-law trend");
     const bracketed = detail.records_past_target ? ", interpolated with the first record past the target" : "";
     const how = detail.extrapolated ? `the bins' trend extended, slope ${significant(detail.slope)}`
       : trend ? `the bins' trend at ${Math.round(100 * detail.run_fraction)}% of the run${bracketed}`
