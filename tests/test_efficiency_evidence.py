@@ -84,6 +84,23 @@ def test_a_log_that_goes_on_past_the_target_brackets_a_window_with_one_record():
     assert stopped["noise_scale"]["value"] != pytest.approx(grows(0.75 * TARGET_SAMPLES), rel=0.1)
 
 
+def test_records_all_past_the_target_are_named_as_such_where_the_answer_falls_back():
+    """A log whose every record lies past reference_epochs x num_samples (a wrong reference_epochs, or samples counted
+    per device) reads nothing. The answer says so, with the numbers to check, first among its warnings, and does not
+    call the statistics unresolved or ask for statistics the user gave."""
+    late = [{"samples": int(f * TARGET_SAMPLES), "batch": 32, "grad_sqr": 1.0, "trace_sigma": 1000.0 * f, "window_steps": 5}
+            for f in (1.2, 2.0, 3.0)]  # fmt: skip
+    report = efficiency({"reference_run": {"gradient_stats": late}})
+    assert report["noise_scale"]["evidence"] == "initialization" and report["weak"]
+    first = report["warnings"][0]
+    assert first.startswith("reference_run: none of its 3 records lies at or before the target (5e+05 samples seen")
+    assert "the first is at 6e+05" in first and "reference_epochs" in first
+    assert not any("not resolved" in w for w in report["warnings"])
+    unresolved = [{**r, "samples": int(0.3 * r["samples"]), "grad_sqr": -1.0} for r in late]  # before the target, no signal
+    assert efficiency({"reference_run": {"gradient_stats": unresolved}})["warnings"][0].startswith(
+        "reference_run: the pooled |G|^2 or tr(Sigma) is not positive")
+
+
 def test_a_larger_noise_scale_along_training_predicts_fewer_epochs_at_large_batches():
     at_init = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time")), POINTS)
     trained = plan(JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, objective="min_time", training={

@@ -259,7 +259,13 @@ def from_trajectory(source: str, records: list[Any], spec: JobSpec) -> NoiseEvid
     if statistic != wanted:
         warnings.append(f"{source}: the {wanted} statistics for {spec.training.optimizer} are "
                         f"{'missing' if wanted not in estimates else 'not resolved'}: the raw gradient's are used")  # fmt: skip
-    if chosen.noise_scale_ is None:
+    if chosen.records_ == 0:
+        first = float(np.min(arrays[statistic]["samples"]))
+        warnings.append(f"{source}: none of its {arrays[statistic]['samples'].size} records lies at or before the target "
+                        f"({targets[statistic]:.4g} samples seen: training.reference_epochs x dataset.num_samples, or E(b) D "
+                        f"for records at another batch); the first is at {first:.4g}, so they were not used. Check "
+                        "reference_epochs, and that each record's samples counts the samples of every device")  # fmt: skip
+    elif chosen.noise_scale_ is None:
         warnings.append(f"{source}: the pooled |G|^2 or tr(Sigma) is not positive, or their ratio is past "
                         f"{MAX_RESOLVED_NOISE_SCALE:.0e} samples: the noise scale is not resolved")  # fmt: skip
     elif chosen.records_ < FEW_RECORDS:
@@ -599,7 +605,8 @@ def report(chosen: NoiseEvidence | None, evidence: list[NoiseEvidence], epochs: 
         "min_epochs": {"value": epochs.min_epochs, "source": "fitted"},
         "assumes_lr": ASSUMED_LR["measured_runs" if chosen.source == "other_runs" else "advised_rule"],
         "source": "fitted",
-        "warnings": chosen.warnings,
+        # the evidence preferred to the one used (EVIDENCE_ORDER), and why it was not used, first
+        "warnings": [w for e in evidence[: evidence.index(chosen)] for w in e.warnings] + chosen.warnings,
         "weak": chosen.weak,
         "note": _NOTES[chosen.source],
     }
