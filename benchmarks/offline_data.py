@@ -15,6 +15,12 @@
   `sysconfig.get_paths()["stdlib"]` (site-packages and dist-packages excluded), concatenated, cut into
   non-overlapping windows of seq_len + 1 bytes; a seeded permutation of the windows gives the train
   windows and, after them, the held-out validation windows. Input = window[:-1], target = window[1:].
+- `tabular_noisy`: tabular classification with noisy labels, as a user's table of measurements and hand-made labels
+  is: scikit-learn's `make_classification` (TABULAR_GENERATOR: 20 features, 10 informative, 5 classes, 2 clusters
+  a class, 20% of the labels replaced by random ones, random_state 0), TABULAR_SAMPLES rows, of which the last
+  TABULAR_TEST_SAMPLES are the test split and the first `train_samples` the train split; the features standardized
+  with the train split's mean and std; inputs (n, 20), labels (n,). The labels' noise gives the loss a floor that
+  no batch trains past, so the gradient's signal fades near the target while its noise stays.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "stdlib_bytes")
+DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "stdlib_bytes", "tabular_noisy")
 # The service's dataset fields that give the same data as `load_data` here, for the jobs the benchmarks submit:
 # `digits` here is standardized over all 1 797 images (the service's default is X / 16 on its train split).
 SERVICE_DATASET_FIELDS = {"digits": {"scaling": "standard", "split": "all"}}
 SPLIT_TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 STDLIB_WINDOW_SEED = 0
+TABULAR_SAMPLES, TABULAR_TEST_SAMPLES = 24_000, 4_000
+TABULAR_GENERATOR = {"n_features": 20, "n_informative": 10, "n_redundant": 4, "n_classes": 5, "n_clusters_per_class": 2,
+                     "flip_y": 0.2, "class_sep": 1.0, "random_state": 0}  # fmt: skip
 STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
 REPO = Path(__file__).resolve().parents[1]
 STDLIB_TOKEN_FILE = REPO / "var" / "datasets" / f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib.txt"
@@ -57,6 +66,8 @@ def load_data(dataset: str, train_samples: int, test_samples: int, seq_len: int 
         return diabetes_standardized(train_samples, test_samples)
     elif dataset == "stdlib_bytes":
         return stdlib_windows(train_samples, test_samples, seq_len)
+    elif dataset == "tabular_noisy":
+        return tabular_noisy(train_samples, test_samples)
     else:
         raise KeyError(f"dataset '{dataset}' is not offline benchmark data; known: {', '.join(DATASETS)}")
     if train_samples + test_samples > len(targets):
@@ -78,6 +89,8 @@ def data_shape(dataset: str, seq_len: int = 64) -> dict[str, int]:
         return {"vocab_size": 256, "seq_len": seq_len}
     if dataset == "diabetes":
         return {"length": 10, "num_classes": 1}
+    if dataset == "tabular_noisy":
+        return {"length": TABULAR_GENERATOR["n_features"], "num_classes": TABULAR_GENERATOR["n_classes"]}
     return {"in_channels": 1, "image_size": 8, "num_classes": 10}
 
 
@@ -129,6 +142,22 @@ def diabetes_standardized(train_samples: int, test_samples: int) -> dict[str, to
     (train_x, train_y), (test_x, test_y) = scaled(train_x, train_y), scaled(test_x, test_y)
     return {"train_x": train_x[:train_samples], "train_y": train_y[:train_samples],
             "test_x": test_x[:test_samples], "test_y": test_y[:test_samples]}  # fmt: skip
+
+
+def tabular_noisy(train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
+    """The noisy-label tabular data (module docstring): the same rows for every split size, so a task on fewer train
+    rows trains on a prefix of a larger one's, and every task tests on the same rows."""
+    from sklearn.datasets import make_classification
+
+    available = TABULAR_SAMPLES - TABULAR_TEST_SAMPLES
+    if train_samples > available or test_samples > TABULAR_TEST_SAMPLES:
+        raise ValueError(f"tabular_noisy has {available} train / {TABULAR_TEST_SAMPLES} test samples, fewer than {train_samples} / {test_samples}")
+    features, labels = make_classification(n_samples=TABULAR_SAMPLES, **TABULAR_GENERATOR)
+    train_x = torch.from_numpy(features[:train_samples]).float()
+    test_x = torch.from_numpy(features[TABULAR_SAMPLES - TABULAR_TEST_SAMPLES :][:test_samples]).float()
+    mean, std = train_x.mean(dim=0), train_x.std(dim=0)
+    return {"train_x": (train_x - mean) / std, "train_y": torch.from_numpy(labels[:train_samples]).long(),
+            "test_x": (test_x - mean) / std, "test_y": torch.from_numpy(labels[TABULAR_SAMPLES - TABULAR_TEST_SAMPLES :][:test_samples]).long()}  # fmt: skip
 
 
 def stdlib_files() -> list[Path]:

@@ -106,6 +106,23 @@ def test_digits_x16_is_the_scikit_learn_data_in_its_train_split():
     assert torch.equal(flat["train_x"], data["train_x"].reshape(1437, 64)) and torch.equal(flat["train_y"], data["train_y"])
 
 
+def test_the_noisy_label_table_is_standardized_on_its_train_split_and_a_smaller_task_trains_on_a_prefix():
+    data = load_data("tabular_noisy", 16000, 4000)
+    assert data["train_x"].shape == (16000, 20) and data["test_x"].shape == (4000, 20)
+    assert torch.allclose(data["train_x"].mean(dim=0), torch.zeros(20), atol=1e-5)
+    assert torch.allclose(data["train_x"].std(dim=0), torch.ones(20), atol=1e-4)
+    assert not torch.allclose(data["test_x"].mean(dim=0), torch.zeros(20), atol=1e-5)  # the train split's statistics, not its own
+    assert sorted(data["train_y"].unique().tolist()) == [0, 1, 2, 3, 4]
+    smaller = load_data("tabular_noisy", 1000, 500)
+    assert torch.equal(smaller["train_y"], data["train_y"][:1000]) and torch.equal(smaller["test_y"], data["test_y"][:500])
+    # the labels are noisy: a linear model fitted to every train row is still wrong on about a fifth or more of them
+    features = torch.cat([data["train_x"], torch.ones(16000, 1)], dim=1)
+    solution = torch.linalg.lstsq(features, torch.nn.functional.one_hot(data["train_y"], 5).float()).solution
+    assert (features @ solution).argmax(dim=1).ne(data["train_y"]).float().mean() > 0.2
+    with pytest.raises(ValueError, match="tabular_noisy has 20000 train"):
+        load_data("tabular_noisy", 20001, 100)
+
+
 def test_the_stdlib_text_is_deterministic(tmp_path):
     again = b"".join(p.read_bytes() for p in sorted(stdlib_files(), key=lambda p: p.as_posix()))
     assert hashlib.sha256(again).hexdigest() == stdlib_corpus_info()["sha256"] == hashlib.sha256(stdlib_bytes()).hexdigest()
