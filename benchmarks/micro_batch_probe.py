@@ -65,12 +65,13 @@ def probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
     data, model = et.task_data(task), et.task_model(task, 0)
     optimizer = et.task_optimizer(task, model, float(row["lr"]))
     stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
+    augmentation = et.augmentation_generator(task, 0)
     step = et.step_function(task)
     for index in range(steps):
         rows = stream.next(ref)
         for group in optimizer.param_groups:
             group["lr"] = et.scheduled_lr(task, ref, float(row["lr"]), index)
-        step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+        step(model, optimizer, *et.training_batch(task, data, rows, augmentation))
     reads = {}
     for micro in MICRO_BATCHES:  # the same seed draws the same batches for every size
         read = noise_probe(model, data, torch.Generator().manual_seed(1), micro_batch=micro, micro_batches=PROBE_BATCH // micro,

@@ -173,20 +173,21 @@ def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = F
     optimizer = et.task_optimizer(task, model, lr)
     params = [p for p in model.parameters() if p.requires_grad]
     stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
+    augmentation = et.augmentation_generator(task, 0)
     eval_every = max(1, round(task.train_samples / batch / et.EVALS_PER_EPOCH))
     beta, ema, steps = optimizer_beta(optimizer), None, []
     adam = is_adaptive(optimizer)
     hessian_rows = torch.Generator().manual_seed(20_000)
     for step in range(math.ceil(task.max_epochs * task.train_samples / batch)):
-        rows = stream.next(batch)
+        inputs, targets = et.training_batch(task, data, stream.next(batch), augmentation)
         step_lr = et.scheduled_lr(task, batch, lr, step)
         for group in optimizer.param_groups:
             group["lr"] = step_lr
         forms = None
         if hessian:
             drawn = torch.randint(task.train_samples, (min(HESSIAN_BATCH, task.train_samples),), generator=hessian_rows)
-            forms = hessian_estimates(model, optimizer, params, data["train_x"][rows], data["train_y"][rows], drawn, data)
-        stats = et.accumulation_step(model, optimizer, data["train_x"][rows], data["train_y"][rows])
+            forms = hessian_estimates(model, optimizer, params, inputs, targets, drawn, data)
+        stats = et.accumulation_step(model, optimizer, inputs, targets)
         if stats is None:
             raise RuntimeError(f"{name}: the reference run diverged at step {step}")
         full = et.flat([p.grad for p in params])

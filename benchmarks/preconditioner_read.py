@@ -73,6 +73,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
     optimizer = et.task_optimizer(task, model, lr)
     params = [p for p in model.parameters() if p.requires_grad]
     stream = et.BatchStream(task.train_samples, torch.Generator().manual_seed(10_000))
+    augmentation = et.augmentation_generator(task, 0)
     eval_every = max(1, round(task.train_samples / batch / et.EVALS_PER_EPOCH))
     per_step: dict[str, list[dict[str, float]]] = {reading: [] for reading in READINGS}
     evaluations: dict[int, float] = {}
@@ -82,7 +83,8 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = et.scheduled_lr(task, batch, lr, step)
         micro, losses = [], []
-        for x, y in zip(data["train_x"][rows].chunk(k), data["train_y"][rows].chunk(k)):
+        inputs, targets = et.training_batch(task, data, rows, augmentation)
+        for x, y in zip(inputs.chunk(k), targets.chunk(k)):
             loss = et.mean_loss(model(x), y)
             micro.append(et.flat(torch.autograd.grad(loss, params)))
             losses.append(float(loss.detach()))

@@ -123,6 +123,28 @@ def test_the_noisy_label_table_is_standardized_on_its_train_split_and_a_smaller_
         load_data("tabular_noisy", 20001, 100)
 
 
+def test_an_augmented_task_shifts_each_image_by_at_most_a_pixel_drawn_per_image_from_its_runs_seed():
+    task = et.TASKS["digits_cnn_sgd_shift"]
+    data = et.task_data(task)
+    rows = torch.arange(256)
+    images, labels = et.training_batch(task, data, rows, et.augmentation_generator(task, 3))
+    assert torch.equal(labels, data["train_y"][rows])
+    padded = torch.nn.functional.pad(data["train_x"][rows], (1, 1, 1, 1))
+    offsets = set()
+    for i in range(256):
+        matches = [(dy, dx) for dy in range(3) for dx in range(3) if torch.equal(images[i], padded[i, :, dy : dy + 8, dx : dx + 8])]
+        assert matches, i  # every image is its original translated by -1, 0 or +1 pixel each way, the edge zero
+        offsets.update(matches)
+    assert len(offsets) == 9  # every translation is drawn
+    again, _ = et.training_batch(task, data, rows, et.augmentation_generator(task, 3))
+    other, _ = et.training_batch(task, data, rows, et.augmentation_generator(task, 4))
+    assert torch.equal(images, again) and not torch.equal(images, other)  # the run's seed sets the draws
+    plain = replace(task, augment=None)
+    assert et.augmentation_generator(plain, 3) is None and torch.equal(et.training_batch(plain, data, rows, None)[0], data["train_x"][rows])
+    with pytest.raises(ValueError, match="Task.augment"):
+        et.augmentation_generator(replace(task, augment="flip"), 0)
+
+
 def test_the_stdlib_text_is_deterministic(tmp_path):
     again = b"".join(p.read_bytes() for p in sorted(stdlib_files(), key=lambda p: p.as_posix()))
     assert hashlib.sha256(again).hexdigest() == stdlib_corpus_info()["sha256"] == hashlib.sha256(stdlib_bytes()).hexdigest()
