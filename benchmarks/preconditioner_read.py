@@ -50,10 +50,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import efficiency_tasks as et  # noqa: E402
+from tula_service.fit.efficiency_evidence import STATISTIC_FOR_OPTIMIZER  # noqa: E402
 
 OUT = REPO / "docs" / "validation" / "statistical_efficiency" / "preconditioner_read.md"
 QUICK_TASKS = ("digits_mlp_adamax", "digits_cnn_adam")
-ADAPTIVE = {"adam", "adamw", "rmsprop", "nadam", "radam", "adamax"}
+ADAPTIVE = {name for name, statistic in STATISTIC_FOR_OPTIMIZER.items() if statistic == "preconditioned"}  # the service reads P g
 READINGS = ("before", "step")
 REPRODUCED_WITHIN = 0.01
 

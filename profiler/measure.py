@@ -86,11 +86,11 @@ DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BET
 OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay", "momentum_decay",
                            "decoupled_weight_decay", "dampening")
 OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
-                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax}
+                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax, "adagrad": torch.optim.Adagrad}
 
 
 def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-    """The spec's optimizer (SGD, Adam, AdamW, RMSprop, NAdam, RAdam or Adamax) with its settings
+    """The spec's optimizer (SGD, Adam, AdamW, RMSprop, NAdam, RAdam, Adamax or Adagrad) with its settings
     (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha, centered, amsgrad, weight_decay, momentum_decay
     (NAdam), decoupled_weight_decay (NAdam, RAdam), dampening (SGD), as torch.optim names them); PyTorch's default for
     each one not given, but SGD's momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no momentum buffer)."""

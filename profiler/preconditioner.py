@@ -25,6 +25,13 @@ u = max(beta2 u, |g| + eps) (exp_inf; the paper has no eps, torch adds it to |g|
 -eta / (1 - beta1^t) m / u, m the EMA of g as Adam's, so P = 1 / u, the denominator u itself (no bias correction, no
 square root, and no eps added: it is in u already); its 1 / (1 - beta1^t) is a factor of the LR (profiler.sharpness).
 
+Adagrad (Duchi et al. 2011; torch.optim.Adagrad) divides by the root of the sum of every past g^2, not of a moving
+average: sum = initial_accumulator_value + sum_t g_t^2 ("sum"), the step -eta / (1 + (t - 1) lr_decay) g / (sqrt(sum) +
+eps), so P = 1 / (sqrt(sum) + eps); no momentum, no bias correction. Its state exists before the first step (step 0,
+sum = initial_accumulator_value): it holds no gradient yet, so P is read only from t >= 1, as the others' are, and the
+coming step's only from the second step on (the first would divide each coordinate by its own |g|, a noise scale of
+the micro-batches' spread over it, with no history: a pilot's first record read -2e7 on an MLP).
+
 preconditioner() and preconditioner_squares() read P from the state as it is: right after a step, the P that step
 divided by (as benchmarks/efficiency_tasks.py reads it); an optimizer that has taken no step has none. Before a step
 the state lacks that step's own gradient, so the user's logger, the pilot and profiler.sharpness, which run before
@@ -33,7 +40,7 @@ it, take the coming step's P instead (below).
 The coming step's P (coming_step_preconditioner), for profiler.sharpness: the step folds its own gradient g into
 the state before it divides, v' = beta2 v + (1 - beta2) g^2 at t + 1 (Adam, AdamW, NAdam, RAdam; amsgrad's max of
 it), RMSprop's square_avg' = alpha square_avg + (1 - alpha) g^2 (and grad_avg' = alpha grad_avg + (1 - alpha) g,
-centered), Adamax's u' = max(beta2 u, |g| + eps). With g the gradient at the point (the mean over the loss's samples,
+centered), Adamax's u' = max(beta2 u, |g| + eps), Adagrad's sum' = sum + g^2. With g the gradient at the point (the mean over the loss's samples,
 its noise left out: E[g^2] >= G^2, so this is the smallest v' the step can have, the largest P). Where a coordinate's
 state is stale, v far below the gradient now there (a ReLU unit that has just come back, so its weights had no
 gradient for many steps), P read from the state is up to 1 / eps, while the step would divide by at least
@@ -47,20 +54,24 @@ from collections.abc import Sequence
 
 import torch
 
-ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+ADAPTIVE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+                       torch.optim.Adagrad)
 
 
 def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether the optimizer's update is a preconditioned gradient this module can read (Adam, AdamW, RMSprop, NAdam,
-    RAdam, Adamax)."""
+    RAdam, Adamax, Adagrad)."""
     return isinstance(optimizer, ADAPTIVE_OPTIMIZERS)
 
 
 def denominator(optimizer: torch.optim.Optimizer, group: dict, state: dict | None) -> torch.Tensor | None:
-    """1 / P for one parameter (module docstring): sqrt(v) + eps, RAdam's (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t), or
-    Adamax's u (exp_inf); a new tensor; None while its state holds no second moment (no step taken with a gradient for it)."""
+    """1 / P for one parameter (module docstring): sqrt(v) + eps, RAdam's (sqrt(exp_avg_sq) + eps) / sqrt(1 - beta2^t),
+    Adamax's u (exp_inf), or Adagrad's sqrt(sum) + eps; a new tensor; None while its state holds no second moment (no step
+    taken with a gradient for it)."""
     if not state:
         return None
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return state["sum"].sqrt().add_(group["eps"]) if "sum" in state and float(state["step"]) > 0 else None
     if isinstance(optimizer, torch.optim.Adamax):
         return state["exp_inf"].clone() if "exp_inf" in state else None
     if isinstance(optimizer, torch.optim.RMSprop):
@@ -111,6 +122,10 @@ def _state_after(optimizer: torch.optim.Optimizer, group: dict, state: dict, gra
     """A copy of the parameter's state as the optimizer's step would leave its second moment (Adamax: its infinity
     norm) and step count with `gradient` as the step's gradient (module docstring); the state itself is not changed."""
     after = dict(state)
+    if isinstance(optimizer, torch.optim.Adagrad):  # its state is there before any step, but holds no gradient until one
+        if float(state["step"]) > 0:
+            after["sum"], after["step"] = state["sum"] + gradient.square(), float(state["step"]) + 1
+        return after
     if not {"exp_inf", "square_avg", "exp_avg_sq"} & set(state):
         return after  # no second moment yet: denominator() says so
     if isinstance(optimizer, torch.optim.Adamax):

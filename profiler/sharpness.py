@@ -6,8 +6,8 @@ question about the loss surface, which the gradient noise scale does not answer:
 This module measures the answer from the run itself.
 
 Sharpness. lambda_max, the largest eigenvalue of the Hessian H of the training loss (of P^(1/2) H P^(1/2)
-for Adam, AdamW, RMSprop, NAdam, RAdam and Adamax, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) /
-(sqrt(exp_avg_sq) + eps), Adamax's 1 / u, the optimizer's own preconditioner: profiler.preconditioner), by power
+for Adam, AdamW, RMSprop, NAdam, RAdam, Adamax and Adagrad, P = 1 / (sqrt(v) + eps), RAdam's sqrt(1 - beta2^t) /
+(sqrt(exp_avg_sq) + eps), Adamax's 1 / u, Adagrad's 1 / (sqrt(sum) + eps), the optimizer's own preconditioner: profiler.preconditioner), by power
 iteration on Hessian-vector products (Pearlmutter 1994): v <- H v / |H v|, lambda = v . H v, from a fixed random start.
 Power iteration finds the eigenvalue of largest magnitude. Where that is negative (a saddle's direction outweighs the
 sharpest one), a second run on H - lambda_neg I, whose eigenvalues lie in [0, lambda_max - lambda_neg], gives lambda_max
@@ -59,7 +59,10 @@ Stability threshold (on a quadratic, the update diverges along the top eigenvect
       lambda_max < (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta)
   (torch's bias correction applied here, unlike Adam's above: it lowers the first steps' threshold, 1 - beta1^t = 0.1,
   0.65 and 0.99997 at t = 1, 10 and 100 at beta1 0.9)
-NAdam's, RAdam's and Adamax's coefficients change with the step t; each threshold is the one of the coming step,
+- Adagrad (preconditioned, P = 1 / (sqrt(sum) + eps), sum the accumulated g^2; Duchi et al. 2011, torch.optim.Adagrad):
+  no momentum, the step -eta / (1 + (t - 1) lr_decay) P g, so gradient descent's edge with that LR:
+      lambda_max < 2 (1 + (t - 1) lr_decay) / eta
+NAdam's, RAdam's, Adamax's and Adagrad's coefficients change with the step t; each threshold is the one of the coming step,
 t = the state's step + 1 (the first parameter's that has a state; t = 1, mu_product_0 = 1 before any step).
 (Cohen et al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability";
 Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the momentum and Adam forms.)
@@ -197,9 +200,11 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
     dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) (1 - beta1^t) / (1 - beta1)
     for the coming step t of Adam, AdamW and Adamax (one form: torch steps all three by eta / (1 - beta1^t)), (2 + 2
     beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's, (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for
-    RAdam's. None where no threshold is known here (dampening d >= 1, RAdam's un-rectified first steps, other
-    optimizers)."""
+    RAdam's, 2 (1 + (t - 1) lr_decay) for Adagrad's. None where no threshold is known here (dampening d >= 1, RAdam's
+    un-rectified first steps, other optimizers)."""
     group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 2.0 * (1.0 + float(_first_state(optimizer).get("step", 0.0)) * float(group["lr_decay"]))
     if isinstance(optimizer, torch.optim.NAdam):
         return _nadam_threshold_times_lr(group, _first_state(optimizer))
     if isinstance(optimizer, torch.optim.RAdam):

@@ -83,12 +83,21 @@ def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:
     _batches_within_the_dataset(spec)
     _devices_within_the_limit(spec)
     _max_lr_above_reference(spec)
+    _nesterov_that_torch_takes(spec)
     _one_other_run_per_batch(spec)
     _width_splits_into_heads(spec)
     _image_side_the_model_takes(spec)
     _step_placements_that_fit(spec)
     _loss_the_dataset_takes(spec)
     return spec
+
+
+def _nesterov_that_torch_takes(spec: dict[str, Any]) -> None:
+    """Nesterov momentum with a momentum of 0, or with dampening, is plain heavy ball (torch.optim.SGD refuses both)."""
+    training = spec.get("training")
+    if isinstance(training, dict) and training.get("nesterov") is True:
+        if training.get("momentum") == 0 or training.get("dampening") not in (None, 0):
+            training["nesterov"] = False
 
 
 def _loss_the_dataset_takes(spec: dict[str, Any]) -> None:

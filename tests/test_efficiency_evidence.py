@@ -296,18 +296,18 @@ def test_adam_with_an_l2_term_says_it_was_measured_on_one_task_and_adamw_does_no
         assert not any("an L2 term" in w for w in warnings), training
 
 
-def test_nadam_radam_and_adamax_read_the_preconditioned_gradient_and_their_l2_term_unless_decoupled():
+def test_nadam_radam_adamax_and_adagrad_read_the_preconditioned_gradient_and_their_l2_term_unless_decoupled():
     from tula_service.fit.efficiency_evidence import adam_variant_caveat
 
     stats = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in records(lambda s: 500.0)]
-    for optimizer in ("nadam", "radam", "adamax"):
+    for optimizer in ("nadam", "radam", "adamax", "adagrad"):
         report = efficiency({"optimizer": optimizer, "reference_run": {"gradient_stats": stats}})
         assert report["noise_scale"]["value"] == pytest.approx(400.0, rel=0.05)  # the preconditioned pair's, not the raw 500
         assert adam_variant_caveat(optimizer) in report["warnings"] and f"{optimizer}: read as Adam's is" in adam_variant_caveat(optimizer)
         coupled = efficiency({"optimizer": optimizer, "weight_decay": 1e-3, "reference_run": {"gradient_stats": stats}})["warnings"]
         assert f"{optimizer} with weight_decay 0.001" in " ".join(coupled)
-        if optimizer == "adamax":
-            continue  # its decay is always an L2 term
+        if optimizer in ("adamax", "adagrad"):
+            continue  # their decay is always an L2 term
         decoupled = {"optimizer": optimizer, "weight_decay": 1e-3, "decoupled_weight_decay": True, "reference_run": {"gradient_stats": stats}}
         assert not any("an L2 term" in w for w in efficiency(decoupled)["warnings"]), optimizer
     assert not any("read as Adam's is" in w for w in efficiency({"optimizer": "adam", "reference_run": {"gradient_stats": stats}})["warnings"])

@@ -440,7 +440,7 @@ def test_the_lookaheads_winner_stands_only_where_it_wins_on_every_seed(tmp_path,
             k: v for k, v in fresh[batch].items() if k not in drop}, batch  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["digits_mlp_adamax", "digits_mlp_rmsprop_centered"])
+@pytest.mark.parametrize("name", ["digits_mlp_adamax", "digits_mlp_rmsprop_centered", "digits_mlp_adagrad"])
 def test_the_users_logger_gives_the_ground_truths_preconditioned_records(name):
     """The product's path (profiler.reference_logger in a plain accumulation loop) against the trajectory the benchmark
     validated (the cached ground truth's reference run, its P read after each step): the first 8 records of the digits

@@ -339,7 +339,7 @@ def test_a_stability_measurement_that_fails_is_reported_and_the_pilot_keeps_its_
     assert "not implemented" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adamax"])
+@pytest.mark.parametrize("optimizer", ["adam", "adamax", "adagrad"])
 def test_a_pilot_steps_precond_pair_weighs_by_the_p_the_step_divides_by(optimizer):
     """accumulated_step on a real Trainer against an oracle: P read from the optimizer's state right after the step
     (what it divided by), the same micro-batches by their own autograd.grad. The MLP's inputs are 0 in feature 5 for

@@ -134,6 +134,18 @@ def test_adamax_steps_by_its_first_moment_over_the_denominator_read_from_its_sta
     assert torch.allclose(update, expected, rtol=1e-9, atol=0)
 
 
+def test_adagrad_reads_the_root_of_every_past_squared_gradient_and_steps_by_it():
+    """torch.optim.Adagrad: sum = sum_t g_t^2 (not a moving average), P = 1 / (sqrt(sum) + eps), the step -lr / (1 + (t - 1)
+    lr_decay) P g; nothing before its first step, though its state (step 0, sum 0) is there from the start."""
+    layer = torch.nn.Linear(3, 2)
+    assert preconditioner(torch.optim.Adagrad(layer.parameters()), list(layer.parameters())) is None
+    layer, optimizer, gradients = _stepped(torch.optim.Adagrad, steps=4, eps=0.1)
+    squares = torch.stack(gradients).square().sum(0)
+    assert torch.allclose(preconditioner(optimizer, list(layer.parameters())), 1 / (squares.sqrt() + 0.1), rtol=1e-6)
+    optimizer, layer, update, gradient = _next_update(torch.optim.Adagrad, 4, eps=0.1, lr_decay=0.5)
+    assert torch.allclose(update, -1e-3 / (1 + 4 * 0.5) * gradient / _flat_denominator(optimizer, layer), rtol=1e-9, atol=0)
+
+
 def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradient_yet():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.RMSprop(layer.parameters(), lr=1e-3)
@@ -148,21 +160,23 @@ def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradie
 
 def test_which_optimizers_are_adaptive():
     weight = torch.nn.Parameter(torch.zeros(2))
-    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+                torch.optim.Adagrad)
     assert all(is_adaptive(make([weight], lr=0.1)) for make in adaptive)
-    assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adagrad)) and not is_adaptive(None)
+    assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adadelta)) and not is_adaptive(None)
 
 
 COMING_STEP_CASES = [
     (torch.optim.Adam, {}), (torch.optim.Adam, {"amsgrad": True}), (torch.optim.Adam, {"weight_decay": 0.5}),
     (torch.optim.AdamW, {"weight_decay": 0.5}), (torch.optim.NAdam, {}), (torch.optim.RAdam, {}), (torch.optim.RMSprop, {}),
     (torch.optim.RMSprop, {"centered": True, "momentum": 0.9}), (torch.optim.Adamax, {}), (torch.optim.Adamax, {"weight_decay": 0.5}),
+    (torch.optim.Adagrad, {}), (torch.optim.Adagrad, {"weight_decay": 0.5}),
 ]
 
 
 @pytest.mark.parametrize(("optimizer_class", "options"), COMING_STEP_CASES,
                          ids=["adam", "adam-amsgrad", "adam-coupled-decay", "adamw", "nadam", "radam", "rmsprop", "rmsprop-centered",
-                              "adamax", "adamax-coupled-decay"])  # fmt: skip
+                              "adamax", "adamax-coupled-decay", "adagrad", "adagrad-coupled-decay"])  # fmt: skip
 def test_the_coming_steps_preconditioner_is_the_one_its_step_divides_by(optimizer_class, options):
     """coming_step_preconditioner(state before, g) = preconditioner(state after torch's step with g): the step's own
     gradient folded into the second moment (Adamax: the infinity norm) at t + 1, with a coupled decay's wd theta added

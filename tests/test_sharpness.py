@@ -269,6 +269,7 @@ def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
     coupled_decay = 0.0 if group.get("decoupled_weight_decay", False) else group["weight_decay"]
     denominator = 1 / _coming(optimizer, weight, loss_fn)
     held_infinity_norm = denominator if "exp_inf" in state else None
+    held_sum = (denominator - group["eps"]) ** 2 if "sum" in state else None
     group["lr"] = lr
     for _ in range(steps):
         optimizer.zero_grad()
@@ -276,7 +277,11 @@ def _frozen_run(weight, loss_fn, optimizer, lr, steps=300):
         for key, value in frozen.items():
             state[key].copy_(value)
         gradient = weight.grad + coupled_decay * weight.detach()
-        if held_infinity_norm is None:
+        if held_sum is not None:  # Adagrad: sum + g^2 = held_sum, while the gradient has not outgrown it
+            if bool((gradient**2 > held_sum).any()):
+                break
+            state["sum"].copy_(held_sum - gradient**2)
+        elif held_infinity_norm is None:
             state["exp_avg_sq"].copy_(_exp_avg_sq_giving(optimizer, state, gradient, denominator))
         elif bool((gradient.abs() + group["eps"] > held_infinity_norm).any()):
             break
@@ -351,6 +356,57 @@ def test_the_headroom_says_where_adamax_diverges(steps_taken, settings):
     assert below < start and (above > 1e3 * start or not math.isfinite(above))
 
 
+ADAGRAD_HELD_SUM_FACTOR = 1e12  # the sum held this far above the warm-up's (its root 1e6), so a diverging gradient can grow under it
+
+
+def _warmed_adagrad(steps_taken, **settings):
+    """_warmed's Adagrad with its sum scaled by ADAGRAD_HELD_SUM_FACTOR: P scales by its inverse root and the edge LR by
+    that root, so eta P, and the iteration on the quadratic, are the same."""
+    weight, loss_fn, optimizer = _warmed(torch.optim.Adagrad, steps_taken, **settings)
+    optimizer.state[weight]["sum"].mul_(ADAGRAD_HELD_SUM_FACTOR)
+    return weight, loss_fn, optimizer
+
+
+@pytest.mark.parametrize(
+    ("steps_taken", "settings"),
+    [(20, {}), (1, {}), (5, {"lr_decay": 0.5}), (10, {"weight_decay": 1.0})],
+    ids=["adagrad", "adagrad-early", "adagrad-lr-decay", "adagrad-coupled-decay"],
+)
+def test_the_headroom_says_where_adagrad_diverges(steps_taken, settings):
+    """Adagrad's edge is gradient descent's with its LR eta / (1 + (t - 1) lr_decay): 2 (1 + (t - 1) lr_decay) / eta on
+    P^(1/2) (H + wd I) P^(1/2), P = 1 / (sqrt(sum + g^2) + eps), for the coming step t; with the sum and t held, 0.95x
+    the edge LR trains and 1.05x diverges on a quadratic."""
+    weight, loss_fn, optimizer = _warmed_adagrad(steps_taken, **settings)
+    step = steps_taken + 1
+    measured = stability_headroom(loss_fn, [weight], optimizer, iterations=500, tolerance=0.0)
+    hessian = _least_squares(seed=2)[2] + settings.get("weight_decay", 0.0) * torch.eye(6, dtype=torch.float64)
+    scale = _coming(optimizer, weight, loss_fn).sqrt()  # 1 / (sqrt(sum + g^2) + eps)
+    assert measured["sharpness"] == pytest.approx(float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max()), rel=1e-4)
+    edge_lr = 1e-2 * measured["stability_headroom"]
+    assert edge_lr == pytest.approx(2 * (1 + (step - 1) * settings.get("lr_decay", 0.0)) / measured["sharpness"], rel=1e-9)
+    start = float(loss_fn().detach())
+    below = _frozen_run(*_warmed_adagrad(steps_taken, **settings), lr=0.95 * edge_lr)
+    above = _frozen_run(*_warmed_adagrad(steps_taken, **settings), lr=1.05 * edge_lr)
+    assert below < start and (above > 1e3 * start or not math.isfinite(above))
+
+
+def test_adagrad_has_no_headroom_before_its_first_step_though_its_state_is_there():
+    """Adagrad's state exists from the start (step 0, sum 0) but holds no gradient: no P and no headroom before the first
+    step, as for the others; after it, the coming step's P folds the gradient into the sum."""
+    weight, loss_fn, _ = _least_squares(seed=3)
+    adagrad = torch.optim.Adagrad([weight], lr=1e-2)
+    assert stability_threshold_times_lr(adagrad) == 2.0
+    assert preconditioner(adagrad, [weight]) is None and _coming(adagrad, weight, loss_fn) is None
+    assert stability_headroom(loss_fn, [weight], adagrad) is None
+    adagrad.zero_grad()
+    loss_fn().backward()
+    first = weight.grad.clone()
+    adagrad.step()
+    (gradient,) = torch.autograd.grad(loss_fn(), [weight])
+    assert torch.allclose(_coming(adagrad, weight, loss_fn), 1 / ((first**2 + gradient**2).sqrt() + 1e-10), rtol=1e-12)
+    assert stability_headroom(loss_fn, [weight], adagrad) is not None
+
+
 def test_adamaxs_threshold_follows_its_bias_correction_and_it_has_no_headroom_before_its_first_step():
     """(2 + 2 beta1) (1 - beta1^t) / (1 - beta1) for the coming step: 3.8 at t = 1, 38 (1 - 0.9^4) at t = 4."""
     weight, loss_fn, _ = _least_squares(seed=3)
@@ -421,7 +477,7 @@ def test_nadam_and_radam_decay_as_their_decoupled_weight_decay_says(optimizer_cl
 def test_optimizers_without_a_known_threshold_get_no_headroom():
     weight, loss_fn, _ = _least_squares()
     assert stability_threshold_times_lr(torch.optim.SGD([weight], lr=0.1, momentum=0.9, dampening=1.0)) is None
-    assert stability_headroom(loss_fn, [weight], torch.optim.Adagrad([weight], lr=0.1)) is None
+    assert stability_headroom(loss_fn, [weight], torch.optim.Adadelta([weight], lr=0.1)) is None
 
 
 def test_attention_layers_have_a_second_derivative_here():

@@ -89,7 +89,7 @@ def test_momentum_is_sgds_and_rmsprops_and_a_fraction_below_one():
     rmsprop = JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop", "momentum": 0.9})).training
     assert rmsprop.optimizer_settings()["momentum"] == {"value": 0.9, "source": "spec"} and rmsprop.sgd_momentum() is None
     assert JobSpec.model_validate(spec_dict(training={"optimizer": "rmsprop"})).training.optimizer_settings()["momentum"] == {"value": 0.0, "source": "assumed"}
-    assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adagrad"}))
+    assert ("training", "optimizer") in _errors(spec_dict(training={"optimizer": "adadelta"}))
 
 
 def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
@@ -115,6 +115,9 @@ def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
     assert set(JobSpec.model_validate(spec_dict(training={"optimizer": "radam"})).training.optimizer_settings()) == {
         "betas", "eps", "decoupled_weight_decay", "weight_decay"}  # fmt: skip
     assert set(JobSpec.model_validate(spec_dict(training={"optimizer": "adamax"})).training.optimizer_settings()) == {"betas", "eps", "weight_decay"}
+    adagrad = JobSpec.model_validate(spec_dict(training={"optimizer": "adagrad"})).training.optimizer_settings()
+    assert adagrad == {"eps": {"value": 1e-10, "source": "assumed"}, "weight_decay": {"value": 0.0, "source": "assumed"}}  # PyTorch's
+    assert "optimizer adagrad has none" in _errors(spec_dict(training={"optimizer": "adagrad", "betas": [0.9, 0.99]}))[("training", "betas")]
     assert set(JobSpec.model_validate(spec_dict()).training.optimizer_settings()) == {"momentum", "nesterov", "dampening", "weight_decay"}
     assert "momentum_decay is NAdam's; optimizer radam has none" in _errors(spec_dict(training={"optimizer": "radam", "momentum_decay": 0.004}))[("training", "momentum_decay")]
     assert "decoupled_weight_decay is NAdam's and RAdam's; optimizer adam has none" in _errors(

@@ -93,7 +93,7 @@ DEFAULT_ADAM_BETAS = (0.9, 0.999)
 DEFAULT_NADAM_MOMENTUM_DECAY = 4e-3
 # torch.optim's settings the spec takes beside the LR (their PyTorch names), the optimizers each is for, and the value
 # each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, RAdam,
-# Adamax), except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the
+# Adamax, Adagrad), except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the
 # pilot reports each with its source.
 OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "momentum": {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM},
@@ -101,18 +101,18 @@ OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "dampening": {"sgd": 0.0},
     "betas": {"adam": DEFAULT_ADAM_BETAS, "adamw": DEFAULT_ADAM_BETAS, "nadam": DEFAULT_ADAM_BETAS, "radam": DEFAULT_ADAM_BETAS,
               "adamax": DEFAULT_ADAM_BETAS},
-    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8, "nadam": 1e-8, "radam": 1e-8, "adamax": 1e-8},
+    "eps": {"adam": 1e-8, "adamw": 1e-8, "rmsprop": 1e-8, "nadam": 1e-8, "radam": 1e-8, "adamax": 1e-8, "adagrad": 1e-10},
     "alpha": {"rmsprop": 0.99},
     "centered": {"rmsprop": False},
     "amsgrad": {"adam": False, "adamw": False},
     "momentum_decay": {"nadam": DEFAULT_NADAM_MOMENTUM_DECAY},
     "decoupled_weight_decay": {"nadam": False, "radam": False},
-    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0, "adamax": 0.0},
+    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0, "adamax": 0.0, "adagrad": 0.0},
 }
 # as messages and the advice name them; the keys are the spec's `training.optimizer` choices
 OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "nadam": "NAdam", "radam": "RAdam",
-                   "adamax": "Adamax"}
-OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam", "adamax"]
+                   "adamax": "Adamax", "adagrad": "Adagrad"}
+OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad"]
 
 
 def setting_optimizers(setting: str) -> tuple[str, ...]:
@@ -445,11 +445,12 @@ class TrainingSpec(_Strict):
     )
     optimizer: OptimizerName = Field(
         "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, "
-        "RAdam, Adamax), with its settings below (each only for the optimizers that have it; PyTorch's default where left "
+        "RAdam, Adamax, Adagrad), with its settings below (each only for the optimizers that have it; PyTorch's default where left "
         f"out, but SGD's momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, dampening, weight_decay; adam and "
         "adamw: betas, eps, amsgrad, weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay; nadam: betas, eps, "
         "momentum_decay, decoupled_weight_decay, weight_decay; radam: betas, eps, decoupled_weight_decay, weight_decay; "
-        "adamax: betas, eps, weight_decay")
+        "adamax: betas, eps, weight_decay; adagrad: eps, weight_decay (its lr_decay and initial_accumulator_value at "
+        "PyTorch's 0)")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
@@ -475,8 +476,9 @@ class TrainingSpec(_Strict):
     )
     eps: float | None = Field(
         None, gt=0, le=1, allow_inf_nan=False,
-        description="adam, adamw, rmsprop, nadam, radam and adamax: the term added to sqrt(v) in the preconditioner 1 / "
-        "(sqrt(v) + eps) (Adamax's: to |g| in its infinity norm); default 1e-8, PyTorch's (assumed)",
+        description="adam, adamw, rmsprop, nadam, radam, adamax and adagrad: the term added to sqrt(v) in the preconditioner "
+        "1 / (sqrt(v) + eps) (Adamax's: to |g| in its infinity norm; Adagrad's v: the sum of every past g^2); default 1e-8, "
+        "Adagrad's 1e-10, PyTorch's (assumed)",
     )
     alpha: Beta | None = Field(None, description="rmsprop only: the smoothing constant of its mean square, in [0, 1); default 0.99, PyTorch's")
     centered: StrictBool | None = Field(
@@ -495,7 +497,7 @@ class TrainingSpec(_Strict):
     weight_decay: float | None = Field(
         None, ge=0, le=10, allow_inf_nan=False,
         description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam, "
-        "rmsprop, adamax, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
+        "rmsprop, adamax, adagrad, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
         "step) for adamw. Default PyTorch's: 0, adamw 0.01 (assumed). Profiling points and the pilot train with it; the "
         "gradient statistics are of the loss alone",
     )
