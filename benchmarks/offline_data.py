@@ -153,11 +153,11 @@ def tabular_noisy(train_samples: int, test_samples: int) -> dict[str, torch.Tens
     if train_samples > available or test_samples > TABULAR_TEST_SAMPLES:
         raise ValueError(f"tabular_noisy has {available} train / {TABULAR_TEST_SAMPLES} test samples, fewer than {train_samples} / {test_samples}")
     features, labels = make_classification(n_samples=TABULAR_SAMPLES, **TABULAR_GENERATOR)
-    train_x = torch.from_numpy(features[:train_samples]).float()
-    test_x = torch.from_numpy(features[TABULAR_SAMPLES - TABULAR_TEST_SAMPLES :][:test_samples]).float()
+    train, test = slice(0, train_samples), slice(available, available + test_samples)
+    train_x, test_x = (torch.from_numpy(features[rows]).float() for rows in (train, test))
     mean, std = train_x.mean(dim=0), train_x.std(dim=0)
-    return {"train_x": (train_x - mean) / std, "train_y": torch.from_numpy(labels[:train_samples]).long(),
-            "test_x": (test_x - mean) / std, "test_y": torch.from_numpy(labels[TABULAR_SAMPLES - TABULAR_TEST_SAMPLES :][:test_samples]).long()}  # fmt: skip
+    return {"train_x": (train_x - mean) / std, "train_y": torch.from_numpy(labels[train]).long(),
+            "test_x": (test_x - mean) / std, "test_y": torch.from_numpy(labels[test]).long()}  # fmt: skip
 
 
 def stdlib_files() -> list[Path]:
