@@ -242,6 +242,7 @@ class GradientStatsLogger:
             raise ValueError("grad_scaler needs the optimizer: GradScaler unscales the gradients per optimizer")
         self.process_group, self.world_size, self.rank = _distributed_setup(model)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self._model_buffers = list(model.buffers())  # batch norm's running statistics: measure_stability leaves them
         if not self.parameters:
             raise ValueError("the model has no parameter that requires a gradient")
         self.optimizer = optimizer
@@ -649,14 +650,22 @@ class GradientStatsLogger:
         "stability_headroom" and "stability_lr". Call it between
         optimizer.step() and the next forward pass, every few hundred steps: it costs about 2 x 20 backward
         passes of loss_fn, which builds a loss on a fixed batch (under DDP, through the unwrapped module).
+        Its forward pass leaves the training as it was: torch's random generators (dropout's masks) and the model's
+        buffers (batch norm's running statistics) are restored after it.
         Needs the optimizer; returns the measurement, or None where no threshold is known for it."""
         if self.optimizer is None:
             raise ValueError("measure_stability needs the optimizer: its LR and momentum set the threshold")
         hooked, forward_sizes = bool(self._grad_hooks), list(self._tally.forward_sizes)
         self._hook_gradients(False)  # the measurement's own passes are not training steps
+        kept = [buffer.detach().clone() for buffer in self._model_buffers]
+        cuda = [self._device.index if self._device.index is not None else torch.cuda.current_device()] if self._device.type == "cuda" else []
         try:
-            measured = stability_headroom(loss_fn, self.parameters, self.optimizer)
+            with torch.random.fork_rng(devices=cuda):
+                measured = stability_headroom(loss_fn, self.parameters, self.optimizer)
         finally:
+            with torch.no_grad():
+                for buffer, before in zip(self._model_buffers, kept):
+                    buffer.copy_(before)
             self._tally.forward_sizes = forward_sizes
             self._hook_gradients(hooked)
         if measured is not None:

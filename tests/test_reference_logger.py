@@ -696,6 +696,30 @@ def test_two_gloo_processes_give_the_statistics_of_one_process_on_the_same_micro
         assert (written[-1]["precond_grad_sqr"] is not None) == (optimizer_name == "adam")
 
 
+def test_a_stability_measurement_leaves_the_training_as_it_was_with_dropout_and_batch_norm(tmp_path):
+    """Its forward pass draws dropout masks and moves batch norm's running statistics: both are restored, so the run
+    with measurements trains exactly as the run without them."""
+    fixed_inputs, fixed_targets = _batches(1, 64)[0]
+
+    def run(measure: bool) -> tuple[list[torch.Tensor], list[dict]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+        optimizer = _optimizer("sgd", model)
+        logger = GradientStatsLogger(tmp_path / f"kept-{measure}.jsonl", model, optimizer, every=3, accumulation=4)
+        records = []
+        for index, batch in enumerate(_batches(6)):
+            records += _train(model, optimizer, logger, [batch], micro_batches=4)
+            if measure and index in (1, 3):
+                assert logger.measure_stability(lambda: F.cross_entropy(model(fixed_inputs), fixed_targets)) is not None
+        logger.close()
+        return [t.detach().clone() for t in (*model.parameters(), *model.buffers())], records
+
+    plain_state, plain_records = run(False)
+    state, records = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(state, plain_state))
+    assert [r["grad_sqr"] for r in records] == [r["grad_sqr"] for r in plain_records]
+
+
 def test_a_stability_measurement_goes_into_the_next_record_and_leaves_the_statistics_alone(tmp_path):
     """measure_stability() between steps: its own forward and backward passes are not counted as micro-batches,
     and the next record carries the most restrictive measurement since the last one (the smallest headroom x LR),
