@@ -55,6 +55,12 @@ def has_batch_norm(model: torch.nn.Module) -> bool:
 
 
 def probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
+    """_probe with dropout's masks drawn as the ground truth's seed-0 run drew them (et.run_randomness)."""
+    with et.run_randomness(0):
+        return _probe(name, truth, draws)
+
+
+def _probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
     """Train task `name` to PROBE_FRACTION of its reference run, then read |G|^2, tr(Sigma) and B_simple at every
     micro-batch size of MICRO_BATCHES from the same draws (module docstring)."""
     torch.set_num_threads(1)

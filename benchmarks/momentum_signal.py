@@ -163,6 +163,12 @@ def hessian_estimates(
 
 
 def reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = False) -> list[dict[str, float]]:
+    """_reference_run_statistics with dropout's masks drawn as the ground truth's seed-0 run drew them."""
+    with et.run_randomness(0):
+        return _reference_run_statistics(name, truth, hessian)
+
+
+def _reference_run_statistics(name: str, truth: dict[str, Any], hessian: bool = False) -> list[dict[str, float]]:
     """Per step of the reference run retrained to the target: the two-batch |G|^2 and tr(Sigma) (raw, and
     preconditioned for Adam), the squared norm of the bias-corrected EMA of the full-batch gradient and, with
     `hessian`, the Hessian-weighted estimates (hessian_estimates)."""

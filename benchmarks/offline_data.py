@@ -16,11 +16,15 @@
   non-overlapping windows of seq_len + 1 bytes; a seeded permutation of the windows gives the train
   windows and, after them, the held-out validation windows. Input = window[:-1], target = window[1:].
 - `tabular_noisy`: tabular classification with noisy labels, as a user's table of measurements and hand-made labels
-  is: scikit-learn's `make_classification` (TABULAR_GENERATOR: 20 features, 10 informative, 5 classes, 2 clusters
+  is: scikit-learn's `make_classification` (TABULAR_GENERATORS: 20 features, 10 informative, 5 classes, 2 clusters
   a class, 20% of the labels replaced by random ones, random_state 0), TABULAR_SAMPLES rows, of which the last
   TABULAR_TEST_SAMPLES are the test split and the first `train_samples` the train split; the features standardized
   with the train split's mean and std; inputs (n, 20), labels (n,). The labels' noise gives the loss a floor that
   no batch trains past, so the gradient's signal fades near the target while its noise stays.
+- `tabular_imbalanced`: the same kind of table with imbalanced classes, as fraud, fault or diagnosis tables are:
+  `make_classification` (TABULAR_GENERATORS: 20 features, 10 informative, 5 classes of 70%, 16%, 8%, 4% and 2% of
+  the rows, 1% of the labels random, random_state 1), split and standardized as `tabular_noisy`. Once the common
+  classes are fitted, most of the gradient comes from a few rare-class rows, so its noise is heavy-tailed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "stdlib_bytes", "tabular_noisy")
+DATASETS = ("mnist1d", "digits", "digits_x16", "digits_x16_flat", "diabetes", "stdlib_bytes", "tabular_noisy", "tabular_imbalanced")
 # The service's dataset fields that give the same data as `load_data` here, for the jobs the benchmarks submit:
 # `digits` here is standardized over all 1 797 images (the service's default is X / 16 on its train split).
 SERVICE_DATASET_FIELDS = {"digits": {"scaling": "standard", "split": "all"}}
@@ -42,8 +46,13 @@ SPLIT_TEST_FRACTION = 0.2
 SPLIT_SEED = 0
 STDLIB_WINDOW_SEED = 0
 TABULAR_SAMPLES, TABULAR_TEST_SAMPLES = 24_000, 4_000
-TABULAR_GENERATOR = {"n_features": 20, "n_informative": 10, "n_redundant": 4, "n_classes": 5, "n_clusters_per_class": 2,
-                     "flip_y": 0.2, "class_sep": 1.0, "random_state": 0}  # fmt: skip
+TABULAR_FEATURES, TABULAR_CLASSES = 20, 5
+_TABLE = {"n_features": TABULAR_FEATURES, "n_informative": 10, "n_redundant": 4, "n_classes": TABULAR_CLASSES,
+          "n_clusters_per_class": 2, "class_sep": 1.0}  # fmt: skip
+TABULAR_GENERATORS = {  # make_classification's arguments per table
+    "tabular_noisy": {**_TABLE, "flip_y": 0.2, "random_state": 0},
+    "tabular_imbalanced": {**_TABLE, "weights": [0.70, 0.16, 0.08, 0.04, 0.02], "flip_y": 0.01, "random_state": 1},
+}
 STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
 REPO = Path(__file__).resolve().parents[1]
 STDLIB_TOKEN_FILE = REPO / "var" / "datasets" / f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib.txt"
@@ -66,8 +75,8 @@ def load_data(dataset: str, train_samples: int, test_samples: int, seq_len: int 
         return diabetes_standardized(train_samples, test_samples)
     elif dataset == "stdlib_bytes":
         return stdlib_windows(train_samples, test_samples, seq_len)
-    elif dataset == "tabular_noisy":
-        return tabular_noisy(train_samples, test_samples)
+    elif dataset in TABULAR_GENERATORS:
+        return generated_table(dataset, train_samples, test_samples)
     else:
         raise KeyError(f"dataset '{dataset}' is not offline benchmark data; known: {', '.join(DATASETS)}")
     if train_samples + test_samples > len(targets):
@@ -89,8 +98,8 @@ def data_shape(dataset: str, seq_len: int = 64) -> dict[str, int]:
         return {"vocab_size": 256, "seq_len": seq_len}
     if dataset == "diabetes":
         return {"length": 10, "num_classes": 1}
-    if dataset == "tabular_noisy":
-        return {"length": TABULAR_GENERATOR["n_features"], "num_classes": TABULAR_GENERATOR["n_classes"]}
+    if dataset in TABULAR_GENERATORS:
+        return {"length": TABULAR_FEATURES, "num_classes": TABULAR_CLASSES}
     return {"in_channels": 1, "image_size": 8, "num_classes": 10}
 
 
@@ -144,15 +153,15 @@ def diabetes_standardized(train_samples: int, test_samples: int) -> dict[str, to
             "test_x": test_x[:test_samples], "test_y": test_y[:test_samples]}  # fmt: skip
 
 
-def tabular_noisy(train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
-    """The noisy-label tabular data (module docstring): the same rows for every split size, so a task on fewer train
-    rows trains on a prefix of a larger one's, and every task tests on the same rows."""
+def generated_table(name: str, train_samples: int, test_samples: int) -> dict[str, torch.Tensor]:
+    """A generated table of TABULAR_GENERATORS (module docstring): the same rows for every split size, so a task on
+    fewer train rows trains on a prefix of a larger one's, and every task tests on the same rows."""
     from sklearn.datasets import make_classification
 
     available = TABULAR_SAMPLES - TABULAR_TEST_SAMPLES
     if train_samples > available or test_samples > TABULAR_TEST_SAMPLES:
-        raise ValueError(f"tabular_noisy has {available} train / {TABULAR_TEST_SAMPLES} test samples, fewer than {train_samples} / {test_samples}")
-    features, labels = make_classification(n_samples=TABULAR_SAMPLES, **TABULAR_GENERATOR)
+        raise ValueError(f"{name} has {available} train / {TABULAR_TEST_SAMPLES} test samples, fewer than {train_samples} / {test_samples}")
+    features, labels = make_classification(n_samples=TABULAR_SAMPLES, **TABULAR_GENERATORS[name])
     train, test = slice(0, train_samples), slice(available, available + test_samples)
     train_x, test_x = (torch.from_numpy(features[rows]).float() for rows in (train, test))
     mean, std = train_x.mean(dim=0), train_x.std(dim=0)

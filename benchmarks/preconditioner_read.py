@@ -60,6 +60,12 @@ REPRODUCED_WITHIN = 0.01
 
 
 def measure_task(job: dict[str, Any]) -> dict[str, Any]:
+    """_measure_task with dropout's masks drawn as the ground truth's seed-0 run drew them (et.run_randomness)."""
+    with et.run_randomness(0):
+        return _measure_task(job)
+
+
+def _measure_task(job: dict[str, Any]) -> dict[str, Any]:
     """Train seed 0 of job["task"] for job["steps"] steps at job["lr"], each step's precond pair with both readings of
     P; returns per-step statistics and the evaluations (module docstring). Runs in a worker process."""
     import torch

@@ -102,11 +102,20 @@ def measurement_steps(steps: int, count: int = MEASUREMENTS) -> list[int]:
 
 
 def measure_task(job: dict[str, Any]) -> dict[str, Any]:
+    """_measure_task with dropout's masks drawn as the ground truth's run of that seed drew them (run_randomness)."""
+    from efficiency_tasks import run_randomness
+
+    with run_randomness(int(job.get("seed", 0))):
+        return _measure_task(job)
+
+
+def _measure_task(job: dict[str, Any]) -> dict[str, Any]:
     """Train seed 0 of job["task"] at its reference batch and job["lr"] for job["steps"] steps, as
     efficiency_tasks.train_to_target does, and measure the stability headroom at measurement_steps (module
     docstring). Runs in a worker process (one torch thread)."""
     import torch
-    from efficiency_tasks import BatchStream, Task, evaluate, mean_loss, scheduled_lr, step_function, task_data, task_model, task_optimizer
+    from efficiency_tasks import (BatchStream, Task, augmentation_generator, evaluate, mean_loss, scheduled_lr, step_function, task_data,
+                                  task_model, task_optimizer, training_batch)  # fmt: skip
 
     from profiler.sharpness import stability_headroom
 
@@ -118,6 +127,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
     model = task_model(task, seed)
     optimizer = task_optimizer(task, model, lr)
     stream = BatchStream(task.train_samples, torch.Generator().manual_seed(10_000 + seed))
+    augmentation = augmentation_generator(task, seed)
     inputs, targets = data["train_x"], data["train_y"]
     n = min(LOSS_SAMPLES, task.train_samples)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -129,7 +139,7 @@ def measure_task(job: dict[str, Any]) -> dict[str, Any]:
         rows = stream.next(batch)
         for group in optimizer.param_groups:
             group["lr"] = scheduled_lr(task, batch, lr, step - 1)
-        if step_function(task)(model, optimizer, inputs[rows], targets[rows]) is None:
+        if step_function(task)(model, optimizer, *training_batch(task, data, rows, augmentation)) is None:
             outcome = "diverged"
             break
         if step not in marks:

@@ -152,9 +152,10 @@ _OWN_MODELS = (
     ),
     ModelInfo(
         "mlp1d",
-        "MLP for 1D signals (MNIST-1D baseline): length -> hidden -> hidden -> classes, ReLU.",
+        "MLP for 1D signals (MNIST-1D baseline): length -> hidden -> hidden -> classes, ReLU; `dropout` after each hidden"
+        " ReLU (Srivastava et al. 2014; 0: none).",
         "signal1d",
-        options={"hidden": 100},
+        options={"hidden": 100, "dropout": 0.0},
     ),
     ModelInfo(
         "cnn1d",
@@ -185,9 +186,10 @@ _OWN_MODELS = (
     ModelInfo(
         "gpt",
         "GPT-style decoder-only transformer LM (pre-LayerNorm, causal self-attention, tied head);"
-        " seq_len and vocab_size come from the dataset; batch counted in sequences.",
+        " seq_len and vocab_size come from the dataset; batch counted in sequences; `dropout` on the embeddings, the"
+        " attention weights and each residual branch, as GPT-2 (0: none).",
         "tokens",
-        options={"layers": 2, "width": 128, "heads": 4},
+        options={"layers": 2, "width": 128, "heads": 4, "dropout": 0.0},
     ),
 )
 
@@ -390,15 +392,17 @@ def image_size_problem(model_name: str, image_size: int) -> str | None:
 
 
 MAX_MODEL_OPTION_INT = 1_000_000  # a layer count, width or channel count beyond this is a typo, not a model
+PROBABILITY_OPTIONS = ("dropout",)  # the catalog's float options: each a probability in [0, 1)
 
 
 def resolved_model_options(model_name: str, given: dict[str, object] | None) -> dict[str, object]:
     """A catalog model's options with defaults filled in, checked against their types and bounds.
 
-    Every catalog option is a size (layers, width, heads, hidden units, channels): an integer in
-    [1, MAX_MODEL_OPTION_INT]; a whole float (from YAML, say) is taken as its integer. The GPT's width
-    must split evenly into its heads. Raises ValueError naming the option; checked at submit, so a
-    wrong type is a 422 rather than a failed point on the worker.
+    A catalog option is a size (layers, width, heads, hidden units, channels): an integer in
+    [1, MAX_MODEL_OPTION_INT], a whole float (from YAML, say) taken as its integer; or a probability
+    (PROBABILITY_OPTIONS: dropout) in [0, 1), an integer 0 taken as 0.0. The GPT's width must split
+    evenly into its heads. Raises ValueError naming the option; checked at submit, so a wrong type is
+    a 422 rather than a failed point on the worker.
     """
     defaults = MODELS[model_name].options
     given = dict(given or {})
@@ -410,10 +414,14 @@ def resolved_model_options(model_name: str, given: dict[str, object] | None) -> 
         expected = type(defaults[option])
         if expected is int and isinstance(value, float) and value.is_integer():
             value = given[option] = int(value)
+        if expected is float and type(value) is int:
+            value = given[option] = float(value)
         if type(value) is not expected:
             raise ValueError(f"model option '{option}' of '{model_name}' must be of type {expected.__name__} (got {value!r})")
         if expected is int and not 1 <= value <= MAX_MODEL_OPTION_INT:
             raise ValueError(f"model option '{option}' of '{model_name}' must be between 1 and {MAX_MODEL_OPTION_INT} (got {value})")
+        if expected is float and not 0.0 <= value < 1.0:
+            raise ValueError(f"model option '{option}' of '{model_name}' is a probability: at least 0 and below 1 (got {value})")
     options = {**defaults, **given}
     if {"width", "heads"} <= options.keys() and options["width"] % options["heads"]:
         raise ValueError(f"model '{model_name}': width ({options['width']}) must be a multiple of heads ({options['heads']})")

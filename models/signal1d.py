@@ -24,15 +24,19 @@ class Linear1d(nn.Module):
 
 
 class MLP1d(nn.Module):
-    """length -> hidden -> hidden -> classes with ReLU (the paper's MLP baseline has hidden = 100)."""
+    """length -> hidden -> hidden -> classes with ReLU (the paper's MLP baseline has hidden = 100, no dropout), and
+    `dropout` after each hidden ReLU (Srivastava et al. 2014: each unit zeroed with that probability in training, the
+    rest scaled by 1 / (1 - p); nothing in eval mode)."""
 
-    def __init__(self, length: int, num_classes: int, hidden: int = 100):
+    def __init__(self, length: int, num_classes: int, hidden: int = 100, dropout: float = 0.0):
         super().__init__()
         self.layers = nn.Sequential(
             nn.Linear(length, hidden),
             nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, hidden),
             nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
 

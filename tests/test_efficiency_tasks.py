@@ -81,6 +81,19 @@ def test_a_micro_batched_task_trains_every_seed_split_so_batch_norm_sees_the_sam
     assert not torch.allclose(et.flat([p.grad for p in model.parameters()]), whole, rtol=1e-3, atol=1e-6)
 
 
+def test_a_run_with_dropout_is_the_same_run_whatever_the_global_generator_held_and_leaves_it_as_it_was():
+    task = replace(TINY, model_options={"dropout": 0.3})
+    torch.manual_seed(123)
+    first = tiny_run(task, split=True)
+    torch.manual_seed(456)
+    state = torch.get_rng_state()
+    second = tiny_run(task, split=True)
+    assert torch.equal(torch.get_rng_state(), state)  # restored after the run
+    assert first["steps"] == second["steps"] and first["trajectory"] == second["trajectory"]
+    other_seed = et.train_to_target({"task": asdict(task), "batch": 32, "lr": et.sqrt_scaled_lr(task, 32), "seed": 1, "split": True})
+    assert other_seed["trajectory"] != first["trajectory"]
+
+
 def test_the_batch_stream_visits_every_sample_once_per_epoch():
     stream = et.BatchStream(100, torch.Generator().manual_seed(0))
     seen = torch.cat([stream.next(32) for _ in range(25)])  # 800 samples = 8 epochs, batches straddle epochs
@@ -121,6 +134,18 @@ def test_the_noisy_label_table_is_standardized_on_its_train_split_and_a_smaller_
     assert (features @ solution).argmax(dim=1).ne(data["train_y"]).float().mean() > 0.2
     with pytest.raises(ValueError, match="tabular_noisy has 20000 train"):
         load_data("tabular_noisy", 20001, 100)
+
+
+def test_the_imbalanced_table_has_a_majority_class_and_rare_ones_in_both_splits_standardized_on_its_train_split():
+    data = load_data("tabular_imbalanced", 16000, 4000)
+    assert data["train_x"].shape == (16000, 20) and data["test_x"].shape == (4000, 20)
+    assert torch.allclose(data["train_x"].mean(dim=0), torch.zeros(20), atol=1e-5)
+    for split, rows in (("train", 16000), ("test", 4000)):
+        shares = torch.bincount(data[f"{split}_y"], minlength=5).float() / rows
+        assert shares[0] > 0.65 and 0.01 < shares[4] < 0.03 and bool((shares[:-1] > shares[1:]).all())  # 70% down to 2%
+    smaller = load_data("tabular_imbalanced", 1000, 500)
+    assert torch.equal(smaller["train_y"], data["train_y"][:1000])
+    assert not torch.equal(load_data("tabular_noisy", 1000, 500)["train_x"], smaller["train_x"])  # another table
 
 
 def test_an_augmented_task_shifts_each_image_by_at_most_a_pixel_drawn_per_image_from_its_runs_seed():

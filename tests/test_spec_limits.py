@@ -72,6 +72,17 @@ def test_model_options_out_of_range_or_inconsistent_are_refused():
     assert JobSpec.model_validate(spec_dict(model="gpt", dataset=tokens, model_options={"width": 96.0, "heads": 3}))
 
 
+def test_dropout_is_a_probability_below_one():
+    signals = {"name": "mnist1d", "num_samples": 1000}
+    for bad in (1.0, -0.1, True, "0.1"):
+        message = _errors(spec_dict(model="mlp1d", dataset=signals, model_options={"dropout": bad}))[("model_options",)]
+        assert "'dropout' of 'mlp1d'" in message
+    spec = JobSpec.model_validate(spec_dict(model="mlp1d", dataset=signals, model_options={"dropout": 0}))
+    assert spec.model_options == {"dropout": 0}
+    assert JobSpec.model_validate(spec_dict(model="gpt", dataset={"name": "synthetic_tokens", "num_samples": 1000},
+                                            model_options={"dropout": 0.1}))  # fmt: skip
+
+
 def test_the_api_answers_a_bound_with_a_422_naming_the_field(live_server):
     spec = spec_dict(batch_sizes=list(range(1, 200)))
     response = httpx.post(f"{live_server.url}/v1/jobs", json=spec, timeout=30)

@@ -209,6 +209,24 @@ def test_gpt_attention_is_causal():
     assert not torch.allclose(before[:, 8:], after[:, 8:])
 
 
+@pytest.mark.parametrize(("name", "options", "shape", "inputs"), [
+    ("mlp1d", {"hidden": 64, "dropout": 0.5}, {"length": 40, "num_classes": 10}, lambda: torch.randn(8, 40)),
+    ("gpt", {"layers": 1, "width": 32, "heads": 2, "dropout": 0.3}, {"vocab_size": 50, "seq_len": 12}, lambda: torch.randint(0, 50, (4, 12))),
+])
+def test_dropout_is_random_in_training_and_off_in_eval_and_zero_leaves_the_model_as_it_was(name, options, shape, inputs):
+    torch.manual_seed(0)
+    model, batch = build_model(name, options=options, **shape).train(), inputs()
+    assert not torch.allclose(model(batch), model(batch))  # a new mask per forward pass
+    model.eval()
+    assert torch.equal(model(batch), model(batch))
+    torch.manual_seed(1)
+    without = build_model(name, options={**options, "dropout": 0.0}, **shape).train()
+    torch.manual_seed(1)
+    plain = build_model(name, options={k: v for k, v in options.items() if k != "dropout"}, **shape).train()
+    state = torch.get_rng_state()
+    assert torch.equal(without(batch), plain(batch)) and torch.equal(torch.get_rng_state(), state)  # p = 0 draws nothing
+
+
 def test_gpt_rejects_width_not_divisible_by_heads():
     with pytest.raises(ValueError, match="multiple of heads"):
         build_model("gpt", options={"width": 30, "heads": 4}, vocab_size=50, seq_len=8)
@@ -217,7 +235,7 @@ def test_gpt_rejects_width_not_divisible_by_heads():
 def test_unknown_model_and_unknown_option_are_explained():
     with pytest.raises(KeyError, match="model 'resnet5' is not in the catalog; did you mean resnet50.*; known: .*resnet18"):
         build_model("resnet5", in_channels=3, image_size=32, num_classes=10)
-    with pytest.raises(ValueError, match=r"model_options \['depth'\] do not apply to model 'gpt' \(it takes: heads, layers"):
+    with pytest.raises(ValueError, match=r"model_options \['depth'\] do not apply to model 'gpt' \(it takes: dropout, heads, layers"):
         build_model("gpt", options={"depth": 3}, vocab_size=50, seq_len=8)
     with pytest.raises(ValueError, match="must be of type int"):
         build_model("gpt", options={"layers": "two"}, vocab_size=50, seq_len=8)

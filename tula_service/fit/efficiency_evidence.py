@@ -85,7 +85,7 @@ STATISTIC_FOR_OPTIMIZER = {"sgd": "raw", "adam": "preconditioned", "adamw": "pre
                            "nadam": "preconditioned", "radam": "preconditioned", "adamax": "preconditioned", "adagrad": "preconditioned"}
 WEAK_COVERAGE = 0.25  # a trajectory that stops before this fraction of the run to the target is extrapolated far
 # runs whose fit misses them by more than this many times a typical task's scatter about E_min (1 + B / B_noise)
-# (the calibration's run_scatter: 0.078 in ln over the benchmark's 43 tasks, the largest 0.20 but for a blow-up, 0.42)
+# (the calibration's run_scatter: 0.078 in ln over the benchmark's 48 tasks, the largest 0.20 but for a blow-up, 0.42)
 # do not follow the form, and from_runs says so
 MISFIT_FACTOR = 3.0
 RUN_TARGET_BISECTIONS = 16  # run_target_samples: the bracket log(b / B_ref) over 2^16, below 0.02% of the samples up to b / B_ref = 1000
@@ -158,11 +158,11 @@ def adam_variant_caveat(optimizer: str) -> str:
 NEXT_RUN_MULTIPLE = 8  # the run that settles the epochs best for its cost, measured (benchmarks/one_more_run.py ADVISED_MULTIPLE)
 NEXT_RUN_WHY = (
     "epochs to the same target measured at this batch (a run at {multiple}x the reference batch, capped at the data "
-    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 43 "
+    "set), given as training.other_runs, are fitted with the noise scale read as a prior (from_runs). Measured on the 48 "
     "tasks of benchmarks/statistical_efficiency.py (docs/validation.md, 'One more run'): a run at 8x the reference batch "
-    "took the median epochs error from 19.6% to 10.0%, 34 of 43 tasks within 15%, the worst 18.7% (from 142% on a GRU "
-    "under SGD); one at 2x helped less (18.8%, worst 157%): runs close together differ by little more than a run's scatter. A run is only as good "
-    "as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
+    "took the median epochs error from 19.3% to 9.9%, 38 of 48 tasks within 15%, the worst 18.7% (from 142% on a GRU "
+    "under SGD); one at 2x helped less (19.3%, worst 158%): runs close together differ by little more than a run's "
+    "scatter. A run is only as good as its epochs: on one task, before its ground truth's LR was tuned better, the run at 8x was itself 2x off and "
     "the fit missed by 92.5%, so measure it at a well-tuned LR"
 )
 ASSUMED_LR = {

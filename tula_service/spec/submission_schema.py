@@ -32,7 +32,7 @@ import os
 import re
 from typing import Any
 
-from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, DatasetInfo, ModelInfo
+from models.registry import DATASETS, LOSSES, MAX_MODEL_OPTION_INT, MODELS, PROBABILITY_OPTIONS, DatasetInfo, ModelInfo
 from tula_service.catalogs import load_gpus, load_interconnects
 from tula_service.settings import environment
 from tula_service.spec.job_spec import OPTIMIZER_NAMES, OPTIMIZER_SETTING_DEFAULTS, allowed_model_modules
@@ -123,9 +123,12 @@ def _user_dataset_variants(base: dict[str, Any], prefixes: list[str]) -> list[di
 
 
 def _model_options_schema(model: ModelInfo) -> dict[str, Any]:
-    """models.registry.resolved_model_options: the model's own options, each a size in [1, 10^6]."""
-    option = {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_OPTION_INT}
-    return {"type": "object", "properties": {name: option for name in model.options}, "additionalProperties": False}
+    """models.registry.resolved_model_options: the model's own options, each a size in [1, 10^6] or a probability in
+    [0, 1) (PROBABILITY_OPTIONS)."""
+    size = {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_OPTION_INT}
+    probability = {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
+    properties = {name: probability if name in PROBABILITY_OPTIONS else size for name in model.options}
+    return {"type": "object", "properties": properties, "additionalProperties": False}
 
 
 def _dataset_variants(dataset_base: dict[str, Any], roots: list[str], prefixes: list[str]) -> list[dict[str, Any]]:
