@@ -55,7 +55,8 @@ def has_batch_norm(model: torch.nn.Module) -> bool:
 
 
 def probe(name: str, truth: dict[str, Any], draws: int) -> dict[str, Any]:
-    """_probe with dropout's masks drawn as the ground truth's seed-0 run drew them (et.run_randomness)."""
+    """_probe with torch's global generator seeded as the ground truth's runs seed it (run_randomness): its dropout
+    masks do not depend on the jobs its process ran before (whole-batch steps, so they are not the truth's split run's)."""
     with et.run_randomness(0):
         return _probe(name, truth, draws)
 

@@ -102,7 +102,8 @@ def measurement_steps(steps: int, count: int = MEASUREMENTS) -> list[int]:
 
 
 def measure_task(job: dict[str, Any]) -> dict[str, Any]:
-    """_measure_task with dropout's masks drawn as the ground truth's run of that seed drew them (run_randomness)."""
+    """_measure_task with torch's global generator seeded as the ground truth's runs seed it (run_randomness): its dropout
+    masks do not depend on the jobs its process ran before (whole-batch steps, so they are not the truth's split run's)."""
     from efficiency_tasks import run_randomness
 
     with run_randomness(int(job.get("seed", 0))):
