@@ -118,7 +118,7 @@ def _measure_task(job: dict[str, Any]) -> dict[str, Any]:
     from efficiency_tasks import (BatchStream, Task, augmentation_generator, evaluate, mean_loss, scheduled_lr, step_function, task_data,
                                   task_model, task_optimizer, training_batch)  # fmt: skip
 
-    from profiler.sharpness import stability_headroom
+    from profiler.sharpness import stability_headroom, training_left_as_it_was
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -146,12 +146,8 @@ def _measure_task(job: dict[str, Any]) -> dict[str, Any]:
         if step not in marks:
             continue
         tick = time.perf_counter()
-        buffers = [b.clone() for b in model.buffers()]  # batch norm's running statistics, which the measurement's passes move
-        with torch.random.fork_rng(devices=[]):
+        with training_left_as_it_was(list(model.buffers()), torch.device("cpu")):  # batch norm's statistics, dropout's draws
             measured = stability_headroom(lambda: mean_loss(model(inputs[:n]), targets[:n]), params, optimizer)
-        with torch.no_grad():
-            for buffer, kept in zip(model.buffers(), buffers):
-                buffer.copy_(kept)
         metric = evaluate(task, model, data)
         measure_s += time.perf_counter() - tick
         points.append({

@@ -152,7 +152,7 @@ from torch import nn
 
 from profiler import preconditioner
 from profiler.gradstats import two_batch_estimates
-from profiler.sharpness import stability_headroom
+from profiler.sharpness import stability_headroom, training_left_as_it_was
 
 RECORD_KEYS = (
     "samples", "batch", "grad_sqr", "trace_sigma", "loss", "metric", "step",
@@ -657,15 +657,10 @@ class GradientStatsLogger:
             raise ValueError("measure_stability needs the optimizer: its LR and momentum set the threshold")
         hooked, forward_sizes = bool(self._grad_hooks), list(self._tally.forward_sizes)
         self._hook_gradients(False)  # the measurement's own passes are not training steps
-        kept = [buffer.detach().clone() for buffer in self._model_buffers]
-        cuda = [self._device.index if self._device.index is not None else torch.cuda.current_device()] if self._device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=cuda):
+            with training_left_as_it_was(self._model_buffers, self._device):
                 measured = stability_headroom(loss_fn, self.parameters, self.optimizer)
         finally:
-            with torch.no_grad():
-                for buffer, before in zip(self._model_buffers, kept):
-                    buffer.copy_(before)
             self._tally.forward_sizes = forward_sizes
             self._hook_gradients(hooked)
         if measured is not None:

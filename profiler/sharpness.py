@@ -87,8 +87,9 @@ service uses it to cap the LR it advises, and says so.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -253,6 +254,22 @@ def _radam_threshold_times_lr(group: dict, state: dict) -> float | None:
     if rectification is None:
         return None
     return _bias_corrected_adam_threshold_times_lr(beta1, step) / rectification
+
+
+@contextlib.contextmanager
+def training_left_as_it_was(buffers: Sequence[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """Around a measurement's forward pass inside a training run: torch's random generators (CPU, and `device`'s when it
+    is a GPU: dropout's masks) and `buffers` (the model's: batch norm's running statistics) are as they were after it,
+    so the run trains on exactly as it would have without the measurement."""
+    kept = [buffer.detach().clone() for buffer in buffers]
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, before in zip(buffers, kept):
+                buffer.copy_(before)
 
 
 def stability_headroom(loss_fn: Callable[[], torch.Tensor], params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
