@@ -117,7 +117,7 @@ SIGNIFICANT_DIGITS = 6
 class Task:
     dataset: str  # a dataset of benchmarks/offline_data.py
     model: str  # a models.zoo name
-    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw", "rmsprop", "nadam", "radam", "adamax" or "adagrad" (PyTorch's defaults)
+    optimizer: str  # "sgd" (momentum 0.9), "adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad" or "adafactor" (PyTorch's defaults)
     train_samples: int
     test_samples: int
     target: float  # test accuracy (higher is better) or held-out loss (lower is better)
@@ -370,6 +370,13 @@ TASKS: dict[str, Task] = {
                                max_epochs=200, reference_batch=32, reference_lr=0.02),
     "imbalanced_mlp_adam": Task("tabular_imbalanced", "mlp1d", "adam", 16000, 4000, 0.25, "val_loss", powers_of_two(16, 2048),
                                 max_epochs=200, reference_batch=32, reference_lr=1e-3),
+    # added 2026-12-07, third session (--add), with the spec's Adafactor (training.optimizer adafactor): PyTorch's defaults
+    # on the digits MLP of digits_mlp_sgd, its target (0.96) and Adafactor's default LR (0.01, the cap of its relative step
+    # min(lr, 1 / sqrt(t)), scaled by each tensor's RMS) as LR_ref, untuned; an optimizer that keeps only the row and
+    # column means of g^2 for a weight (a rank-one second moment) and whose step decays as 1 / sqrt(t) past 10^4 steps,
+    # a count of steps, not of epochs. Nothing in the service was changed after it was measured
+    "digits_mlp_adafactor": Task("digits_x16_flat", "mlp1d", "adafactor", 1437, 360, 0.96, "test_acc", powers_of_two(16, 1024),
+                                 max_epochs=400, reference_batch=32, reference_lr=1e-2),
 }  # fmt: skip
 
 
@@ -403,9 +410,9 @@ def task_optimizer_settings(task: Task) -> dict[str, Any]:
         return {"betas": task.betas or DEFAULT_ADAM_BETAS, "decoupled_weight_decay": task.decoupled_weight_decay, "weight_decay": task.weight_decay}
     if task.optimizer == "rmsprop":
         return {"momentum": task.rmsprop_momentum, "centered": task.centered, "weight_decay": task.weight_decay}
-    if task.optimizer == "adagrad":
+    if task.optimizer in ("adagrad", "adafactor"):
         return {"weight_decay": task.weight_decay}
-    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop, nadam, radam, adamax, adagrad")
+    raise ValueError(f"optimizer '{task.optimizer}' is not one of sgd, adam, adamw, rmsprop, nadam, radam, adamax, adagrad, adafactor")
 
 
 def task_optimizer(task: Task, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

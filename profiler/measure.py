@@ -86,11 +86,12 @@ DEFAULT_ADAM_BETAS = (0.9, 0.999)  # tula_service.spec.job_spec.DEFAULT_ADAM_BET
 OPTIMIZER_SETTING_NAMES = ("momentum", "nesterov", "betas", "eps", "alpha", "centered", "amsgrad", "weight_decay", "momentum_decay",
                            "decoupled_weight_decay", "dampening")
 OPTIMIZER_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "rmsprop": torch.optim.RMSprop,
-                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax, "adagrad": torch.optim.Adagrad}
+                     "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax, "adagrad": torch.optim.Adagrad,
+                     "adafactor": torch.optim.Adafactor}
 
 
 def make_optimizer(name: str, params, lr: float, settings: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-    """The spec's optimizer (SGD, Adam, AdamW, RMSprop, NAdam, RAdam, Adamax or Adagrad) with its settings
+    """The spec's optimizer (SGD, Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad or Adafactor) with its settings
     (request["optimizer_settings"]: momentum, nesterov, betas, eps, alpha, centered, amsgrad, weight_decay, momentum_decay
     (NAdam), decoupled_weight_decay (NAdam, RAdam), dampening (SGD), as torch.optim names them); PyTorch's default for
     each one not given, but SGD's momentum, DEFAULT_SGD_MOMENTUM (0 for plain SGD, no momentum buffer)."""
@@ -118,7 +119,10 @@ def optimizer_settings_used(optimizer: torch.optim.Optimizer, sources: dict[str,
 
 def _fixed_by_class(optimizer: torch.optim.Optimizer, name: str) -> bool:
     """A group entry the optimizer's class fixes rather than the spec: torch's Adam and AdamW carry
-    decoupled_weight_decay (False, True) in their groups, a setting the spec has only for NAdam and RAdam."""
+    decoupled_weight_decay (False, True) in their groups, a setting the spec has only for NAdam and RAdam; Adafactor's
+    eps is its pair (eps1, eps2), PyTorch's, not the spec's eps (the others' term added to sqrt(v))."""
+    if isinstance(optimizer, torch.optim.Adafactor):
+        return name == "eps"
     return name == "decoupled_weight_decay" and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 

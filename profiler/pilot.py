@@ -13,8 +13,9 @@ b = B / k samples (profiling.grad_microbatches, b >= 2), whose mean gradient is 
 (accumulation). Per step, the two-batch estimator (`profiler.gradstats.two_batch_estimates`) gives
 unbiased |G|^2 and tr(Sigma); a record averages them over `pilot_record_every` steps, numerator and
 denominator separately, so B_simple = trace_sigma / grad_sqr of a record is a pooled ratio, never a
-mean of per-step ratios. For Adam, AdamW, RMSprop, NAdam, RAdam, Adamax and Adagrad the same pair is estimated for the preconditioned gradient
-P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment as the step divides by it, the step's own
+mean of per-step ratios. For Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad and Adafactor the same pair is estimated for the preconditioned gradient
+P g, P = diag(1 / (sqrt(v) + eps)) with v the optimizer's second moment as the step divides by it (Adafactor's: its
+relative step over the root of its factored second moment), the step's own
 gradient folded in (profiler.preconditioner.coming_step_denominators), one P for all micro-batches and the full
 gradient of the step: the micro-batches' squares are summed per coordinate, then weighed by P^2 once the step's
 gradient is known. (P read before the step counted a coordinate whose second moment was still 0, a unit that had not
@@ -31,7 +32,7 @@ given, but SGD's momentum 0.9, as every profiling point), reported with their so
 halves from beta 0.9 to plain SGD, so a plain-SGD job that leaves momentum out is told about twice its headroom;
 Nesterov's is (2 + 2 beta) / ((1 + 2 beta) eta); RMSprop's is the heavy ball's on the preconditioned Hessian; Adam's,
 AdamW's and Adamax's is (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) eta) for the coming step t; Adagrad's gradient descent's
-2 (1 + (t - 1) lr_decay) / eta on its preconditioned Hessian; NAdam's and RAdam's are
+2 (1 + (t - 1) lr_decay) / eta on its preconditioned Hessian, Adafactor's 2 / eta on its own; NAdam's and RAdam's are
 those of their coming step (NAdam's from its momentum schedule, RAdam's from its rectification; none in RAdam's first,
 un-preconditioned steps); the preconditioner is the coming step's, the gradient at the point folded in; SGD's dampening d divides the heavy ball's by 1 - d; coupled weight
 decay adds weight_decay to the Hessian (profiler.sharpness). A measurement that fails (out of memory: the double backward

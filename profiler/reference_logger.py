@@ -84,10 +84,11 @@ no-op if the loop already did, e.g. to clip), so `.grad` is the true gradient an
 by the scale squared. A step whose gradients are inf/nan (the scaler skips it) counts its samples
 but gives no statistics.
 
-Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
+Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad, Adafactor. precond_grad_sqr and precond_trace_sigma are the same two estimates for P g with
 P = diag(1 / (sqrt(v) + eps)), v the optimizer's second moment (Adam and NAdam: exp_avg_sq / (1 - beta2^t),
 max_exp_avg_sq with amsgrad; RMSprop: square_avg, less grad_avg^2 when centered; RAdam's P is
-sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps), Adamax's 1 / exp_inf, Adagrad's 1 / (sqrt(sum) + eps): profiler.preconditioner)
+sqrt(1 - beta2^t) / (sqrt(exp_avg_sq) + eps), Adamax's 1 / exp_inf, Adagrad's 1 / (sqrt(sum) + eps), Adafactor's
+relative step over the root of its factored second moment: profiler.preconditioner)
 as the coming optimizer.step() divides by it: g_B folded into the second moment the way the step folds it
 (profiler.preconditioner.coming_step_denominators), the same P for every micro-batch gradient and for g_B. The hooks
 keep each adaptive parameter's micro-batch gradients squared and summed per coordinate until step() knows g_B. On the
@@ -720,8 +721,8 @@ def _distributed_setup(model: nn.Module) -> tuple[Any, int, int]:
 
 
 def _adaptive_groups(optimizer: torch.optim.Optimizer | None, parameters: list[nn.Parameter]) -> dict[int, dict]:
-    """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad:
-    profiler.preconditioner); empty for other optimizers (no precond pair)."""
+    """Parameter index -> its param group for an adaptive optimizer (Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, Adagrad,
+    Adafactor: profiler.preconditioner); empty for other optimizers (no precond pair)."""
     if not preconditioner.is_adaptive(optimizer):
         return {}
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}

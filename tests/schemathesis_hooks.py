@@ -172,7 +172,10 @@ def _step_placements_that_fit(spec: dict[str, Any]) -> None:
 
 
 def _max_lr_above_reference(spec: dict[str, Any]) -> None:
+    """max_lr without reference_lr gets it at max_lr (no headroom: the least change); one below it, the two swapped."""
     training = spec["training"]
+    if training.get("max_lr") is not None and training.get("reference_lr") is None:
+        training["reference_lr"] = training["max_lr"]
     if training.get("max_lr") is not None and training["max_lr"] < training["reference_lr"]:
         training["max_lr"], training["reference_lr"] = training["reference_lr"], training["max_lr"]
 

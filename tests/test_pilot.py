@@ -158,6 +158,16 @@ def test_an_adam_pilot_trains_with_the_specs_betas():
     assert set(default["optimizer_settings"]) == {"betas", "eps", "amsgrad", "weight_decay"}  # the spec's for adam, no more
 
 
+def test_an_adafactor_pilot_reports_its_weight_decay_alone_and_no_stability_threshold():
+    """Adafactor's eps pair is PyTorch's, not the spec's eps (profiler.measure); its precond pair from the second step
+    on; no stability threshold (profiler.sharpness: its frozen-P edge was measured not to bound its LR), said, not raised."""
+    pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="adafactor", optimizer_settings={"weight_decay": 0.01},
+                   optimizer_setting_sources={"weight_decay": "spec"}, lr=1e-2, pilot_steps=30, pilot_record_every=10)
+    assert pilot["status"] == "ok" and pilot["optimizer_settings"] == {"weight_decay": {"value": 0.01, "source": "spec"}}
+    assert all(r["precond_grad_sqr"] is not None for r in pilot["trajectory"][1:])
+    assert "no stability threshold known" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])
+
+
 def test_nadam_and_radam_pilots_report_the_settings_the_spec_has_for_them_and_record_the_preconditioned_pair():
     options = {"lr": 2e-3, "pilot_steps": 30, "pilot_record_every": 10}
     nadam = _pilot("cnn1d", MNIST1D, 32, optimizer="nadam", optimizer_settings={"momentum_decay": 0.01, "decoupled_weight_decay": True,
@@ -339,12 +349,13 @@ def test_a_stability_measurement_that_fails_is_reported_and_the_pilot_keeps_its_
     assert "not implemented" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adamax", "adagrad"])
-def test_a_pilot_steps_precond_pair_weighs_by_the_p_the_step_divides_by(optimizer):
+@pytest.mark.parametrize(("optimizer", "lr"), [("adam", 1e-3), ("adamax", 1e-3), ("adagrad", 1e-3), ("adafactor", 1e-6)])
+def test_a_pilot_steps_precond_pair_weighs_by_the_p_the_step_divides_by(optimizer, lr):
     """accumulated_step on a real Trainer against an oracle: P read from the optimizer's state right after the step
     (what it divided by), the same micro-batches by their own autograd.grad. The MLP's inputs are 0 in feature 5 for
     three steps, so its first-layer weights there keep a second moment of 0 until the feature turns on: P read before
-    the step counted them at 1 / eps."""
+    the step counted them at 1 / eps. Adafactor's P scales with its parameters' RMS, read after the step here and
+    before it by the pilot: its LR is small enough that the step leaves the RMS as it was to 1e-6."""
     from models.workload import build_workload
     from profiler.gradstats import two_batch_estimates
     from profiler.measure import Trainer
@@ -352,7 +363,7 @@ def test_a_pilot_steps_precond_pair_weighs_by_the_p_the_step_divides_by(optimize
     from profiler.preconditioner import preconditioner
 
     torch.manual_seed(0)
-    request = {"model": "mlp1d", "dataset": MNIST1D, "batch_size": 16, "device": "cpu", "optimizer": optimizer, "lr": 1e-3}
+    request = {"model": "mlp1d", "dataset": MNIST1D, "batch_size": 16, "device": "cpu", "optimizer": optimizer, "lr": lr}
     workload = build_workload(request)
     trainer = Trainer(workload, request, torch.device("cpu"))
     params = [p for p in trainer.model.parameters() if p.requires_grad]

@@ -146,6 +146,51 @@ def test_adagrad_reads_the_root_of_every_past_squared_gradient_and_steps_by_it()
     assert torch.allclose(update, -1e-3 / (1 + 4 * 0.5) * gradient / _flat_denominator(optimizer, layer), rtol=1e-9, atol=0)
 
 
+def _adafactor_layers() -> tuple[list[torch.nn.Parameter], callable]:
+    """A float64 linear layer (a factored weight, a vector bias) and a conv layer (a 4-d weight, factored over its
+    kernel's two dimensions), and a loss on fixed inputs."""
+    torch.manual_seed(0)
+    linear, conv = torch.nn.Linear(5, 3, dtype=torch.float64), torch.nn.Conv2d(2, 3, 3, dtype=torch.float64)
+    inputs = torch.randn(8, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    images = torch.randn(4, 2, 5, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    return [*linear.parameters(), *conv.parameters()], lambda: linear(inputs).square().mean() + conv(images).square().mean()
+
+
+@pytest.mark.parametrize(("lr", "weight_decay"), [(1e-2, 0.0), (0.5, 0.0), (1e-2, 0.3)], ids=["lr-capped", "one-over-sqrt-t", "decoupled-decay"])
+def test_adafactor_steps_by_its_relative_step_over_its_factored_second_moment(lr, weight_decay):
+    """torch.optim.Adafactor with clipping out of reach (d = 1e6): every step is theta (1 - lr wd) - lr P g, P = max(eps2,
+    RMS(theta)) min(1, 1 / (lr sqrt(t))) / max(sqrt(V_hat), eps1) of the coming step (its gradient folded into R and C, or
+    a vector's v, by t^-0.8), theta the parameter before the step; at lr 0.5, 1 / sqrt(t) is below lr from the fifth
+    step. Nothing before the first step (its state is made by it); its decay is decoupled (no wd theta in the state)."""
+    params, loss_fn = _adafactor_layers()
+    optimizer = torch.optim.Adafactor(params, lr=lr, d=1e6, weight_decay=weight_decay)
+    assert preconditioner(optimizer, params) is None
+    assert coming_step_preconditioner(optimizer, params, [torch.ones_like(p) for p in params]) is None
+    checked = 0
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        gradient = torch.cat([p.grad.reshape(-1) for p in params])
+        before = torch.cat([p.detach().reshape(-1) for p in params])
+        coming = coming_step_preconditioner(optimizer, params, [p.grad for p in params])
+        optimizer.step()
+        after = torch.cat([p.detach().reshape(-1) for p in params])
+        if coming is not None:
+            assert torch.allclose(after, before * (1 - lr * weight_decay) - lr * coming * gradient, rtol=1e-12, atol=1e-15)
+            checked += 1
+    assert checked == 7  # every step but the first
+    assert preconditioner(optimizer, params) is not None
+
+
+def test_adafactors_preconditioner_needs_its_parameter():
+    params, loss_fn = _adafactor_layers()
+    optimizer = torch.optim.Adafactor(params)
+    loss_fn().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="pass the parameter"):
+        denominator(optimizer, optimizer.param_groups[0], optimizer.state[params[0]])
+
+
 def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradient_yet():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.RMSprop(layer.parameters(), lr=1e-3)
@@ -161,7 +206,7 @@ def test_nothing_before_the_first_step_and_zero_for_a_parameter_without_a_gradie
 def test_which_optimizers_are_adaptive():
     weight = torch.nn.Parameter(torch.zeros(2))
     adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
-                torch.optim.Adagrad)
+                torch.optim.Adagrad, torch.optim.Adafactor)
     assert all(is_adaptive(make([weight], lr=0.1)) for make in adaptive)
     assert not any(is_adaptive(make([weight], lr=0.1)) for make in (torch.optim.SGD, torch.optim.Adadelta)) and not is_adaptive(None)
 

@@ -2,6 +2,7 @@
 spectrum of a quadratic, and the threshold it reports against gradient descent's own divergence."""
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -232,6 +233,22 @@ def test_rmsprop_has_the_heavy_ball_threshold_on_its_preconditioned_hessian(mome
     expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())  # of P^(1/2) H P^(1/2)
     assert measured["sharpness"] == pytest.approx(expected, rel=1e-3)
     assert measured["stability_headroom"] == pytest.approx((2.0 + 2.0 * momentum) / (1e-2 * expected), rel=1e-3)
+
+
+def test_adafactor_gets_no_threshold_though_its_preconditioned_sharpness_is_read():
+    """Adafactor's frozen-P edge (2 / eta on P^(1/2) H P^(1/2)) was measured not to bound the LR it trains at
+    (module docstring): no threshold, no headroom; the sharpness of its coming step's P^(1/2) H P^(1/2) is still read."""
+    weight, loss_fn, hessian = _least_squares(seed=4)
+    adafactor = torch.optim.Adafactor([weight], lr=1e-2)
+    for _ in range(3):
+        adafactor.zero_grad()
+        loss_fn().backward()
+        adafactor.step()
+    assert stability_threshold_times_lr(adafactor) is None and stability_headroom(loss_fn, [weight], adafactor) is None
+    scale = _coming(adafactor, weight, loss_fn).sqrt()
+    expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())
+    measured = top_hessian_eigenvalue(loss_fn, [weight], partial(coming_step_preconditioner, adafactor, [weight]), iterations=200, tolerance=0.0)
+    assert measured == pytest.approx(expected, rel=1e-3)
 
 
 def _warmed(optimizer_class, steps_taken, **settings):

@@ -118,6 +118,9 @@ def test_every_optimizer_setting_is_its_optimizers_with_its_default_assumed():
     adagrad = JobSpec.model_validate(spec_dict(training={"optimizer": "adagrad"})).training.optimizer_settings()
     assert adagrad == {"eps": {"value": 1e-10, "source": "assumed"}, "weight_decay": {"value": 0.0, "source": "assumed"}}  # PyTorch's
     assert "optimizer adagrad has none" in _errors(spec_dict(training={"optimizer": "adagrad", "betas": [0.9, 0.99]}))[("training", "betas")]
+    adafactor = JobSpec.model_validate(spec_dict(training={"optimizer": "adafactor"})).training.optimizer_settings()
+    assert adafactor == {"weight_decay": {"value": 0.0, "source": "assumed"}}  # PyTorch's; its eps pair, beta2_decay and d are not the spec's
+    assert "optimizer adafactor has none" in _errors(spec_dict(training={"optimizer": "adafactor", "eps": 1e-8}))[("training", "eps")]
     assert set(JobSpec.model_validate(spec_dict()).training.optimizer_settings()) == {"momentum", "nesterov", "dampening", "weight_decay"}
     assert "momentum_decay is NAdam's; optimizer radam has none" in _errors(spec_dict(training={"optimizer": "radam", "momentum_decay": 0.004}))[("training", "momentum_decay")]
     assert "decoupled_weight_decay is NAdam's and RAdam's; optimizer adam has none" in _errors(

@@ -93,7 +93,7 @@ DEFAULT_ADAM_BETAS = (0.9, 0.999)
 DEFAULT_NADAM_MOMENTUM_DECAY = 4e-3
 # torch.optim's settings the spec takes beside the LR (their PyTorch names), the optimizers each is for, and the value
 # each trains with where the spec leaves it out: PyTorch's default (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, RAdam,
-# Adamax, Adagrad), except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the
+# Adamax, Adagrad, Adafactor), except SGD's momentum (DEFAULT_SGD_MOMENTUM). Profiling points and the pilot train with all of them; the
 # pilot reports each with its source.
 OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "momentum": {"sgd": DEFAULT_SGD_MOMENTUM, "rmsprop": DEFAULT_RMSPROP_MOMENTUM},
@@ -107,12 +107,13 @@ OPTIMIZER_SETTING_DEFAULTS: dict[str, dict[str, Any]] = {
     "amsgrad": {"adam": False, "adamw": False},
     "momentum_decay": {"nadam": DEFAULT_NADAM_MOMENTUM_DECAY},
     "decoupled_weight_decay": {"nadam": False, "radam": False},
-    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0, "adamax": 0.0, "adagrad": 0.0},
+    "weight_decay": {"sgd": 0.0, "adam": 0.0, "adamw": 0.01, "rmsprop": 0.0, "nadam": 0.0, "radam": 0.0, "adamax": 0.0, "adagrad": 0.0,
+                     "adafactor": 0.0},
 }
 # as messages and the advice name them; the keys are the spec's `training.optimizer` choices
 OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "rmsprop": "RMSprop", "nadam": "NAdam", "radam": "RAdam",
-                   "adamax": "Adamax", "adagrad": "Adagrad"}
-OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad"]
+                   "adamax": "Adamax", "adagrad": "Adagrad", "adafactor": "Adafactor"}
+OptimizerName = Literal["sgd", "adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad", "adafactor"]
 
 
 def setting_optimizers(setting: str) -> tuple[str, ...]:
@@ -445,12 +446,13 @@ class TrainingSpec(_Strict):
     )
     optimizer: OptimizerName = Field(
         "sgd", description="the reference run's optimizer, as PyTorch names it (torch.optim.SGD, Adam, AdamW, RMSprop, NAdam, "
-        "RAdam, Adamax, Adagrad), with its settings below (each only for the optimizers that have it; PyTorch's default where left "
+        "RAdam, Adamax, Adagrad, Adafactor), with its settings below (each only for the optimizers that have it; PyTorch's default where left "
         f"out, but SGD's momentum, {DEFAULT_SGD_MOMENTUM:g}): sgd: momentum, nesterov, dampening, weight_decay; adam and "
         "adamw: betas, eps, amsgrad, weight_decay; rmsprop: momentum, alpha, eps, centered, weight_decay; nadam: betas, eps, "
         "momentum_decay, decoupled_weight_decay, weight_decay; radam: betas, eps, decoupled_weight_decay, weight_decay; "
         "adamax: betas, eps, weight_decay; adagrad: eps, weight_decay (its lr_decay and initial_accumulator_value at "
-        "PyTorch's 0)")
+        "PyTorch's 0); adafactor: weight_decay (its beta2_decay -0.8, eps (None, 1e-3) and clipping threshold d 1 at "
+        "PyTorch's defaults; its lr caps the relative step min(lr, 1 / sqrt(t)), PyTorch's default 0.01)")
     momentum: float | None = Field(
         None, ge=0, lt=1, allow_inf_nan=False,
         description="the optimizer's momentum, for sgd (heavy ball: torch.optim.SGD momentum; 0 for plain SGD; default "
@@ -498,7 +500,7 @@ class TrainingSpec(_Strict):
         None, ge=0, le=10, allow_inf_nan=False,
         description="torch.optim's weight_decay, for every optimizer: an L2 term added to the gradient for sgd, adam, "
         "rmsprop, adamax, adagrad, and nadam and radam unless decoupled_weight_decay; decoupled (the weights shrink by lr x weight_decay a "
-        "step) for adamw. Default PyTorch's: 0, adamw 0.01 (assumed). Profiling points and the pilot train with it; the "
+        "step) for adamw and adafactor. Default PyTorch's: 0, adamw 0.01 (assumed). Profiling points and the pilot train with it; the "
         "gradient statistics are of the loss alone",
     )
     reference_run: ReferenceRunSpec | None = Field(

@@ -70,7 +70,9 @@ coefficient and a rectified LR, and Adamax divides by an infinity norm of the gr
 root mean square (both scale as the noise's standard deviation where the noise dominates): they are assumed to scale
 as Adam does (not derived there). So is Adagrad, which divides by the root of the sum of every past squared gradient
 (Duchi et al. 2011), not of a moving average, so that its effective step also falls as the run goes on: assumed,
-and measured on one task (efficiency_evidence's caveat). So the
+and measured on one task (efficiency_evidence's caveat). So is Adafactor (Shazeer & Stern 2018), which divides by
+the root of a rank-one factoring of the mean square (a moving average, as RMSprop's) and scales its step by each
+tensor's RMS and 1 / sqrt(t) once that is below its LR: the rule multiplies that cap; assumed. So the
 efficiency family has one interface (EfficiencyModel): predict epochs, the step gain and the LR multiplier
 of a batch, all from the one B_noise that tula_service.fit.efficiency_evidence chose by evidence; the planner
 and the advice read nothing else of it.
@@ -86,7 +88,7 @@ import numpy as np
 from tula_service.fit.perfmodel.noise_trajectory import pooled_ratio
 
 INTERVAL_Z = 1.2816  # the standard normal's 90% quantile: an 80% interval, as the calibrated one's (epochs_calibration.QUANTILES)
-OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad")  # adaptive: the LR grows with sqrt(step gain) (module docstring)
+OPTIMIZERS_WITH_SQRT_LR = ("adam", "adamw", "rmsprop", "nadam", "radam", "adamax", "adagrad", "adafactor")  # adaptive: the LR grows with sqrt(step gain) (module docstring)
 TINY_NOISE_SCALE = 1e-9  # x the reference batch: a B_noise this small gives E(B) = E_ref B / B_ref to 1e-9
 
 

@@ -149,7 +149,7 @@ export function cliCommand(jobId, whatIf, server) {
   return words.map(shellQuote).join(" ");
 }
 
-const TORCH_OPTIMIZERS = { sgd: "SGD", adam: "Adam", adamw: "AdamW", rmsprop: "RMSprop", nadam: "NAdam", radam: "RAdam", adamax: "Adamax", adagrad: "Adagrad" };
+const TORCH_OPTIMIZERS = { sgd: "SGD", adam: "Adam", adamw: "AdamW", rmsprop: "RMSprop", nadam: "NAdam", radam: "RAdam", adamax: "Adamax", adagrad: "Adagrad", adafactor: "Adafactor" };
 
 function pythonLiteral(value) {
   if (typeof value === "boolean") return value ? "True" : "False";
