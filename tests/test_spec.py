@@ -174,3 +174,25 @@ def test_a_records_variability_is_bounded_so_the_ags_delta_scaled_from_it_stays_
         GradientStatsRecord.model_validate({**record, "variability": 1.7976931348623155e308})
     largest = GradientStatsRecord.model_validate({**record, "variability": MAX_GRADIENT_STATISTIC}).variability
     assert all(math.isfinite(v) for v in variability_at_batch([(largest, 73)], 1, 1e-300))
+
+
+def test_every_optimizer_of_the_spec_is_known_wherever_optimizers_are_listed():
+    """A new training.optimizer touches several lists (an optimizer added to one and not another would fail only where
+    it is used): the torch class profiling builds, the statistic the service reads, the LR rule's square-root set (the
+    preconditioned ones), the dashboard's form and its torch.optim line."""
+    import re
+    from pathlib import Path
+
+    from profiler.measure import OPTIMIZER_CLASSES
+    from tula_service.fit.efficiency_evidence import STATISTIC_FOR_OPTIMIZER
+    from tula_service.fit.perfmodel.efficiency import OPTIMIZERS_WITH_SQRT_LR
+
+    root = Path(__file__).resolve().parents[1] / "tula_service"
+    assert {name: cls.__name__ for name, cls in OPTIMIZER_CLASSES.items()} == OPTIMIZER_NAMES
+    assert set(STATISTIC_FOR_OPTIMIZER) == set(OPTIMIZER_NAMES)
+    assert set(OPTIMIZERS_WITH_SQRT_LR) == {name for name, statistic in STATISTIC_FOR_OPTIMIZER.items() if statistic == "preconditioned"}
+    form = (root / "templates" / "new_job.html").read_text()
+    select = form[form.index('<select name="optimizer">'):]
+    assert re.findall(r'<option value="(\w+)">(\w+)</option>', select[: select.index("</select>")]) == list(OPTIMIZER_NAMES.items())
+    line = re.search(r"const TORCH_OPTIMIZERS = \{(.*?)\};", (root / "static" / "js" / "recommendation.js").read_text()).group(1)
+    assert dict(re.findall(r'(\w+): "(\w+)"', line)) == OPTIMIZER_NAMES
