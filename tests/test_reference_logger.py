@@ -579,8 +579,8 @@ def test_backward_of_the_per_sample_losses_gives_the_records_of_two_accumulated_
     assert len(accumulated) == len(split) == 2
     for a, b in zip(accumulated, split):
         assert a.keys() == b.keys()
-        for key in RECORD_KEYS:
-            assert b[key] == (None if a[key] is None else pytest.approx(a[key], rel=1e-6)), key
+        for key in RECORD_KEYS:  # float32 sums in another order (one pass, two halves): grad_sqr, a difference, 1.2e-6 apart on one CPU
+            assert b[key] == (None if a[key] is None else pytest.approx(a[key], rel=1e-5)), key
         assert b["window_steps"] == (4 if sample_every == 1 else 2) and math.isfinite(b["grad_sqr"]) and b["trace_sigma"] > 0
         assert (b["precond_grad_sqr"] is None) == (optimizer_name == "sgd")
     sampled = [step % sample_every in (0, 1) if sample_every > 1 else True for step in range(8)]
