@@ -131,7 +131,8 @@ def _adafactor_denominator(group: dict, state: dict, param: torch.Tensor | None)
     eps1, eps2 = _adafactor_eps1(group, param.dtype), float(group["eps"][1])
     lr, step = float(group["lr"]), float(state["step"])
     relative_step = 1.0 if lr * math.sqrt(step) <= 1.0 else 1.0 / (lr * math.sqrt(step))  # min(lr, 1 / sqrt(t)) / lr
-    size = max(eps2, float(param.detach().norm()) / math.sqrt(param.numel()))
+    # RMS(theta) stays a tensor on theta's device: no host sync per parameter where the logger reads P each sampled step
+    size = param.detach().norm().div(math.sqrt(param.numel())).clamp_(min=eps2)
     return variance.clamp_(min=eps1 * eps1).sqrt_().div_(size * relative_step)
 
 
