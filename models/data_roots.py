@@ -1,4 +1,4 @@
-"""Where file datasets may be read: only under the data roots the server operator configured.
+"""Where file datasets (and a job's initial weights) may be read: only under the data roots the server operator configured.
 
 A job's `dataset.path` is read by a profiling worker, so without a bound any client could make the
 worker walk its whole file system (`image_folder` at `../../`) or read any file (`token_file` at
@@ -34,7 +34,7 @@ def _under(path: PurePosixPath, root: PurePosixPath) -> bool:
 def check_submitted_path(path: str, roots: list[str]) -> str | None:
     """Why the server refuses `path` for a file dataset, or None when it lies under one of `roots`."""
     if not roots:
-        return f"file datasets are off on this server: no data root is configured; {_how_to_allow(path)}"
+        return f"files (datasets, initial weights) are off on this server: no data root is configured; {_how_to_allow(path)}"
     if not path.startswith("/"):
         return f"path '{path}' must be absolute (the worker's working folder is not yours)"
     if ".." in PurePosixPath(path).parts:

@@ -1,7 +1,8 @@
 """The one entry point the profiler calls: a profiling request -> model, data and loss.
 
 Request keys: `model` (catalog name or allowlisted "package.module:factory"), `model_options` (dict),
-`dataset` (dict: `name`, a catalog name or allowlisted "package.module:factory", `num_samples` and the
+`initial_weights` (a state dict file under `data_roots` the model starts from, models.initial_weights; default
+none: the seeded random init), `dataset` (dict: `name`, a catalog name or allowlisted "package.module:factory", `num_samples` and the
 dataset's own fields), `loss` (models.losses: a catalog name or an allowlisted "package.module:function";
 default the catalog dataset's, cross-entropy but for float targets), `seed` (default 0), `allowed_model_modules` (module prefixes user models, datasets
 and losses may come from; default none). User code follows models.user_contract.
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from models.data import BatchSource, build_dataset
+from models.initial_weights import load_initial_weights
 from models.losses import loss_function
 from models.registry import DATASETS, MODELS, compatible, image_size_problem, is_user_ref, loss_problem, resolved_loss
 from models.zoo import build_model
@@ -25,7 +27,7 @@ from models.zoo import build_model
 
 @dataclass
 class Workload:
-    model: torch.nn.Module  # random init, on CPU
+    model: torch.nn.Module  # seeded random init, or the request's initial_weights; on CPU
     data: BatchSource  # .batch(batch_size, generator) -> (inputs, targets), CPU tensors
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar mean loss (models.losses)
     input_kind: str  # "image" | "signal1d" | "tokens"
@@ -67,6 +69,8 @@ def build_workload(request: dict[str, Any]) -> Workload:
         model = build_model(
             model_name, options=request.get("model_options") or {}, allowed_model_modules=allowed_modules, **data.shape
         )
+    if request.get("initial_weights"):  # a fine-tuning job starts from its checkpoint (models.initial_weights)
+        load_initial_weights(model, request["initial_weights"], data_roots)
     is_tokens = data.input_kind == "tokens"
     loss_fn = loss_function(loss, data.input_kind, allowed_modules)
     return Workload(

@@ -294,6 +294,7 @@ def run_pilot(request: dict[str, Any]) -> dict[str, Any]:
         "batch_size": int(request["batch_size"]),
         "optimizer": optimizer_name,
         "optimizer_settings": settings,
+        "initial_weights": request.get("initial_weights"),  # the spec's checkpoint it started from; None: the seeded init
         "lr": {"value": lr, "source": request.get("lr_source", "spec" if lr_given is not None else "assumed")},
         "warmup": {
             "steps": warmup,

@@ -18,7 +18,9 @@ from typing import Any
 
 import schemathesis
 
+from models.data_roots import check_submitted_path
 from models.registry import DATASETS, MAX_MODEL_OPTION_INT, MODELS, image_size_problem, loss_problem
+from tula_service.settings import environment
 from tula_service.spec.job_spec import MAX_BATCH, powers_of_two_between
 from tula_service.spec.spec_limits import max_batch_sizes, max_devices
 
@@ -89,7 +91,15 @@ def meeting_the_rules(spec: dict[str, Any]) -> dict[str, Any]:
     _image_side_the_model_takes(spec)
     _step_placements_that_fit(spec)
     _loss_the_dataset_takes(spec)
+    _initial_weights_under_a_data_root(spec)
     return spec
+
+
+def _initial_weights_under_a_data_root(spec: dict[str, Any]) -> None:
+    """initial_weights that are no path under this server's data roots are left out: the random init trains."""
+    weights = spec.get("initial_weights")
+    if weights is not None and (not isinstance(weights, str) or check_submitted_path(weights, environment().data_roots)):
+        spec["initial_weights"] = None
 
 
 def _nesterov_that_torch_takes(spec: dict[str, Any]) -> None:

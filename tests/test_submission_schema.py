@@ -207,6 +207,20 @@ def test_nesterov_without_momentum_or_with_dampening_is_refused_and_the_schema_s
     assert not schema.is_valid(spec_dict(training={**base, "optimizer": "rmsprop", "nesterov": True}))  # SGD's alone: stated
 
 
+def test_initial_weights_outside_the_data_roots_are_refused_and_the_schema_says_it_cannot_state_it(schema, monkeypatch):
+    """initial_weights' rule (a path under a data root) is listed rather than stated (any constraint on it made the
+    schema one that schemathesis could no longer generate from); the repair leaves the weights out."""
+    for weights in ("/data/pretrained.pt", 3):
+        spec = spec_dict(initial_weights=weights)
+        assert schema.is_valid(spec) and not accepted(spec), weights  # no data root on this server
+        repaired = meeting_the_rules(copy.deepcopy(spec))
+        assert repaired["initial_weights"] is None and accepted(repaired), weights
+    monkeypatch.setenv(DATA_ROOTS_ENV, "/data")
+    assert accepted(spec_dict(initial_weights="/data/pretrained.pt"))
+    assert meeting_the_rules(spec_dict(initial_weights="/data/pretrained.pt"))["initial_weights"] == "/data/pretrained.pt"
+    assert any(rule.startswith("initial_weights: null, or a string path under") for rule in SCHEMA_CANNOT_STATE)
+
+
 def test_a_loss_the_dataset_does_not_take_is_refused_and_the_schema_says_it_cannot_state_it(schema):
     """Which loss fits which dataset is a rule the schema lists rather than states (stated as alternatives, the schema
     was one that schemathesis could no longer generate from); the regression dataset takes mse and l1."""

@@ -33,6 +33,7 @@ def point_request(spec: JobSpec, batch_size: int) -> dict:
     return {
         "model": spec.model,
         "model_options": spec.model_options,
+        "initial_weights": spec.initial_weights,
         "dataset": spec.dataset.model_dump(mode="json", exclude_none=True),
         "loss": spec.loss,
         "allowed_model_modules": allowed_model_modules(),

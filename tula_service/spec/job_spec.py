@@ -164,6 +164,14 @@ def _server_decided(info: ValidationInfo) -> bool:
     return _stored(info) or _client_side(info)
 
 
+def _under_a_data_root(path: str | None, info: ValidationInfo) -> str | None:
+    """A file the worker reads (dataset.path, initial_weights): only under the operator's data roots (models.data_roots)."""
+    problem = None if path is None or _server_decided(info) else check_submitted_path(path, environment().data_roots)
+    if problem:
+        raise ValueError(problem)
+    return path
+
+
 def _known_or_allowed_dataset(name: str, info: ValidationInfo) -> str:
     if not is_user_ref(name):
         return in_catalog("dataset", name, DATASETS)
@@ -197,14 +205,7 @@ class DatasetSpec(_Strict):
 
     _known_dataset = field_validator("name")(_known_or_allowed_dataset)
 
-    @field_validator("path")
-    @classmethod
-    def _path_under_a_data_root(cls, path: str | None, info: ValidationInfo) -> str | None:
-        """The worker reads `path`: only under the operator's data roots (models.data_roots)."""
-        problem = None if path is None or _server_decided(info) else check_submitted_path(path, environment().data_roots)
-        if problem:
-            raise ValueError(problem)
-        return path
+    _path_under_a_data_root = field_validator("path")(_under_a_data_root)
 
     @model_validator(mode="after")
     def _fields_fit_the_dataset(self) -> DatasetSpec:
@@ -632,6 +633,12 @@ class JobSpec(_Strict):
     name: str | None = Field(None, max_length=200)
     model: str = Field(description="model catalog name, or 'package.module:factory' when allowlisted")
     model_options: dict[str, int | float | str | bool] = Field(default_factory=dict)
+    initial_weights: str | None = Field(
+        None, max_length=4096, description="fine-tuning: a file on the worker's file system, under a data root, written by "
+        "torch.save(model.state_dict(), path) for the model this spec builds; profiling points and the pilot start from it "
+        "instead of a random init (the pilot's gradient statistics are those of your run's start). Loaded with "
+        "torch.load(weights_only=True), strictly (the same keys and shapes; a DDP wrapper's 'module.' prefix is dropped)",
+    )  # fmt: skip
     dataset: DatasetSpec
     loss: str | None = Field(
         None, max_length=300, description="the training loss (GET /v1/catalog/losses): cross_entropy, the default (next-token "
@@ -680,6 +687,8 @@ class JobSpec(_Strict):
         if not _server_decided(info) and not user_model_allowed(name, allowed_model_modules()):
             raise ValueError(not_allowlisted_message("model", name))
         return name
+
+    _weights_under_a_data_root = field_validator("initial_weights")(_under_a_data_root)
 
     @field_validator("loss")
     @classmethod
