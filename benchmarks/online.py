@@ -98,6 +98,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from efficiency_tasks import TASKS, BatchStream, Task, as_one_run, evaluate, mean_loss, micro_batches, reached, task_data, task_model, task_optimizer  # noqa: E402
 from live_server import api_server, plan_answers  # noqa: E402
 from offline_data import STDLIB_TOKEN_FILE, write_stdlib_token_file  # noqa: E402
+from pretrained import pretrained_weights  # noqa: E402
 from statistical_efficiency import _contract_record as contract_record  # noqa: E402
 
 from profiler.tula_run import TulaRun  # noqa: E402
@@ -161,6 +162,7 @@ def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device:
         "name": f"online-{task.dataset}-{task.model}",
         "model": task.model,
         "model_options": dict(task.model_options),
+        **({"initial_weights": str(pretrained_weights(task.pretrained))} if task.pretrained else {}),  # fine-tuning: the pilot starts there
         "dataset": dataset,
         "batch_sizes": {"min": min(batches), "max": max(batches)},
         "cluster": {"nodes": 1, "gpus_per_node": 1, "device_memory_gib": 8, "interconnect_gbps": 100},

@@ -81,14 +81,18 @@ class Digits:
 
 
 @functools.lru_cache(maxsize=4)
-def generate_mnist1d(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+def generate_mnist1d(num_samples: int, seed: int = MNIST1D_SEED, **generator_args: float) -> tuple[np.ndarray, np.ndarray]:
     """(signals (n, 40) float32, labels (n,) int64) from `mnist1d.data.make_dataset` with its default
-    arguments but `num_samples` and no train/test split. Only the generator is called: never
-    `get_dataset`, which may download. The global numpy/random state it reseeds is restored."""
+    arguments but `num_samples`, `seed`, `generator_args` (e.g. corr_noise_scale) and no train/test split. Only the
+    generator is called: never `get_dataset`, which may download. The global numpy/random state it reseeds is restored."""
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
-    args.num_samples, args.train_split, args.seed = num_samples, 1.0, MNIST1D_SEED
+    for name, value in generator_args.items():
+        if not hasattr(args, name):
+            raise TypeError(f"mnist1d's generator has no argument '{name}'")
+        setattr(args, name, value)
+    args.num_samples, args.train_split, args.seed = num_samples, 1.0, seed
     numpy_state, python_state = np.random.get_state(), random.getstate()
     try:
         generated = make_dataset(args)

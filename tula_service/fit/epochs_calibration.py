@@ -1,7 +1,7 @@
 """How far the noise scale read can be from the one the epochs need: an interval calibrated on measured tasks.
 
 The statistical interval of a noise-scale reading (the bootstrap over its bins) says how well the records pin the
-read down, not how well the read predicts epochs: on the 50 tasks of benchmarks/statistical_efficiency.py the B_noise
+read down, not how well the read predicts epochs: on the 54 tasks of benchmarks/statistical_efficiency.py the B_noise
 that fits a task's measured epochs best lay inside it on 9. What does predict the epochs' error is the model's own
 error measured across tasks. For each task t and each batch b it measured (the reference batch excepted), the noise
 scale that makes E(b) = E_ref (1 + b / B_noise) / (1 + B_ref / B_noise) exact is
