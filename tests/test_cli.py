@@ -363,6 +363,12 @@ def test_the_recommendation_shows_the_noise_scale_its_evidence_and_its_caveats()
             f"{human_duration(time[1])} (the epochs model's error measured across tasks; see B_noise below)") in lines
     assert f"    - {MOMENTUM_CAVEAT}" in lines and any("grows 10-1000x" in line for line in lines)
     assert f"  epochs assume: {ASSUMED_LR['advised_rule']}" in lines
+    with pytest.MonkeyPatch.context() as env:  # a fine-tuning job's points start from its checkpoint, and the line says so
+        env.setenv("TULA_DATA_ROOTS", "/data")
+        tuned = plan(JobSpec.model_validate(spec_dict(batch_sizes=[8, 16, 32, 64], initial_weights="/data/w.pt")),
+                     [measurement(b) for b in (8, 16, 32, 64)])  # fmt: skip
+    started = next(line for line in format_recommendation(tuned).splitlines() if line.startswith("  noise scale B_noise"))
+    assert started.startswith("  noise scale B_noise 100 from initialization, started from initial_weights /data/w.pt (weak evidence)")
     run = rec["models"]["efficiency"]["next_run"]  # 8 x the reference batch 32
     assert run["batch"] == 256 and (f"  to settle the epochs: measure a run at global batch 256 to the same target and give its "
                                     f"epochs as training.other_runs (predicted now: {human_number(run['predicted_epochs'])} epochs "

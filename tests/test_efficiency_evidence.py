@@ -569,3 +569,17 @@ def test_an_lr_rule_capped_at_a_plateau_says_so_not_a_measured_headroom():
     assert capped["lr"]["value"] == pytest.approx(0.1) and "capped at the reference LR: the pilot's records are a plateau" in capped["why"]
     measured = lr_rule(spec, 128, EpochModel(32, 10.0, 2000.0, lr_headroom=2.0))
     assert "capped at the measured stability headroom (2x the reference LR)" in measured["why"]
+
+
+def test_the_pilot_and_initialization_evidence_say_which_weights_the_profiler_started_from(monkeypatch):
+    """A fine-tuning spec's initial_weights are where the pilot and the points trained from; the evidence says so, and
+    says a random init (with its seed) otherwise. The user's own reference run carries no such label."""
+    pilot = _pilot_with_loss(lambda i: 2.303 - 0.02 * i)
+    monkeypatch.setenv("TULA_DATA_ROOTS", "/data")
+    for weights, said in ((None, "a random init (profiling.seed 0)"), ("/data/pretrained.pt", "initial_weights /data/pretrained.pt")):
+        spec = JobSpec.model_validate(spec_dict(batch_sizes=BATCHES, initial_weights=weights, training={"reference_lr": 0.1}))
+        candidates = plan(spec, [*POINTS, pilot])["models"]["efficiency"]["evidence"]["candidates"]
+        started = {c["source"]: c["detail"].get("started_from") for c in candidates}
+        assert started["pilot"] == said and started["initialization"] == said, weights
+    with_reference = efficiency({"reference_run": {"gradient_stats": records(lambda s: 500.0)}})["evidence"]["candidates"]
+    assert "started_from" not in with_reference[0]["detail"]

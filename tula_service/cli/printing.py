@@ -124,6 +124,14 @@ def _evidence(rec: dict[str, Any]) -> str | None:
     return noise.get("evidence") if noise else None
 
 
+def _started_from(efficiency: dict[str, Any], evidence: str) -> str:
+    """", started from initial_weights PATH" where the profiler's own training (pilot, points) began at the spec's
+    checkpoint; nothing for the usual random init."""
+    used = next((c for c in efficiency.get("evidence", {}).get("candidates", []) if c.get("source") == evidence), {})
+    start = (used.get("detail") or {}).get("started_from") or ""
+    return f", started from {start}" if start.startswith("initial_weights") else ""
+
+
 def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     """B_noise with its interval and evidence, and every caveat on it (tula_service.fit.efficiency_evidence)."""
     noise = efficiency.get("noise_scale")
@@ -132,7 +140,8 @@ def _noise_scale_lines(efficiency: dict[str, Any]) -> list[str]:
     interval = noise.get("interval")
     line = (f"  noise scale B_noise {human_number(noise['value'])}"
             + (f" [{_range(interval)}]" if interval else "")  # not "[36, 405,414]": the thousands' comma reads as a third number
-            + f" from {noise['evidence'].replace('_', ' ')}" + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
+            + f" from {noise['evidence'].replace('_', ' ')}" + _started_from(efficiency, noise["evidence"])
+            + (" (weak evidence)" if efficiency.get("weak") else ""))  # fmt: skip
     calibrated = noise.get("calibrated_interval")
     if calibrated:
         line += f"; 80% interval {_range(calibrated['value'])} ({calibrated['why']})"

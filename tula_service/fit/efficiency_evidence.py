@@ -419,6 +419,10 @@ def gather(spec: JobSpec, points: list[ComputeMeasurement], pilot: PilotMeasurem
         from_initialization(points),
     ]
     statistics = [evidence for evidence in statistics if evidence is not None]
+    start = f"initial_weights {spec.initial_weights}" if spec.initial_weights else f"a random init (profiling.seed {spec.profiling.seed})"
+    for evidence in statistics:
+        if evidence.source in ("pilot", "initialization"):  # the profiler's own training: from where it started
+            evidence.detail["started_from"] = start
     runs = from_runs(spec, choose(statistics))
     return ([runs] if runs else []) + statistics
 
