@@ -335,6 +335,20 @@ def test_a_bad_form_value_shows_the_api_message_next_to_its_field(tab, server):
     assert server.api.get("/v1/jobs?limit=1")["total"] == total_before
 
 
+def test_initial_weights_outside_the_data_roots_show_the_api_message_next_to_their_field(tab, server):
+    """A fine-tuning checkpoint is a file the worker reads: the form sends it as initial_weights, and the API's refusal
+    (outside this server's data roots) appears next to the field."""
+    page = tab.open("/jobs/new")
+    page.wait_for_selector("#job-form[data-ready='true']")
+    page.fill("input[name=price]", "1")
+    page.fill("input[name=initial_weights]", "/etc/passwd")
+    page.click("#submit-job")
+    error = page.locator("label[data-field='initial_weights'] [data-error-for='initial_weights']")
+    error.wait_for(state="visible")
+    assert "path '/etc/passwd' is outside the data roots" in error.inner_text()
+    assert page.locator(".field-error .message").count() == 1 and page.url.endswith("/jobs/new")
+
+
 def test_what_if_errors_from_the_api_show_next_to_their_field(tab, server):
     page = tab.open(f"/jobs/{server.handmade_id}")
     wait_for_plan(page, "stored")

@@ -123,6 +123,7 @@ function specFromForm() {
     name: text("job_name"),
     model: field("model").value,
     model_options: prefixed("model_option", (input) => (input.type === "number" ? numberValue(input) : input.value.trim() || undefined)),
+    initial_weights: text("initial_weights"),
     dataset: withoutUndefined({
       name: field("dataset_name").value,
       num_samples: field("num_samples").disabled ? undefined : numberValue(field("num_samples")),
