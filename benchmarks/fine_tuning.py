@@ -27,6 +27,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -87,7 +88,7 @@ def run_arm(name: str, truth: se.Task, arm: str, pilot_steps: int | None) -> dic
     errors = se.epochs_errors_pct(truth, predict, truth.reference_batch)
     noise = report["noise_scale"]
     return {
-        "pilot_status": pilot.status, "pilot_steps": len(pilot.trajectory) and pilot.trajectory[-1].step,
+        "pilot_status": pilot.status, "pilot_steps": pilot.trajectory[-1].step if pilot.trajectory else 0,  # its last record's
         "pilot_stopped_by": pilot.stopped_by, "first_loss": pilot.trajectory[0].loss if pilot.trajectory else None,
         "evidence": noise["evidence"] if noise else None, "noise_scale": noise["value"] if noise else None,
         "predicted_epochs": {str(b): predict(b) for b in sorted(truth.epochs)},
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(DATA_ROOTS_ENV, None)
         else:
             os.environ[DATA_ROOTS_ENV] = given
-    meta = {"date": dt.date.today().isoformat(), "host": se.platform.node() or "?", "quick": args.quick}
+    meta = {"date": dt.date.today().isoformat(), "host": platform.node() or "?", "quick": args.quick}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     (out / "report.md").write_text(markdown(results, meta))
