@@ -38,6 +38,10 @@ def test_each_task_submits_a_valid_job_with_a_pilot_over_a_tenth_of_the_referenc
     whole = JobSpec.model_validate(online.job_spec(task, truth, "reference_run"))
     assert not whole.profiling.pilot and len(whole.training.reference_run.gradient_stats) == len(reference["trajectory"])
     assert whole.training.reference_lr == reference["lr"] and whole.training.reference_epochs == reference["epochs"]
+    if task.pretrained:  # a fine-tuning task: the job's points and pilot start from the weights its runs start from
+        assert pilot.initial_weights == whole.initial_weights and pilot.initial_weights.endswith(f"pretrained/{task.pretrained}.pt")
+    else:
+        assert pilot.initial_weights is None
 
 
 def test_every_suite_task_but_the_flat_digits_ones_is_planned_with_its_own_model_and_data():
