@@ -106,6 +106,9 @@ def server(tmp_path_factory):
     older_id = _job_planned_before_curves(database_url)
     trajectory_id = finished_job(store_for(database_url), training={"reference_run": {"gradient_stats": REFERENCE_RUN}})
     sparse_id = finished_job(store_for(database_url), training={"reference_run": {"gradient_stats": SPARSE_RUN}})
+    with pytest.MonkeyPatch.context() as env:  # a fine-tuning job: its checkpoint lies under the server's data root
+        env.setenv("TULA_DATA_ROOTS", "/nonexistent")
+        weights_id = finished_job(store_for(database_url), initial_weights="/nonexistent/pretrained.pt")
     _, token = create_token(make_session_factory(make_engine(database_url)), "dashboard-tests")
     # /nonexistent is a data root, so a job reading a missing folder there is accepted and fails on the worker
     live = LiveServer(folder / "tula.db", folder / "server.log", env={"TULA_DATA_ROOTS": "/nonexistent"}).start()
@@ -116,6 +119,7 @@ def server(tmp_path_factory):
     live.older_id = older_id
     live.trajectory_id = trajectory_id
     live.sparse_id = sparse_id
+    live.weights_id = weights_id
     yield live
     live.stop()
 
@@ -677,3 +681,15 @@ def test_the_run_page_draws_the_telemetry_against_the_plan_and_asks_for_advice(t
     assert "B_noise " in advice and "from the live trajectory" in advice and "LR at most 2x the reference (stability headroom; " in advice
     assert re.search(r"B_noise [\d.,]+ \(80%: [\d.,]+-[\d.,]+\) from the live trajectory", advice), advice  # its calibrated interval
     assert "from the live trajectory (the live trajectory covers " in advice, advice  # and why that evidence
+
+
+def test_a_fine_tuning_jobs_noise_scale_says_its_points_started_from_the_initial_weights(tab, server):
+    """Where the profiler's own training began is part of the evidence: a checkpoint is named, a random init is not."""
+    def noise_scale_text(job_id):
+        page = tab.open(f"/jobs/{job_id}")
+        term = page.locator("dt", has_text="Noise scale").first
+        term.wait_for()
+        return term.evaluate("dt => dt.nextElementSibling.querySelector('.value').textContent")
+
+    assert "from the initialization, started from initial_weights /nonexistent/pretrained.pt" in noise_scale_text(server.weights_id)
+    assert "started from" not in noise_scale_text(server.handmade_id)

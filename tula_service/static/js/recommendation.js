@@ -96,7 +96,11 @@ function noiseScaleItem(efficiency) {
   const calibrated = noise.calibrated_interval
     ? `; 80% interval ${significant(noise.calibrated_interval.value[0])}-${significant(noise.calibrated_interval.value[1])} (the model's error across tasks)`
     : "";
-  const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}${calibrated}`;
+  // a fine-tuning job's pilot and points trained from its checkpoint (detail.started_from); a random init goes unsaid
+  const used = (efficiency.evidence?.candidates || []).find((candidate) => candidate.source === noise.evidence);
+  const start = used?.detail?.started_from || "";
+  const started = start.startsWith("initial_weights") ? `, started from ${start}` : "";
+  const text = `${significant(noise.value)}${range} from the ${String(noise.evidence || "").replace("_", " ")}${started}${calibrated}`;
   const why = [efficiency.note, noise.calibrated_interval?.why, ...(efficiency.warnings || [])].filter(Boolean).join(" ");
   return item("Noise scale", badged(text + (efficiency.weak ? " (weak evidence)" : ""), "fitted"), why);
 }
