@@ -94,12 +94,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from offline_data import data_shape, load_data, stdlib_corpus_info, write_stdlib_token_file  # noqa: E402
+from ground_truth_table import write_into  # noqa: E402
 from pretrained import pretrained_weights  # noqa: E402
 from profiler.gradstats import two_batch_estimates  # noqa: E402
 from profiler.measure import DEFAULT_ADAM_BETAS, make_optimizer  # noqa: E402
 from profiler.preconditioner import is_adaptive, preconditioner  # noqa: E402
 
 DEFAULT_PATH = REPO / "docs" / "validation" / "statistical_efficiency" / "ground_truth.json"
+README_PATH = DEFAULT_PATH.parent / "README.md"  # its table of measured epochs (ground_truth_table)
 MOMENTUM = 0.9
 LR_STEP = math.sqrt(2.0)  # spacing of the LR grid
 LR_MULTIPLIERS = (1.0, 1.0 / LR_STEP, LR_STEP)  # x lr_ref sqrt(B / B_ref); 1.0 first so that pruning bites early
@@ -1189,6 +1191,8 @@ def main(argv: list[str] | None = None) -> int:
         truth = add_to_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
     else:
         truth = generate_ground_truth(args.tasks, args.workers, args.out, args.lr_lookahead)
+    if args.out.resolve() == DEFAULT_PATH.resolve():  # the committed truth: its README's table follows it
+        write_into(README_PATH, truth)
     print(summary_table(truth))
     print(f"efficiency_tasks: tasks={len(truth['tasks'])} wall_s={truth['meta']['wall_s']:.0f} out={args.out}")
     return 0

@@ -513,3 +513,17 @@ def test_a_stored_rows_lr_is_trained_again_at_the_lr_it_trained_at_not_its_six_d
     assert et.trained_lr(task, 32, row) == pytest.approx(0.001 * 2**2.5, rel=1e-15)
     assert abs(et.trained_lr(task, 32, row) / row["lr"] - 1) > 1e-7  # not the stored digits
     assert et.trained_lr(task, 128, {"lr_multiplier": 0.707107}) == pytest.approx(0.001 * math.sqrt(128 / 32) / math.sqrt(2), rel=1e-15)
+
+
+def test_the_readmes_table_of_measured_epochs_is_the_ground_truths():
+    """The table is rewritten whenever the committed truth is (ground_truth_table): a task added or re-tuned cannot
+    leave it stale, as the hand-written one for the first seven tasks was."""
+    import ground_truth_table
+
+    readme = et.README_PATH.read_text()
+    assert ground_truth_table.readme_block(et.load_ground_truth()) in readme
+    row = {"epochs": 17.1, "epochs_min": 13.5, "epochs_max": None, "reached_seeds": 7, "seeds": 8}
+    assert ground_truth_table.epochs_cell(row, reference=False) == "17.1 [13.5, inf] (7/8)"
+    assert ground_truth_table.epochs_cell({**row, "epochs": None, "reached_seeds": 0, "seeds": 1}, reference=False) == "missed (0/1)"
+    assert ground_truth_table.epochs_cell({**row, "epochs_max": 20.0, "reached_seeds": 8}, reference=True) == "**17.1** [13.5, 20]"
+    assert ground_truth_table.epochs_cell(None, reference=False) == "–"
