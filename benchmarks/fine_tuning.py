@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import statistical_efficiency as se  # noqa: E402
 from efficiency_tasks import DEFAULT_PATH, TASKS, task_optimizer_settings  # noqa: E402
+from online import job_dataset  # noqa: E402
 from pretrained import PRETRAINED_DIR, pretrained_weights  # noqa: E402
 
 from models.data_roots import DATA_ROOTS_ENV  # noqa: E402
@@ -67,7 +68,7 @@ def job_spec(name: str, truth: se.Task, arm: str, pilot_steps: int | None) -> Jo
         profiling["pilot_steps"] = pilot_steps
     spec = {
         "model": task.model, "model_options": dict(task.model_options),
-        "dataset": {"name": task.dataset, "num_samples": task.train_samples},
+        "dataset": job_dataset(task),
         "batch_sizes": [ref, 2 * ref], "cluster": {"device_memory_gib": 16}, "pricing": {"kind": "gpu_hour", "price": 1.0},
         "training": {"optimizer": task.optimizer, **task_optimizer_settings(task), "reference_batch": ref,
                      "reference_lr": truth.lr[ref], "reference_epochs": truth.epochs[ref]},

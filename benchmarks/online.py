@@ -137,6 +137,18 @@ JOB_DATASETS = {
 }
 
 
+def job_dataset(task: Task) -> dict[str, Any]:
+    """The spec's `dataset` that gives what the task trains on (JOB_DATASETS), sized as the task's train split."""
+    if task.dataset not in JOB_DATASETS:
+        raise ValueError(f"{task.dataset}: no dataset of the service's catalog gives what this task trains on ({sorted(JOB_DATASETS)} do)")
+    dataset = dict(JOB_DATASETS[task.dataset])
+    if dataset["name"] != "digits":  # digits' split sets its size
+        dataset["num_samples"] = task.train_samples
+    if task.dataset == "stdlib_bytes":
+        dataset["seq_len"] = task.seq_len
+    return dataset
+
+
 def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device: str = "cpu") -> dict[str, Any]:
     """The job a user of this task would submit: one device (a CPU core, or the GPU), min_time, the reference batch's
     LR and epochs, and as noise-scale evidence the service's pilot over PILOT_SHARE of the reference run (evidence
@@ -150,13 +162,7 @@ def job_spec(task: Task, truth: dict[str, Any], evidence: str = "pilot", device:
     else:
         pilot_steps = max(10, round(PILOT_SHARE * reference["epochs"] * task.train_samples / task.reference_batch))
         profiling.update(pilot=True, pilot_steps=pilot_steps, pilot_record_every=max(1, pilot_steps // 20))
-    if task.dataset not in JOB_DATASETS:
-        raise ValueError(f"{task.dataset}: no dataset of the service's catalog gives what this task trains on ({sorted(JOB_DATASETS)} do)")
-    dataset = dict(JOB_DATASETS[task.dataset])
-    if dataset["name"] != "digits":  # digits' split sets its size
-        dataset["num_samples"] = task.train_samples
-    if task.dataset == "stdlib_bytes":
-        dataset["seq_len"] = task.seq_len
+    dataset = job_dataset(task)
     batches = [b for b in task.batches if b <= task.train_samples // 2]
     return {
         "name": f"online-{task.dataset}-{task.model}",
